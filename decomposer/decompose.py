@@ -1,0 +1,221 @@
+"""``decompose(model, example_inputs) -> LayerGraph``: trace, cut, relay, generate, bind."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+from torch.func import functional_call
+from torch.utils import _pytree as pytree
+
+from harmony.decomposer import codegen, partition, tracing
+from harmony.decomposer.layer_graph import LayerGraph, LayerSpec, StateSpec, ValueSpec
+from harmony.errors import DecomposeError
+
+log = logging.getLogger(__name__)
+
+
+def _as_inputs(example_inputs: Any) -> tuple:
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    if isinstance(example_inputs, (tuple, list)) and example_inputs:
+        bad = [type(x).__name__ for x in example_inputs if not isinstance(x, torch.Tensor)]
+        if bad:
+            raise DecomposeError(
+                f"example_inputs must be tensors; got {', '.join(bad)}. Pass the model's positional "
+                "tensor inputs, e.g. (input_ids,) or (images,)"
+            )
+        return tuple(example_inputs)
+    raise DecomposeError(
+        f"example_inputs must be a tensor or a non-empty tuple of tensors, got {type(example_inputs).__name__}"
+    )
+
+
+class _MetaProp(fx.Interpreter):
+    """Runs the graph on meta tensors to learn every value's shape without touching real data.
+
+    Parameters, buffers and leaf modules are swapped for meta copies, so batch-norm statistics and
+    the RNG of the real model are left untouched.
+    """
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm)
+        self.values: dict[fx.Node, Any] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        self.values[n] = result
+        return result
+
+    def get_attr(self, target, args, kwargs):
+        value = super().get_attr(target, args, kwargs)
+        return _to_meta(value) if isinstance(value, torch.Tensor) else value
+
+    def call_module(self, target, args, kwargs):
+        module = self.fetch_attr(target)
+        state = {k: _to_meta(v) for k, v in {**dict(module.named_parameters()), **dict(module.named_buffers())}.items()}
+        return functional_call(module, state, args, kwargs)
+
+
+def _to_meta(t: torch.Tensor) -> torch.Tensor:
+    meta = t.detach().to("meta")
+    if t.requires_grad:
+        meta.requires_grad_(True)
+    return meta
+
+
+def _value_spec(name: str, value: Any) -> ValueSpec:
+    if isinstance(value, torch.Tensor):
+        return ValueSpec(
+            name=name, kind="tensor", shape=list(value.shape), dtype=str(value.dtype),
+            nbytes=value.numel() * value.element_size(), requires_grad=value.requires_grad,
+        )
+    return ValueSpec(name=name, kind="object", text=repr(value)[:200])
+
+
+def _propagate(gm: fx.GraphModule, inputs: tuple) -> dict[fx.Node, Any]:
+    prop = _MetaProp(gm)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            prop.run(*[_to_meta(x) for x in inputs])
+    except Exception as exc:
+        node = next((n for n in gm.graph.nodes if n not in prop.values and n.op != "placeholder"), None)
+        where = f" at {node.format_node()}" if node is not None else ""
+        raise DecomposeError(
+            f"running the traced model on example inputs of shapes {[tuple(x.shape) for x in inputs]} failed{where}: "
+            f"{type(exc).__name__}: {exc}. Check that example_inputs match what forward() expects."
+        ) from exc
+    return prop.values
+
+
+def _ties(model: torch.nn.Module) -> dict[str, list[str]]:
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {group[0]: group[1:] for group in names.values() if len(group) > 1}
+
+
+def _state_spec(name: str, kind: str, t: torch.Tensor, persistent: bool) -> StateSpec:
+    return StateSpec(
+        name=name, kind=kind, shape=list(t.shape), dtype=str(t.dtype), nbytes=t.numel() * t.element_size(),
+        requires_grad=bool(t.requires_grad) if kind == "parameter" else False, persistent=persistent,
+    )
+
+
+def _layer_name(seg: partition.Segment, index: int) -> str:
+    if not seg.module_paths:
+        return f"layer{index}"
+    if len(seg.module_paths) <= 3:
+        return "+".join(seg.module_paths)
+    return f"{seg.module_paths[0]}+…+{seg.module_paths[-1]}"
+
+
+def decompose(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    depth: int | None = None,
+    modules: Sequence[str] | None = None,
+    opaque_modules: Sequence[str] = (),
+    method: str = "auto",
+) -> LayerGraph:
+    """Cut ``model`` into a chain of layers that, run in sequence, compute exactly ``model(*inputs)``.
+
+    The layers share the model's parameters and buffers. ``depth``/``modules`` choose the
+    granularity (default: one block of each ModuleList/Sequential); ``opaque_modules`` keeps modules
+    that cannot be traced whole; ``method`` forces "fx" or "export" tracing.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise DecomposeError(f"decompose() needs a torch.nn.Module, got {type(model).__name__}")
+    inputs = _as_inputs(example_inputs)
+    gran = partition.Granularity(depth=depth, modules=list(modules) if modules is not None else None)
+    opaque = set(opaque_modules)
+    traced = tracing.trace(model, inputs, opaque=opaque, method=method)
+    gm = traced.gm
+    if len(traced.input_names) != len(inputs):
+        raise DecomposeError(f"the traced model takes {len(traced.input_names)} inputs but {len(inputs)} example inputs were given")
+    values = _propagate(gm, inputs)
+    segments = partition.segment(gm, model, gran)
+    boundaries = partition.live_sets(gm, segments)
+    graphs = codegen.layer_graphs(gm, segments, boundaries, fix_devices=traced.tracer == "export")
+
+    used: set[str] = set()
+    for g in graphs:
+        for n in g.nodes:
+            if n.op in ("get_attr", "call_module"):
+                used.add(n.target)
+    ties = _ties(model)
+    tied_aliases = {a for aliases in ties.values() for a in aliases}
+
+    def is_used(name: str) -> bool:
+        return any(name == u or name.startswith(u + ".") for u in used)
+
+    unused = [
+        n for n, _ in list(model.named_parameters()) + list(model.named_buffers())
+        if not is_used(n) and n not in tied_aliases
+    ]
+
+    total = len(segments)
+    specs: list[LayerSpec] = []
+    sources: dict[str, str] = {}
+    value_specs: dict[str, ValueSpec] = {}
+    for i, (seg, g) in enumerate(zip(segments, graphs)):
+        inputs_i = [v.name for v in boundaries[i]]
+        out_node = next(n for n in g.nodes if n.op == "output")
+        if i == total - 1:
+            outputs_i = [a.name if isinstance(a, fx.Node) else repr(a) for a in out_node.args[0]]
+        else:
+            outputs_i = [v.name for v in boundaries[i + 1]]
+        used_here = {a.name for node in seg.nodes for a in node.all_input_nodes}
+        relayed = [v.name for v in boundaries[i] if v in boundaries[i + 1] and v.name not in used_here] if i < total - 1 else []
+        for v in boundaries[i] + (boundaries[i + 1] if i < total - 1 else []):
+            value_specs.setdefault(v.name, _value_spec(v.name, values.get(v)))
+        name = _layer_name(seg, i)
+        code = codegen.generate(
+            i, total, g, model, opaque, name, traced.tracer,
+            extra_state=unused if i == total - 1 else [], relayed=relayed,
+        )
+        sources[code.file_name] = code.source
+        specs.append(LayerSpec(
+            index=i, name=name, modules=list(seg.module_paths), inputs=inputs_i, outputs=outputs_i,
+            relayed=relayed, state=[], code_file=code.file_name, class_name=code.class_name, code_sha256=code.sha256,
+        ))
+    for leaf in pytree.tree_leaves(next(n for n in gm.graph.nodes if n.op == "output").args[0]):
+        if isinstance(leaf, fx.Node):
+            value_specs.setdefault(leaf.name, _value_spec(leaf.name, values.get(leaf)))
+
+    try:
+        out_spec_text = pytree.treespec_dumps(traced.out_spec)
+    except Exception as exc:  # custom output classes without a serialized name
+        log.warning("output structure %s cannot be serialized (%s); saved graphs will not rebuild it", traced.out_spec, exc)
+        out_spec_text = ""
+
+    graph = LayerGraph(
+        model_class=f"{type(model).__module__}.{type(model).__qualname__}",
+        tracer=traced.tracer, training=model.training, inputs=list(traced.input_names), layers=specs,
+        values=value_specs, state={}, ties=ties, output_spec=out_spec_text, sources=sources,
+    )
+    graph._out_spec = traced.out_spec
+    layer_modules = graph.build_modules(device="meta", source=model)
+    _record_state(graph, layer_modules, model, ties)
+    return graph
+
+
+def _record_state(graph: LayerGraph, layer_modules: list[torch.nn.Module], model: torch.nn.Module, ties) -> None:
+    """Fill each layer's owned tensors and the graph's state table from the bound layer modules."""
+    for spec, module in zip(graph.layers, layer_modules):
+        for name, p in module.named_parameters(remove_duplicate=False):
+            graph.state.setdefault(name, _state_spec(name, "parameter", p, True))
+            spec.state.append(name)
+        for name, b in module.named_buffers(remove_duplicate=False):
+            kind, _, persistent = codegen.tensor_kind(model, name)
+            graph.state.setdefault(name, _state_spec(name, kind, b, persistent))
+            spec.state.append(name)
+            if kind == "constant" and b.device.type != "meta":
+                graph.constants[name] = b.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    # tied aliases that no layer names directly still belong to the state table
+    for canon, aliases in ties.items():
+        if canon in graph.state:
+            for alias in aliases:
+                graph.state.setdefault(alias, StateSpec(**{**graph.state[canon].__dict__, "name": alias}))

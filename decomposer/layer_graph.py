@@ -1,0 +1,324 @@
+"""The layer graph: a chain of layers, what flows between them, and what each one owns.
+
+The data half (specs) is plain and serializes to ``graph.msgpack``; the live half (``modules``)
+holds the generated layer modules when the graph was made in this process or loaded with its code.
+Every later stage reads the specs: the profiler runs ``modules`` one at a time, the scheduler only
+needs names and sizes, the runtime loads the code in each worker.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from torch.utils import _pytree as pytree
+
+from harmony import serialization
+from harmony.errors import DecomposeError, FormatError
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+KIND = "layer-graph"
+GRAPH_FILE = "graph.msgpack"
+CODE_DIR = "layers"
+
+_DTYPES = {str(d): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+)}
+
+
+def dtype_from_str(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise FormatError(f"unknown dtype {name!r}") from None
+
+
+@dataclass
+class ValueSpec:
+    """A value crossing a layer boundary, with its shape at the example batch size."""
+
+    name: str
+    kind: str  # "tensor" or "object" (a Python value such as a size, relayed as a message)
+    shape: list[int] = field(default_factory=list)
+    dtype: str = ""
+    nbytes: int = 0
+    requires_grad: bool = False
+    text: str = ""  # repr, for objects
+
+
+@dataclass
+class StateSpec:
+    """A parameter, buffer or tensor constant, under the original model's qualified name."""
+
+    name: str
+    kind: str  # "parameter", "buffer" or "constant"
+    shape: list[int]
+    dtype: str
+    nbytes: int
+    requires_grad: bool = False
+    persistent: bool = True
+
+
+@dataclass
+class LayerSpec:
+    index: int
+    name: str
+    modules: list[str]
+    inputs: list[str]
+    outputs: list[str]
+    relayed: list[str]  # inputs passed through to outputs without being used here
+    state: list[str]  # parameters, buffers and constants this layer owns (names in StateSpec)
+    code_file: str
+    class_name: str
+    code_sha256: str = ""
+
+
+@dataclass
+class LayerGraph:
+    model_class: str
+    tracer: str
+    training: bool
+    inputs: list[str]
+    layers: list[LayerSpec]
+    values: dict[str, ValueSpec]
+    state: dict[str, StateSpec]
+    ties: dict[str, list[str]]  # canonical parameter name -> other names of the same tensor
+    output_spec: str  # torch.utils._pytree treespec, serialized; "" if not serializable
+    constants: dict[str, bytes] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict, repr=False)  # code_file -> source
+    modules: list[torch.nn.Module] | None = field(default=None, repr=False, compare=False)
+    _out_spec: Any = field(default=None, repr=False, compare=False)
+
+    # ---------------------------------------------------------------- queries
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def layer_parameters(self, index: int) -> list[StateSpec]:
+        return [self.state[n] for n in self.layers[index].state if self.state[n].kind == "parameter"]
+
+    def layer_buffers(self, index: int) -> list[StateSpec]:
+        return [self.state[n] for n in self.layers[index].state if self.state[n].kind != "parameter"]
+
+    def parameter_bytes(self, index: int | None = None) -> int:
+        layers = range(len(self.layers)) if index is None else [index]
+        seen: set[str] = set()
+        total = 0
+        for i in layers:
+            for spec in self.layer_parameters(i):
+                canon = self.canonical(spec.name)
+                if canon not in seen:
+                    seen.add(canon)
+                    total += spec.nbytes
+        return total
+
+    def canonical(self, name: str) -> str:
+        for canon, aliases in self.ties.items():
+            if name in aliases:
+                return canon
+        return name
+
+    def relays(self) -> dict[int, list[str]]:
+        return {spec.index: spec.relayed for spec in self.layers if spec.relayed}
+
+    def out_spec(self) -> pytree.TreeSpec:
+        if self._out_spec is None:
+            if not self.output_spec:
+                raise DecomposeError("this layer graph's output structure could not be saved; decompose the model again")
+            self._out_spec = pytree.treespec_loads(self.output_spec)
+        return self._out_spec
+
+    # ---------------------------------------------------------------- running
+    def _require_modules(self) -> list[torch.nn.Module]:
+        if self.modules is None:
+            raise DecomposeError("this layer graph has no layer modules; use LayerGraph.load(dir) or harmony.decompose()")
+        return self.modules
+
+    def run_layer(self, index: int, *values: Any) -> tuple:
+        """Run one layer on the values of its input boundary; returns its output boundary."""
+        out = self._require_modules()[index](*values)
+        return tuple(out)
+
+    def run_sequential(self, *inputs: Any) -> Any:
+        """Run every layer in turn; equals calling the original model on ``inputs``."""
+        modules = self._require_modules()
+        if len(inputs) == 1 and isinstance(inputs[0], (tuple, list)) and len(self.inputs) != 1:
+            inputs = tuple(inputs[0])
+        if len(inputs) != len(self.inputs):
+            raise DecomposeError(f"the model takes {len(self.inputs)} input(s) ({', '.join(self.inputs)}), got {len(inputs)}")
+        values: tuple = tuple(inputs)
+        for module in modules:
+            values = tuple(module(*values))
+        return pytree.tree_unflatten(list(values), self.out_spec())
+
+    def parameters(self):
+        """Every parameter once (tied parameters once), for an optimizer over the whole graph."""
+        seen: set[int] = set()
+        for module in self._require_modules():
+            for p in module.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The original model's state_dict keys, tied names included, from the layers' tensors."""
+        out: dict[str, torch.Tensor] = {}
+        for module in self._require_modules():
+            for name, tensor in module.state_dict(keep_vars=True).items():
+                if name in self.state and self.state[name].kind != "constant":
+                    out[name] = tensor.detach()
+        for canon, aliases in self.ties.items():
+            for alias in aliases:
+                if canon in out and alias not in out:
+                    out[alias] = out[canon]
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy tensors by original name into the layers (as the original model's load_state_dict)."""
+        missing = [n for n, s in self.state.items() if s.kind != "constant" and s.persistent and n not in state_dict]
+        missing = [n for n in missing if not any(a in state_dict for a in self.ties.get(n, []))]
+        if missing:
+            raise DecomposeError(f"state_dict lacks {len(missing)} tensor(s) of the model, e.g. {missing[:3]}")
+        with torch.no_grad():
+            for module in self._require_modules():
+                for name, tensor in module.state_dict(keep_vars=True).items():
+                    src = state_dict.get(name)
+                    if src is None:
+                        src = next((state_dict[a] for a in self.ties.get(self.canonical(name), []) if a in state_dict), None)
+                    if src is None:
+                        canon = self.canonical(name)
+                        src = state_dict.get(canon)
+                    if src is not None:
+                        tensor.copy_(src)
+
+    # ---------------------------------------------------------------- files
+    def to_dict(self) -> dict:
+        body = {k: v for k, v in asdict(self).items() if k not in ("modules", "_out_spec", "sources")}
+        return body
+
+    def save(self, directory: str | Path) -> Path:
+        """Write ``graph.msgpack`` and the generated code under ``layers/``; returns the directory."""
+        directory = Path(directory)
+        code_dir = directory / CODE_DIR
+        code_dir.mkdir(parents=True, exist_ok=True)
+        for file_name, source in self.sources.items():
+            serialization.atomic_write_bytes(code_dir / file_name, source.encode())
+        serialization.atomic_write_bytes(code_dir / "__init__.py", b'"""Generated by harmony.decomposer; one module per layer."""\n')
+        serialization.save(directory / GRAPH_FILE, KIND, SCHEMA_VERSION, self.to_dict())
+        return directory
+
+    @classmethod
+    def from_dict(cls, body: dict) -> "LayerGraph":
+        try:
+            return cls(
+                model_class=body["model_class"],
+                tracer=body["tracer"],
+                training=body["training"],
+                inputs=list(body["inputs"]),
+                layers=[LayerSpec(**spec) for spec in body["layers"]],
+                values={k: ValueSpec(**v) for k, v in body["values"].items()},
+                state={k: StateSpec(**v) for k, v in body["state"].items()},
+                ties={k: list(v) for k, v in body["ties"].items()},
+                output_spec=body["output_spec"],
+                constants=dict(body.get("constants", {})),
+            )
+        except (KeyError, TypeError) as exc:
+            raise FormatError(f"layer graph is malformed ({type(exc).__name__}: {exc})") from exc
+
+    @classmethod
+    def load(
+        cls,
+        directory: str | Path,
+        device: str | torch.device = "cpu",
+        source: torch.nn.Module | None = None,
+        with_code: bool = True,
+    ) -> "LayerGraph":
+        """Read a graph directory; with ``with_code``, import and build its layers on ``device``.
+
+        Without ``source`` the layers get fresh (uninitialized) tensors and tied parameters are
+        re-tied; load weights with ``load_state_dict``. With ``source`` they share its tensors.
+        """
+        directory = Path(directory)
+        graph = cls.from_dict(serialization.load(directory / GRAPH_FILE, KIND, SCHEMA_VERSION))
+        if not with_code:
+            return graph
+        for spec in graph.layers:
+            path = directory / CODE_DIR / spec.code_file
+            if not path.is_file():
+                raise FormatError(f"{path} is missing; the layer code of this graph is incomplete")
+            text = path.read_text()
+            if spec.code_sha256 and hashlib.sha256(text.encode()).hexdigest() != spec.code_sha256:
+                raise FormatError(f"{path} was modified after the graph was written; decompose the model again")
+            graph.sources[spec.code_file] = text
+        graph.build_modules(device=device, source=source, origin=directory / CODE_DIR)
+        return graph
+
+    def build_modules(
+        self, device: str | torch.device = "cpu", source: torch.nn.Module | None = None, origin: Path | None = None
+    ) -> list[torch.nn.Module]:
+        """Instantiate every layer from its generated source."""
+        modules = []
+        for spec in self.layers:
+            cls = _import_layer_class(spec, self.sources[spec.code_file], origin)
+            with torch.device(device):
+                modules.append(cls(source=source))
+        if source is None:
+            _retie(modules, self.ties)
+            self._fill_constants(modules)
+        self.modules = modules
+        return modules
+
+    def _fill_constants(self, modules: list[torch.nn.Module]) -> None:
+        for module in modules:
+            for name, buf in module.named_buffers():
+                if name in self.constants:
+                    spec = self.state[name]
+                    array = np.frombuffer(self.constants[name], dtype=np.uint8).copy()
+                    value = torch.from_numpy(array).view(dtype_from_str(spec.dtype)).reshape(spec.shape)
+                    with torch.no_grad():
+                        buf.copy_(value)
+
+
+def _import_layer_class(spec: LayerSpec, source: str, origin: Path | None) -> type:
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    module_name = f"harmony_layers_{digest}_{spec.index}"
+    module = sys.modules.get(module_name)
+    if module is None:
+        filename = str(origin / spec.code_file) if origin is not None else f"<harmony layer {spec.index}>"
+        module = importlib.util.module_from_spec(importlib.util.spec_from_loader(module_name, loader=None, origin=filename))
+        code = compile(source, filename, "exec")
+        exec(code, module.__dict__)  # noqa: S102 - our own generated code
+        if origin is None:
+            import linecache
+
+            linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        sys.modules[module_name] = module
+    return getattr(module, spec.class_name)
+
+
+def _retie(modules: Sequence[torch.nn.Module], ties: dict[str, list[str]]) -> None:
+    """Make every alias of a tied parameter the same Parameter object, across layers."""
+    for canon, aliases in ties.items():
+        names = [canon, *aliases]
+        holder = None
+        for module in modules:
+            for name in names:
+                try:
+                    param = module.get_parameter(name)
+                except AttributeError:
+                    continue
+                if holder is None:
+                    holder = param
+                else:
+                    parent_path, _, attr = name.rpartition(".")
+                    parent = module.get_submodule(parent_path) if parent_path else module
+                    parent.register_parameter(attr, holder)

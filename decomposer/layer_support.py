@@ -1,0 +1,95 @@
+"""Helpers the generated layer modules call to own their parameters, buffers and leaf modules.
+
+A generated layer either binds to a live model (``source``), sharing its tensors so that gradients
+and buffer updates land in the original, or builds fresh ones from the shapes recorded at
+generation time (for a worker that only has the plan; weights are loaded afterwards). Attributes
+keep the original model's qualified names, so a layer's ``state_dict`` keys are the model's.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def _parent(layer: torch.nn.Module, path: str) -> tuple[torch.nn.Module, str]:
+    *prefix, name = path.split(".")
+    module = layer
+    for item in prefix:
+        child = module._modules.get(item)
+        if child is None:
+            child = torch.nn.Module()
+            module.add_module(item, child)
+        module = child
+    return module, name
+
+
+def attach_module(
+    layer: torch.nn.Module,
+    path: str,
+    build: Callable[[], torch.nn.Module],
+    dtype: torch.dtype | None,
+    source: torch.nn.Module | None,
+) -> None:
+    """Install a whole torch.nn leaf (Linear, BatchNorm, Dropout …) at ``path``."""
+    if source is not None:
+        module = source.get_submodule(path)
+    else:
+        module = build()
+        if dtype is not None:
+            module = module.to(dtype)
+    parent, name = _parent(layer, path)
+    parent.add_module(name, module)
+
+
+def attach_opaque(layer: torch.nn.Module, path: str, source: torch.nn.Module | None) -> None:
+    """Install a module kept whole on request; it can only come from the live model."""
+    if source is None:
+        raise RuntimeError(
+            f"layer {type(layer).__name__} runs module {path!r} as an opaque module; build the layer "
+            "with source=<the model> (opaque modules have no generated code)"
+        )
+    attach_module(layer, path, lambda: None, None, source)  # type: ignore[arg-type,return-value]
+
+
+def attach_parameter(
+    layer: torch.nn.Module,
+    path: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    requires_grad: bool,
+    source: torch.nn.Module | None,
+) -> None:
+    if source is not None:
+        param = source.get_parameter(path)
+    else:
+        param = torch.nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=requires_grad)
+    parent, name = _parent(layer, path)
+    parent.register_parameter(name, param)
+
+
+def attach_buffer(
+    layer: torch.nn.Module,
+    path: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    persistent: bool,
+    source: torch.nn.Module | None,
+) -> None:
+    if source is not None:
+        buf = _get_tensor(source, path)
+    else:
+        buf = torch.empty(shape, dtype=dtype)
+    parent, name = _parent(layer, path)
+    parent.register_buffer(name, buf, persistent=persistent)
+
+
+def _get_tensor(source: torch.nn.Module, path: str) -> torch.Tensor:
+    """A buffer or a tensor constant attribute (torch.export lifts constants to plain attributes)."""
+    module_path, _, name = path.rpartition(".")
+    module = source.get_submodule(module_path) if module_path else source
+    value = getattr(module, name)
+    if not isinstance(value, torch.Tensor):
+        raise AttributeError(f"{path} is not a tensor of {type(source).__name__}")
+    return value

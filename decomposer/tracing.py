@@ -1,0 +1,251 @@
+"""Turning a model into one flat FX graph whose parameters are `get_attr`s by their original names.
+
+Symbolic tracing (torch.fx) is tried first: it keeps standard torch.nn modules as `call_module`
+nodes, so dropout and batch norm keep following the module's train/eval flag and the generated code
+stays readable. Models that symbolic tracing cannot follow (data-dependent Python control flow,
+Hugging Face models) go through torch.export, whose non-functional training IR is normalized to the
+same shape: parameter and buffer placeholders become `get_attr` nodes named by their fully
+qualified names. Either way the graph's output is a flat tuple, with the original output structure
+kept as a pytree spec.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from harmony.errors import DecomposeError
+
+log = logging.getLogger(__name__)
+
+CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
+
+
+@dataclass
+class TracedModel:
+    """A traced model: the graph module (sharing the model's tensors) and how it was obtained."""
+
+    gm: fx.GraphModule
+    tracer: str  # "fx" or "export"
+    out_spec: pytree.TreeSpec
+    input_names: list[str]
+
+
+def _plain_attrs(module: torch.nn.Module) -> dict[str, Any]:
+    simple = (int, float, bool, str, tuple, type(None))
+    return {k: v for k, v in vars(module).items() if not k.startswith("_") and k != "training" and isinstance(v, simple)}
+
+
+_CONSTRUCTOR_CACHE: dict[tuple, str | None] = {}
+
+
+def constructor_source(module: torch.nn.Module) -> str | None:
+    """Source text that rebuilds ``module`` (a torch.nn leaf) from its repr, or None if it cannot.
+
+    Most torch.nn modules print as a valid constructor call. We accept one only when the rebuilt
+    module has the same repr, the same plain attributes and the same parameter and buffer shapes,
+    so generated code never silently builds a different layer.
+    """
+    cls = type(module)
+    if getattr(torch.nn, cls.__name__, None) is not cls or any(True for _ in module.children()):
+        return None
+    source = f"torch.nn.{cls.__name__}({module.extra_repr()})"
+    key = (cls, source, tuple(sorted(_plain_attrs(module).items(), key=lambda kv: kv[0])))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    if key in _CONSTRUCTOR_CACHE:
+        return _CONSTRUCTOR_CACHE[key]
+    result = None
+    try:
+        with torch.device("meta"):
+            rebuilt = eval(source, {"torch": torch, "inf": math.inf, "nan": math.nan})  # noqa: S307 - our own repr
+        shapes = lambda m: [(n, tuple(t.shape)) for n, t in list(m.named_parameters()) + list(m.named_buffers())]  # noqa: E731
+        if (
+            type(rebuilt) is cls
+            and repr(rebuilt) == repr(module)
+            and _plain_attrs(rebuilt) == _plain_attrs(module)
+            and shapes(rebuilt) == shapes(module)
+        ):
+            result = source
+    except Exception:  # any failure just means "inline this module instead"
+        result = None
+    _CONSTRUCTOR_CACHE[key] = result
+    return result
+
+
+class HarmonyTracer(fx.Tracer):
+    """Keeps rebuildable torch.nn leaves and user-chosen opaque modules whole; inlines the rest."""
+
+    def __init__(self, opaque: set[str]):
+        super().__init__()
+        self.opaque = opaque
+
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        if module_qualified_name in self.opaque:
+            return True
+        return constructor_source(m) is not None
+
+
+def _concrete_defaults(model: torch.nn.Module, n_inputs: int) -> dict[str, Any]:
+    """Fix forward() arguments beyond the example inputs to their defaults (HF-style signatures)."""
+    params = list(inspect.signature(model.forward).parameters.values())
+    concrete = {}
+    for p in params[n_inputs:]:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.default is inspect.Parameter.empty:
+            raise DecomposeError(
+                f"{type(model).__name__}.forward() takes argument {p.name!r} with no default, but only "
+                f"{n_inputs} example input(s) were given; pass every required input in example_inputs"
+            )
+        concrete[p.name] = p.default
+    return concrete
+
+
+def _flatten_output(graph: fx.Graph) -> pytree.TreeSpec:
+    """Make the graph return a flat tuple; return the spec that rebuilds the original structure."""
+    out = next(n for n in graph.nodes if n.op == "output")
+    leaves, spec = pytree.tree_flatten(out.args[0])
+    out.args = (tuple(leaves),)
+    return spec
+
+
+def _symbolic(model: torch.nn.Module, n_inputs: int, opaque: set[str]) -> TracedModel:
+    tracer = HarmonyTracer(opaque)
+    try:
+        graph = tracer.trace(model, concrete_args=_concrete_defaults(model, n_inputs) or None)
+    except DecomposeError:
+        raise
+    except Exception as exc:
+        stack = list(tracer.module_stack.values())
+        exc.harmony_module = stack[-1] if stack else ("", type(model))  # type: ignore[attr-defined]
+        raise
+    spec = _flatten_output(graph)
+    gm = fx.GraphModule(tracer.root, graph)
+    names = [n.name for n in graph.nodes if n.op == "placeholder"]
+    return TracedModel(gm=gm, tracer="fx", out_spec=spec, input_names=names)
+
+
+def _export(model: torch.nn.Module, example_inputs: tuple) -> TracedModel:
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    ep = torch.export.export(model, example_inputs, strict=False)
+    sig = ep.graph_signature
+    gm = ep.graph_module
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    root = torch.nn.Module()
+    lifted = {spec.arg.name: spec for spec in sig.input_specs}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            spec = lifted[node.name]
+            if spec.kind == InputKind.USER_INPUT:
+                env[node] = graph.placeholder(node.name)
+            elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+                fx.graph_module._copy_attr(model, root, spec.target)
+                env[node] = graph.get_attr(spec.target)
+            elif spec.kind in (InputKind.CONSTANT_TENSOR,):
+                fx.graph_module._assign_attr(ep.constants[spec.target], root, spec.target)
+                env[node] = graph.get_attr(spec.target)
+            else:
+                raise DecomposeError(f"torch.export produced an input of kind {spec.kind} that Harmony cannot place")
+            env[node].meta.update(node.meta)
+        elif node.op == "output":
+            outs = list(node.args[0])
+            user = []
+            for value, spec in zip(outs, sig.output_specs):
+                if spec.kind == OutputKind.USER_OUTPUT:
+                    user.append(env[value] if isinstance(value, fx.Node) else value)
+                elif spec.kind == OutputKind.BUFFER_MUTATION:
+                    target = graph.get_attr(spec.target)
+                    graph.call_function(torch.ops.aten.copy_.default, (target, env[value]))
+                else:
+                    raise DecomposeError(f"torch.export produced an output of kind {spec.kind} that Harmony cannot place")
+            graph.output(tuple(user))
+        elif node.op == "get_attr":
+            fx.graph_module._assign_attr(getattr(gm, node.target), root, node.target)
+            env[node] = graph.node_copy(node, lambda n: env[n])
+        else:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.lint()
+    new_gm = fx.GraphModule(root, graph)
+    names = [n.name for n in graph.nodes if n.op == "placeholder"]
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    leaves = list(out_node.args[0])
+    spec = ep.call_spec.out_spec
+    if spec is None or spec.num_leaves != len(leaves):
+        spec = pytree.tree_flatten(tuple(leaves))[1]
+    return TracedModel(gm=new_gm, tracer="export", out_spec=spec, input_names=names)
+
+
+def _user_frame(exc: BaseException) -> str:
+    """The innermost traceback frame outside torch: the line of the model that tracing choked on."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/torch/" not in f.filename]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno}: {f.line}"
+
+
+def trace(
+    model: torch.nn.Module, example_inputs: tuple, opaque: set[str] | None = None, method: str = "auto"
+) -> TracedModel:
+    """Trace ``model`` called on ``example_inputs``; symbolic tracing first, torch.export second.
+
+    ``method`` is "auto", "fx" or "export". On failure the error names the module and the line
+    that could not be traced and the options that avoid it.
+    """
+    opaque = set(opaque or ())
+    if method not in ("auto", "fx", "export"):
+        raise DecomposeError(f"unknown tracing method {method!r}; use 'auto', 'fx' or 'export'")
+    fx_error: Exception | None = None
+    if method in ("auto", "fx"):
+        try:
+            return _symbolic(model, len(example_inputs), opaque)
+        except DecomposeError:
+            raise
+        except Exception as exc:
+            fx_error = exc
+            log.info("symbolic tracing failed (%s); trying torch.export", exc)
+            if method == "fx":
+                raise _trace_error(model, fx_error, None) from exc
+    try:
+        return _export(model, example_inputs)
+    except DecomposeError:
+        raise
+    except Exception as exc:
+        raise _trace_error(model, fx_error, exc) from exc
+
+
+def _trace_error(model: torch.nn.Module, fx_error: Exception | None, export_error: Exception | None) -> DecomposeError:
+    lines = [f"cannot trace {type(model).__name__} into a graph."]
+    if fx_error is not None:
+        path, mtype = getattr(fx_error, "harmony_module", ("", type(model)))
+        where = f"module {path!r} ({getattr(mtype, '__name__', mtype)})" if path else "the model's own forward()"
+        lines.append(f"torch.fx symbolic tracing failed in {where}: {type(fx_error).__name__}: {fx_error}")
+        frame = _user_frame(fx_error)
+        if frame:
+            lines.append(f"  at {frame}")
+        if path:
+            lines.append(
+                f"Keep that module whole inside one layer with opaque_modules=['{path}'] "
+                f"(CLI: --opaque {path}); it then runs eagerly and is not split further."
+            )
+    if export_error is not None:
+        first = str(export_error).strip().splitlines()[0] if str(export_error).strip() else ""
+        lines.append(f"torch.export failed too: {type(export_error).__name__}: {first}")
+        frame = _user_frame(export_error)
+        if frame:
+            lines.append(f"  at {frame}")
+    lines.append("Data-dependent Python control flow must be rewritten (e.g. torch.where or torch.cond) to be traced.")
+    return DecomposeError("\n".join(lines))

@@ -1,0 +1,1 @@
+"""Runtime: device backends, memory manager, streams, channels, executors and the launcher."""

@@ -1,0 +1,1 @@
+"""Scheduler: layer packing, configuration search, task graphs and the event-driven estimator."""
