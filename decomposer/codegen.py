@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from harmony.decomposer import layer_support
 from harmony.decomposer.partition import Segment
-from harmony.decomposer.tracing import constructor_source
+from harmony.decomposer.tracing import constructor_source, device_of
 from harmony.errors import DecomposeError
 
 
@@ -34,7 +34,7 @@ class LayerCode:
 
 
 def layer_graphs(
-    gm: fx.GraphModule, segments: list[Segment], boundaries: list[list[fx.Node]], fix_devices: bool
+    gm: fx.GraphModule, segments: list[Segment], boundaries: list[list[fx.Node]]
 ) -> list[fx.Graph]:
     """One FX graph per segment, taking boundary i and returning boundary i+1."""
     output = next(n for n in gm.graph.nodes if n.op == "output")
@@ -49,7 +49,6 @@ def layer_graphs(
             env[value] = ph
             placeholders.append(ph)
         attrs: dict[str, fx.Node] = {}
-        device_node: list[fx.Node] = []
 
         def arg(node: fx.Node) -> fx.Node:
             if node.op == "get_attr":
@@ -59,15 +58,10 @@ def layer_graphs(
                 return attrs[node.target]
             return env[node]
 
-        def device() -> fx.Node:
-            if not device_node:
-                device_node.append(g.call_function(layer_support_device_of, tuple(placeholders)))
-            return device_node[0]
-
         for node in seg.nodes:
             new = g.node_copy(node, arg)
-            if fix_devices and isinstance(new.kwargs.get("device"), torch.device):
-                new.kwargs = {**new.kwargs, "device": device()}
+            if node.target is device_of:
+                new.args = tuple(placeholders)
             env[node] = new
         if i == len(segments) - 1:
             result = tuple(arg(a) if isinstance(a, fx.Node) else a for a in output.args[0])
@@ -77,14 +71,6 @@ def layer_graphs(
         g.lint()
         graphs.append(g)
     return graphs
-
-
-def layer_support_device_of(*values):
-    """The device a layer runs on: that of its first tensor input (torch.export bakes devices in)."""
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            return v.device
-    return torch.device("cpu")
 
 
 def _import_line(name: str, value) -> str | None:
@@ -99,8 +85,6 @@ def _import_line(name: str, value) -> str | None:
         return f"import {value.__name__}" if name == value.__name__ else f"import {value.__name__} as {name}"
     module, qualname = getattr(value, "__module__", None), getattr(value, "__qualname__", None)
     if module and qualname and "<" not in qualname:
-        if value is layer_support_device_of:
-            return f"from harmony.decomposer.codegen import layer_support_device_of as {name}"
         head, *rest = qualname.split(".")
         if not rest:
             return f"from {module} import {head} as {name}" if head != name else f"from {module} import {name}"

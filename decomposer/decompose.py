@@ -53,6 +53,11 @@ class _MetaProp(fx.Interpreter):
         value = super().get_attr(target, args, kwargs)
         return _to_meta(value) if isinstance(value, torch.Tensor) else value
 
+    def call_function(self, target, args, kwargs):
+        if target is tracing.device_of:
+            return torch.device("meta")
+        return super().call_function(target, args, kwargs)
+
     def call_module(self, target, args, kwargs):
         module = self.fetch_attr(target)
         state = {k: _to_meta(v) for k, v in {**dict(module.named_parameters()), **dict(module.named_buffers())}.items()}
@@ -138,7 +143,7 @@ def decompose(
     values = _propagate(gm, inputs)
     segments = partition.segment(gm, model, gran)
     boundaries = partition.live_sets(gm, segments)
-    graphs = codegen.layer_graphs(gm, segments, boundaries, fix_devices=traced.tracer == "export")
+    graphs = codegen.layer_graphs(gm, segments, boundaries)
 
     used: set[str] = set()
     for g in graphs:

@@ -58,7 +58,8 @@ def _stack(node: fx.Node) -> list[tuple[str, str]]:
     """(key, path) of each module in the node's call stack, outermost first, root excluded."""
     stack = node.meta.get("nn_module_stack") or {}
     entries = [(key, value[0]) for key, value in stack.items()]
-    return [(k, p) for k, p in entries if p not in ("", None)]
+    # torch.export adds bookkeeping entries (e.g. "_empty_nn_module_stack_from_metadata_hook")
+    return [(k, p) for k, p in entries if p and not p.startswith("_empty_nn_module_stack")]
 
 
 def _param_count(module: torch.nn.Module) -> int:
@@ -152,27 +153,30 @@ def segment(gm: fx.GraphModule, model: torch.nn.Module, gran: Granularity) -> li
         segments = [Segment(key=FREE, module_paths=[])]
     segments[0].nodes[:0] = prefix
     if gran.merges_parameterless:
-        segments = _merge_parameterless(segments)
+        segments = _merge_parameterless(segments, model)
     return segments
 
 
-def _uses_tensor_state(seg: Segment) -> bool:
-    """Whether a segment owns parameters: through a get_attr of a parameter or a call_module."""
+def _uses_tensor_state(seg: Segment, model: torch.nn.Module) -> bool:
+    """Whether a segment owns parameters or buffers: through a get_attr or a stateful leaf module."""
     for node in seg.nodes:
         if node.op == "call_module":
-            return True
+            module = model.get_submodule(node.target)
+            if any(True for _ in module.parameters()) or any(True for _ in module.buffers()):
+                return True
+            continue
         for arg in node.all_input_nodes:
             if arg.op == "get_attr":
                 return True
     return False
 
 
-def _merge_parameterless(segments: list[Segment]) -> list[Segment]:
+def _merge_parameterless(segments: list[Segment], model: torch.nn.Module) -> list[Segment]:
     """Fold segments without parameters (activations, pooling, reshapes) into the one before."""
     merged: list[Segment] = []
     pending: list[Segment] = []
     for seg in segments:
-        if not _uses_tensor_state(seg):
+        if not _uses_tensor_state(seg, model):
             if merged:
                 merged[-1].nodes.extend(seg.nodes)
                 merged[-1].module_paths.extend(p for p in seg.module_paths if p not in merged[-1].module_paths)

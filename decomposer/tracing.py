@@ -139,7 +139,9 @@ def _symbolic(model: torch.nn.Module, n_inputs: int, opaque: set[str]) -> Traced
 def _export(model: torch.nn.Module, example_inputs: tuple) -> TracedModel:
     from torch.export.graph_signature import InputKind, OutputKind
 
-    ep = torch.export.export(model, example_inputs, strict=False)
+    # the batch dimension stays symbolic: the profiler and runtime run other microbatch sizes
+    dynamic = tuple({0: torch.export.Dim.AUTO} if x.dim() > 0 else None for x in example_inputs)
+    ep = torch.export.export(model, example_inputs, dynamic_shapes=dynamic, strict=False)
     sig = ep.graph_signature
     gm = ep.graph_module
     graph = fx.Graph()
@@ -177,6 +179,11 @@ def _export(model: torch.nn.Module, example_inputs: tuple) -> TracedModel:
             env[node] = graph.node_copy(node, lambda n: env[n])
         else:
             env[node] = graph.node_copy(node, lambda n: env[n])
+            if isinstance(node.kwargs.get("device"), torch.device):
+                # export bakes the tracing device in; ask the running layer for its own instead
+                with graph.inserting_before(env[node]):
+                    dev = graph.call_function(device_of, ())
+                env[node].kwargs = {**env[node].kwargs, "device": dev}
     graph.lint()
     new_gm = fx.GraphModule(root, graph)
     names = [n.name for n in graph.nodes if n.op == "placeholder"]
@@ -186,6 +193,17 @@ def _export(model: torch.nn.Module, example_inputs: tuple) -> TracedModel:
     if spec is None or spec.num_leaves != len(leaves):
         spec = pytree.tree_flatten(tuple(leaves))[1]
     return TracedModel(gm=new_gm, tracer="export", out_spec=spec, input_names=names)
+
+
+def device_of(*values):
+    """The device a layer runs on: that of its first tensor input (torch.export bakes devices in).
+
+    The traced graph calls it without arguments; code generation passes each layer's inputs.
+    """
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            return v.device
+    return torch.device("cpu")
 
 
 def _user_frame(exc: BaseException) -> str:
