@@ -49,6 +49,12 @@ def _accepts(fn: Callable, name: str) -> bool:
     return any(p.kind is p.VAR_KEYWORD or p.name == name for p in params)
 
 
+def _declares(fn: Callable, name: str) -> bool:
+    """Whether ``fn`` names the option, or takes arbitrary options (``**kwargs``, not ``**_``)."""
+    params = inspect.signature(fn).parameters.values()
+    return any(p.name == name or (p.kind is p.VAR_KEYWORD and not p.name.startswith("_")) for p in params)
+
+
 def _default_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.01)
 
@@ -131,7 +137,7 @@ def load_model_file(path: str | Path, options: dict[str, Any] | None = None) -> 
             raise ModelFileError(f"{path}: {fn} is defined but is not a function")
 
     functions = [getattr(module, fn) for fn in REQUIRED + OPTIONAL if hasattr(module, fn)]
-    unknown = [k for k in options if not any(_accepts(f, k) for f in functions)]
+    unknown = [k for k in options if not any(_declares(f, k) for f in functions)]
     if unknown:
         raise ModelFileError(
             f"{path}: no function of the model file takes the option(s) {', '.join(unknown)}"

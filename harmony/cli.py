@@ -1,0 +1,167 @@
+"""The ``harmony`` command line.
+
+Each subcommand is one stage of the flow in DESIGN.md and reads or writes that stage's files, so
+stages can be run, inspected and tested alone. Errors a user can fix are printed as one message
+without a traceback (``-v`` shows it) and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from harmony.errors import HarmonyError
+
+console = Console(width=None if sys.stdout.isatty() else 160)
+log = logging.getLogger("harmony")
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_file", type=Path, help="Python file defining build_model, loss_fn, get_batch (and optionally build_optimizer)")
+    p.add_argument(
+        "--arg", dest="args", action="append", default=[], metavar="KEY=VALUE",
+        help="option passed to the model file's functions, e.g. --arg preset=tiny (repeatable)",
+    )
+
+
+def _add_granularity_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("layer granularity (default: one block of each ModuleList/Sequential)")
+    g.add_argument("--depth", type=int, help="one layer per module this many levels below the root")
+    g.add_argument("--modules", help="comma-separated module names, each one layer")
+    g.add_argument(
+        "--opaque", action="append", default=[], metavar="MODULE",
+        help="keep this module whole and run it eagerly (for modules that cannot be traced; repeatable)",
+    )
+    g.add_argument("--method", choices=("auto", "fx", "export"), default="auto", help="tracer (default: fx, then torch.export)")
+
+
+def _cmd_decompose(ns: argparse.Namespace) -> int:
+    from harmony.decomposer.decompose import decompose
+    from harmony.modelfile import load_model_file, parse_options
+
+    mf = load_model_file(ns.model_file, parse_options(ns.args))
+    start = time.perf_counter()
+    if ns.meta:
+        with torch.device("meta"):
+            model = mf.build_model()
+    else:
+        model = mf.build_model()
+    inputs, _ = mf.get_batch(ns.batch_size, 0)
+    graph = decompose(
+        model, inputs, depth=ns.depth, modules=ns.modules.split(",") if ns.modules else None,
+        opaque_modules=ns.opaque, method=ns.method,
+    )
+    elapsed = time.perf_counter() - start
+    if ns.out is not None:
+        graph.save(ns.out)
+    _print_layers(graph, ns.batch_size)
+    where = f"; wrote {ns.out}/graph.msgpack and {ns.out}/layers/" if ns.out is not None else ""
+    console.print(
+        f"{type(model).__name__}: {len(graph)} layers, {_human_bytes(graph.parameter_bytes())} of parameters, "
+        f"traced with {graph.tracer} in {elapsed:.1f}s{where}"
+    )
+    return 0
+
+
+def _print_layers(graph, batch_size: int) -> None:
+    table = Table(title=f"Layers (tensor sizes at batch size {batch_size})")
+    for col, justify in (("#", "right"), ("layer", "left"), ("params", "right"), ("param bytes", "right"),
+                         ("input", "left"), ("in bytes", "right"), ("relayed", "right")):
+        table.add_column(col, justify=justify)
+    for spec in graph.layers:
+        params = graph.layer_parameters(spec.index)
+        first = graph.values.get(spec.inputs[0]) if spec.inputs else None
+        shape = "×".join(map(str, first.shape)) if first is not None and first.kind == "tensor" else "-"
+        in_bytes = sum(graph.values[n].nbytes for n in spec.inputs if n in graph.values)
+        more = f" +{len(spec.inputs) - 1}" if len(spec.inputs) > 1 else ""
+        table.add_row(
+            str(spec.index), spec.name, f"{sum(_numel(p.shape) for p in params):,}",
+            _human_bytes(sum(p.nbytes for p in params)), shape + more, _human_bytes(in_bytes), str(len(spec.relayed)),
+        )
+    console.print(table)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="harmony",
+        description=(
+            "Train a PyTorch model far larger than GPU memory on one server, as if on a single device. "
+            "Harmony cuts the model into layers, profiles them, searches a schedule over your devices "
+            "and host memory, and runs it."
+        ),
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug); show tracebacks")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser(
+        "decompose", help="cut a model into layers and generate per-layer code",
+        description=(
+            "Trace the model from MODEL_FILE (torch.fx, falling back to torch.export), cut it into a chain "
+            "of layers, relay tensors that skip layers, and write graph.msgpack plus one Python module per "
+            "layer. Prints a table of the layers."
+        ),
+    )
+    _add_model_args(p)
+    _add_granularity_args(p)
+    p.add_argument("--out", type=Path, help="directory to write graph.msgpack and layers/ into")
+    p.add_argument("--batch-size", type=int, default=2, help="batch size of the example inputs (default 2)")
+    p.add_argument("--meta", action="store_true", help="build the model on the meta device (no memory; for huge presets)")
+    p.set_defaults(func=_cmd_decompose)
+    return parser
+
+
+def _version() -> str:
+    from harmony import __version__
+
+    return __version__
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.WARNING - 10 * min(ns.verbose, 2), format="%(levelname)s %(name)s: %(message)s"
+    )
+    if ns.command is None:
+        parser.print_help()
+        return 2
+    if getattr(ns, "batch_size", 1) is not None and getattr(ns, "batch_size", 1) < 1:
+        parser.error("--batch-size must be a positive integer")
+    try:
+        return ns.func(ns)
+    except HarmonyError as exc:
+        if ns.verbose:
+            console.print_exception()
+        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        return 2
+    except KeyboardInterrupt:
+        console.print("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
