@@ -1,0 +1,43 @@
+"""The harmony command line: help for every subcommand, decompose end to end, clear errors."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harmony.cli import build_parser, main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_subcommand_has_help(capsys):
+    parser = build_parser()
+    subcommands = parser._subparsers._group_actions[0].choices  # noqa: SLF001 - argparse has no public listing
+    assert "decompose" in subcommands
+    for name in subcommands:
+        with pytest.raises(SystemExit) as exc:
+            main([name, "--help"])
+        assert exc.value.code == 0
+        assert "usage: harmony " + name in capsys.readouterr().out
+
+
+def test_decompose_writes_graph_and_code_and_prints_layers(tmp_path, capsys):
+    rc = main(["decompose", str(ROOT / "models" / "gpt2.py"), "--arg", "preset=tiny", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "h.0" in out and "lm_head" in out
+    assert (tmp_path / "graph.msgpack").is_file()
+    assert sorted(p.name for p in (tmp_path / "layers").glob("layer_*.py"))[0] == "layer_000.py"
+
+
+def test_bad_model_file_exits_2_with_message(tmp_path, capsys):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def build_model():\n    return None\n")
+    assert main(["decompose", str(bad)]) == 2
+    assert "does not define loss_fn, get_batch" in capsys.readouterr().out
+
+
+def test_console_script_is_installed():
+    result = subprocess.run([sys.executable, "-m", "harmony.cli", "--help"], capture_output=True, text=True, check=True)
+    assert "decompose" in result.stdout
