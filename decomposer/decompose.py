@@ -154,7 +154,8 @@ def decompose(
     tied_aliases = {a for aliases in ties.values() for a in aliases}
 
     def is_used(name: str) -> bool:
-        return any(name == u or name.startswith(u + ".") for u in used)
+        parts = name.split(".")
+        return any(".".join(parts[:k]) in used for k in range(1, len(parts) + 1))
 
     unused = [
         n for n, _ in list(model.named_parameters()) + list(model.named_buffers())

@@ -84,16 +84,18 @@ def constructor_source(module: torch.nn.Module) -> str | None:
 
 
 class HarmonyTracer(fx.Tracer):
-    """Keeps rebuildable torch.nn leaves and user-chosen opaque modules whole; inlines the rest."""
+    """Keeps rebuildable torch.nn leaves and user-chosen opaque modules whole; inlines the rest.
 
-    def __init__(self, opaque: set[str]):
+    The leaves are found before tracing starts: during tracing every module attribute access goes
+    through FX's proxying, which makes inspecting modules then quadratic in the model size.
+    """
+
+    def __init__(self, model: torch.nn.Module, opaque: set[str]):
         super().__init__()
-        self.opaque = opaque
+        self.leaves = {name for name, m in model.named_modules() if name in opaque or constructor_source(m) is not None}
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
-        if module_qualified_name in self.opaque:
-            return True
-        return constructor_source(m) is not None
+        return module_qualified_name in self.leaves
 
 
 def _concrete_defaults(model: torch.nn.Module, n_inputs: int) -> dict[str, Any]:
@@ -121,7 +123,7 @@ def _flatten_output(graph: fx.Graph) -> pytree.TreeSpec:
 
 
 def _symbolic(model: torch.nn.Module, n_inputs: int, opaque: set[str]) -> TracedModel:
-    tracer = HarmonyTracer(opaque)
+    tracer = HarmonyTracer(model, opaque)
     try:
         graph = tracer.trace(model, concrete_args=_concrete_defaults(model, n_inputs) or None)
     except DecomposeError:
