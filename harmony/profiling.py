@@ -1,0 +1,163 @@
+"""Profiling a layer graph on a device: the slow-start sweep, the sampled sizes, the Profile (§4.2).
+
+The sweep finds the largest microbatch that fits the device for the forward pass (U_FMAX) and for
+the backward pass (U_BMAX) the way TCP slow start finds a window: double until the first
+out-of-memory, then grow additively from the last size that fitted, halving the increment after
+every failure, so it ends on a u that fits while u+1 does not. Then every layer is measured at a
+few sizes at a fixed stride from 1 to the maximum, with repeated trials, and the Profile's
+regression answers for the sizes in between.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from harmony.decomposer.layer_graph import LayerGraph
+from harmony.errors import DeviceOutOfMemoryError, HarmonyError
+from harmony.runtime.device import CpuDevice, Device
+from harmony.runtime.profiler import Measurement, forward_outputs, measure_layer, measure_update
+from harmony.scheduler.profiles import LayerProfile, LayerSample, Profile
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Attempt:
+    """All layers at one microbatch size: measurements, or where it ran out of memory."""
+
+    u: int
+    fwd: list[Measurement | None]
+    fwd_fits: bool
+    bwd_fits: bool
+    failure: str = ""
+
+
+class Profiler:
+    """Measures every layer of ``graph`` on ``device`` with inputs from the model's ``get_batch``."""
+
+    def __init__(
+        self,
+        graph: LayerGraph,
+        get_batch: Callable[[int, int], tuple],
+        build_optimizer: Callable[[Any], torch.optim.Optimizer],
+        device: Device,
+        trials: int = 3,
+        on_progress: Callable[[str], None] | None = None,
+    ):
+        if graph.modules is None:
+            raise HarmonyError("the layer graph has no layer modules to run; decompose the model first")
+        self.graph = graph
+        self.get_batch = get_batch
+        self.build_optimizer = build_optimizer
+        self.device = device
+        self.trials = trials
+        self.on_progress = on_progress or (lambda msg: None)
+        self._fit_cache: dict[tuple[int, bool], _Attempt] = {}
+
+    # ------------------------------------------------------------------ one size
+    def _inputs(self, u: int) -> tuple:
+        inputs, _ = self.get_batch(u, 0)
+        return inputs if isinstance(inputs, tuple) else (inputs,)
+
+    def run(self, u: int, backward: bool, trials: int) -> _Attempt:
+        """Every layer at microbatch ``u``, in order, each fed the previous layer's real output."""
+        values = self._inputs(u)
+        attempt = _Attempt(u=u, fwd=[], fwd_fits=True, bwd_fits=backward)
+        for i, module in enumerate(self.graph.modules):
+            spec = self.graph.layers[i]
+            try:
+                m = measure_layer(module, values, self.device, trials=trials, backward=False)
+            except DeviceOutOfMemoryError as exc:
+                attempt.fwd_fits = attempt.bwd_fits = False
+                attempt.failure = f"forward of layer {i} ({spec.name}) at u={u}: {exc}"
+                return attempt
+            if attempt.bwd_fits:
+                try:
+                    b = measure_layer(module, values, self.device, trials=trials, backward=True)
+                    m.bwd_time, m.recompute_time, m.bwd_peak, m.dx_bytes = b.bwd_time, b.recompute_time, b.bwd_peak, b.dx_bytes
+                except DeviceOutOfMemoryError as exc:
+                    attempt.bwd_fits = False
+                    attempt.failure = f"backward of layer {i} ({spec.name}) at u={u}: {exc}"
+            attempt.fwd.append(m)
+            values = forward_outputs(module, values, self.device)
+        return attempt
+
+    def _fits(self, u: int, backward: bool) -> bool:
+        key = (u, backward)
+        if key not in self._fit_cache:
+            self.on_progress(f"sweep {'backward' if backward else 'forward'} u={u}")
+            self._fit_cache[key] = self.run(u, backward=backward, trials=0)
+        attempt = self._fit_cache[key]
+        return attempt.bwd_fits if backward else attempt.fwd_fits
+
+    # ------------------------------------------------------------------ the sweep
+    def slow_start(self, backward: bool, cap: int) -> int:
+        """Largest u ≤ cap whose every layer fits (forward, or backward), by slow start."""
+        if not self._fits(1, backward):
+            raise HarmonyError(
+                f"{self.device.name}: even microbatch size 1 does not fit: {self._fit_cache[(1, backward)].failure}. "
+                "Give the device more memory (--device-memory) or cut the model into smaller layers (--depth)"
+            )
+        u = 1
+        while u * 2 <= cap and self._fits(u * 2, backward):
+            u *= 2
+        step = max(1, u // 2)
+        while step >= 1 and u < cap:
+            if u + step <= cap and self._fits(u + step, backward):
+                u += step
+            else:
+                step //= 2
+        return u
+
+    # ------------------------------------------------------------------ the profile
+    def profile(self, u_cap: int, samples: int = 4) -> Profile:
+        """Sweep, measure at ``samples`` sizes per pass, measure updates, and assemble the Profile."""
+        u_fmax = self.slow_start(backward=False, cap=u_cap)
+        u_bmax = self.slow_start(backward=True, cap=u_fmax)
+        log.info("%s: U_FMAX=%d U_BMAX=%d", self.device.name, u_fmax, u_bmax)
+        fwd_us = stride_sizes(u_fmax, samples)
+        bwd_us = set(stride_sizes(u_bmax, samples))
+        layers = [self._layer_profile(i) for i in range(len(self.graph.layers))]
+        for u in fwd_us:
+            self.on_progress(f"measure u={u}")
+            attempt = self.run(u, backward=u in bwd_us, trials=self.trials)
+            if not attempt.fwd_fits or (u in bwd_us and not attempt.bwd_fits):
+                raise HarmonyError(f"u={u} fitted during the sweep but not when measured: {attempt.failure}")
+            for layer, m in zip(layers, attempt.fwd):
+                sample = LayerSample(
+                    u=u, fwd_time=m.fwd_time, bwd_time=m.bwd_time, recompute_time=m.recompute_time,
+                    fwd_peak=m.fwd_peak, bwd_peak=m.bwd_peak, x_bytes=m.x_bytes, y_bytes=m.y_bytes, dx_bytes=m.dx_bytes,
+                )
+                layer.fwd_samples.append(sample)
+                if u in bwd_us:
+                    layer.bwd_samples.append(sample)
+        return Profile(
+            source="measured", device=f"{self.device.kind}:{self.device.name}", capacity=self.device.capacity,
+            u_fmax=u_fmax, u_bmax=u_bmax, layers=layers,
+        )
+
+    def _layer_profile(self, index: int) -> LayerProfile:
+        module = self.graph.modules[index]
+        params = [p for p in module.parameters() if p.requires_grad]
+        w_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+        b_bytes = sum(b.numel() * b.element_size() for b in module.buffers())
+        self.on_progress(f"update layer {index}")
+        upd_device, k_bytes = measure_update(params, self.build_optimizer, self.device, self.trials)
+        upd_host, _ = measure_update(params, self.build_optimizer, CpuDevice("host"), self.trials)
+        return LayerProfile(
+            index=index, name=self.graph.layers[index].name, w_bytes=w_bytes,
+            dw_bytes=sum(p.numel() * p.element_size() for p in params), k_bytes=k_bytes, b_bytes=b_bytes,
+            upd_time_device=upd_device, upd_time_host=upd_host,
+        )
+
+
+def stride_sizes(u_max: int, samples: int) -> list[int]:
+    """``samples`` sizes at a fixed stride from 1 to ``u_max`` (both included)."""
+    if u_max <= samples:
+        return list(range(1, u_max + 1))
+    stride = (u_max - 1) / (samples - 1)
+    return sorted({1 + round(k * stride) for k in range(samples)})

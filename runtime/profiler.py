@@ -1,0 +1,165 @@
+"""The profiler's measuring loop: one layer, one microbatch, on a real device backend (§4.2).
+
+A layer is measured as the runtime will run it: its weights and buffers copied to the device,
+its input swapped in, forward without autograd (a FWD task stashes only its input), then the
+backward task (recompute with autograd from the stashed input, then backward with an output
+gradient). Times are medians of trials; memory is the device's peak over each task. The model's
+own tensors are never touched (work happens on device copies) and the RNG is restored afterwards,
+so profiling does not change training.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.func import functional_call
+
+from harmony.runtime.device import Device
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Measurement:
+    """A layer's forward (and, when asked, backward) at one microbatch size, on one device."""
+
+    fwd_time: float
+    fwd_peak: int
+    x_bytes: int
+    y_bytes: int
+    bwd_time: float = 0.0
+    recompute_time: float = 0.0
+    bwd_peak: int = 0
+    dx_bytes: int = 0
+
+
+def _nbytes(values) -> int:
+    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+
+
+def _median(samples: list[float]) -> float:
+    return statistics.median(samples) if samples else 0.0
+
+
+def _on_device(device: Device, values: tuple, grad: bool) -> tuple:
+    out = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            d = device.to_device(v.detach())
+            if grad and d.is_floating_point():
+                d.requires_grad_(True)
+            out.append(d)
+        else:
+            out.append(v)
+    return tuple(out)
+
+
+def _device_state(module: torch.nn.Module, device: Device) -> dict[str, torch.Tensor]:
+    """The layer's parameters and buffers copied to the device (the task's resident weights)."""
+    state: dict[str, torch.Tensor] = {}
+    for name, p in module.named_parameters():
+        state[name] = device.to_device(p.detach()).requires_grad_(p.requires_grad)
+    for name, b in module.named_buffers():
+        state[name] = device.to_device(b.detach())
+    return state
+
+
+def forward_outputs(module: torch.nn.Module, inputs: tuple, device: Device) -> tuple:
+    """The layer's outputs on ``inputs``, computed on device copies and returned in host memory."""
+    with device.memory_scope(), torch.no_grad():
+        state = _device_state(module, device)
+        ys = functional_call(module, state, _on_device(device, inputs, grad=False))
+        return tuple(device.to_host(y) if isinstance(y, torch.Tensor) else y for y in ys)
+
+
+def measure_layer(
+    module: torch.nn.Module, inputs: tuple, device: Device, trials: int = 3, backward: bool = True
+) -> Measurement:
+    """Time and peak memory of the FWD task and (with ``backward``) the BWD task of one layer.
+
+    Raises ``DeviceOutOfMemoryError`` if a task does not fit; the device is left as before either way.
+    """
+    with torch.random.fork_rng(devices=[]), device.memory_scope():
+        state = _device_state(module, device)
+        fwd_times, fwd_peak, x_bytes, y_bytes = [], 0, 0, 0
+        for trial in range(trials + 1):  # the first run warms caches and is not timed
+            xs = _on_device(device, inputs, grad=False)
+            device.reset_peak()
+            timer = device.timer()
+            timer.start()
+            with torch.no_grad():
+                ys = functional_call(module, state, xs)
+            elapsed = timer.stop()
+            fwd_peak = max(fwd_peak, device.peak())
+            x_bytes, y_bytes = _nbytes(xs), _nbytes(ys)
+            if trial:
+                fwd_times.append(elapsed)
+            del xs, ys
+        m = Measurement(fwd_time=_median(fwd_times), fwd_peak=fwd_peak, x_bytes=x_bytes, y_bytes=y_bytes)
+        if backward:
+            _measure_backward(module, state, inputs, device, trials, m)
+        del state
+    return m
+
+
+def _measure_backward(module, state, inputs: tuple, device: Device, trials: int, m: Measurement) -> None:
+    grads_params = [t for t in state.values() if t.requires_grad]
+    rec_times, bwd_times = [], []
+    for trial in range(trials + 1):
+        for p in grads_params:
+            p.grad = None
+        xs = _on_device(device, inputs, grad=True)
+        device.reset_peak()
+        timer = device.timer()
+        timer.start()
+        ys = functional_call(module, state, xs)
+        recompute = timer.stop()
+        outs = [y for y in ys if isinstance(y, torch.Tensor) and y.requires_grad]
+        dys = [torch.ones_like(y) for y in outs]
+        timer = device.timer()
+        timer.start()
+        if outs:
+            wanted = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
+            torch.autograd.backward(outs, dys, inputs=wanted + grads_params or None)
+        backward = timer.stop()
+        m.bwd_peak = max(m.bwd_peak, device.peak())
+        m.dx_bytes = _nbytes([x.grad for x in xs if isinstance(x, torch.Tensor) and x.grad is not None])
+        if trial:
+            rec_times.append(recompute)
+            bwd_times.append(backward)
+        del xs, ys, outs, dys
+    for p in grads_params:
+        p.grad = None
+    m.recompute_time = _median(rec_times)
+    m.bwd_time = _median(bwd_times)
+
+
+def measure_update(
+    params: list[torch.Tensor], build_optimizer: Callable[[Any], torch.optim.Optimizer], device: Device, trials: int = 3
+) -> tuple[float, int]:
+    """Seconds of one optimizer step over a layer's parameters on ``device``, and the optimizer
+    state's bytes (K). The first step creates the state and is not timed."""
+    if not params:
+        return 0.0, 0
+    with device.memory_scope():
+        copies = [device.to_device(p.detach()).requires_grad_(True) for p in params]
+        for c in copies:
+            c.grad = torch.zeros_like(c)
+        opt = build_optimizer(copies)
+        times = []
+        for trial in range(trials + 1):
+            timer = device.timer()
+            timer.start()
+            opt.step()
+            elapsed = timer.stop()
+            if trial:
+                times.append(elapsed)
+        k_bytes = sum(
+            v.numel() * v.element_size()
+            for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0
+        )
+    return _median(times), k_bytes
