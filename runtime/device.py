@@ -1,0 +1,314 @@
+"""Device backends behind one interface, so that the profiler and the executor measure and run work
+the same way on real GPUs and on emulated CPU devices (DESIGN.md, "Devices").
+
+- ``CudaDevice``: one GPU. Memory numbers come from PyTorch's caching allocator; a capacity below
+  the GPU's memory is enforced by the allocator (``set_per_process_memory_fraction``); CUDA's
+  out-of-memory error becomes ``DeviceOutOfMemoryError`` inside ``memory_scope``; timing uses events.
+- ``CpuDevice``: a region of host memory with a capacity that ``MemoryTracker`` enforces per op, so
+  that a plan made for small devices runs, swaps and runs out of memory on a machine without a GPU.
+  Copies to it are real copies counted against its capacity, so swaps move and time real bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import sys
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+
+import torch
+
+from harmony.errors import DeviceOutOfMemoryError
+
+from .memory import MemoryTracker
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Device", "CpuDevice", "CudaDevice", "Timer", "make_devices", "parse_bytes"]
+
+
+class Timer(ABC):
+    """Wall time of work issued between ``start()`` and ``stop()``, in seconds."""
+
+    @abstractmethod
+    def start(self) -> None: ...
+
+    @abstractmethod
+    def stop(self) -> float: ...
+
+
+class _PerfCounterTimer(Timer):
+    """Host clock; ``synchronize`` is called at both ends so queued device work is included."""
+
+    def __init__(self, device: Device) -> None:
+        self._device = device
+        self._t0: float | None = None
+
+    def start(self) -> None:
+        self._device.synchronize()
+        self._t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        if self._t0 is None:
+            raise RuntimeError("Timer.stop() called before start()")
+        self._device.synchronize()
+        return time.perf_counter() - self._t0
+
+
+class _CudaEventTimer(Timer):
+    """CUDA events on the current stream: measures GPU time without stalling the host at start."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._end = torch.cuda.Event(enable_timing=True)
+        self._started = False
+
+    def start(self) -> None:
+        with torch.cuda.device(self._device):
+            self._start.record()
+        self._started = True
+
+    def stop(self) -> float:
+        if not self._started:
+            raise RuntimeError("Timer.stop() called before start()")
+        with torch.cuda.device(self._device):
+            self._end.record()
+        self._end.synchronize()
+        return self._start.elapsed_time(self._end) / 1000.0
+
+
+class Device(ABC):
+    """One device the runtime places work on.
+
+    ``memory_scope()`` is the one place where allocations are tracked and the capacity enforced:
+    work run inside it raises ``DeviceOutOfMemoryError`` rather than a backend-specific error.
+    """
+
+    name: str
+    kind: str  # "cpu" | "cuda"
+    capacity: int  # bytes
+    torch_device: torch.device  # where its tensors live
+
+    @abstractmethod
+    def memory_scope(self) -> AbstractContextManager: ...
+
+    @abstractmethod
+    def allocated(self) -> int:
+        """Bytes in use now."""
+
+    @abstractmethod
+    def peak(self) -> int:
+        """Most bytes in use since the last ``reset_peak``."""
+
+    @abstractmethod
+    def reset_peak(self) -> None: ...
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Wait for all work queued on the device."""
+
+    @abstractmethod
+    def timer(self) -> Timer: ...
+
+    @abstractmethod
+    def to_device(self, t: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        """A copy of ``t`` on this device, counted in its memory; differentiable like ``Tensor.to``."""
+
+    @abstractmethod
+    def to_host(self, t: torch.Tensor, pinned: bool = False) -> torch.Tensor:
+        """A copy of ``t`` in host memory, not counted in the device's memory."""
+
+    @abstractmethod
+    def empty_cache(self) -> None:
+        """Give cached, unused memory back (between profiling runs)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, capacity={self.capacity})"
+
+
+def _host_memory_bytes() -> int:
+    """Physical memory of the host: the capacity of an emulated device nobody sized."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return sys.maxsize
+
+
+class CpuDevice(Device):
+    """An emulated device: host memory with a capacity enforced by a ``MemoryTracker``.
+
+    ``capacity=None`` means the host's physical memory. Tensors live on ``cpu``; the device's memory
+    is the set of storages made inside ``memory_scope()`` or copied in with ``to_device``.
+    """
+
+    kind = "cpu"
+
+    def __init__(self, name: str, capacity: int | None = None) -> None:
+        self.name = name
+        self.capacity = _host_memory_bytes() if capacity is None else int(capacity)
+        self.torch_device = torch.device("cpu")
+        self.tracker = MemoryTracker(self.capacity, name)
+
+    def memory_scope(self) -> AbstractContextManager:
+        """Track and enforce the allocations of the current thread's ops (backward included when
+        ``backward()`` is called inside). Enter it on every thread that allocates for this device."""
+        return self.tracker
+
+    def allocated(self) -> int:
+        return self.tracker.current
+
+    def peak(self) -> int:
+        return self.tracker.peak
+
+    def reset_peak(self) -> None:
+        self.tracker.reset_peak()
+
+    def synchronize(self) -> None:
+        """CPU ops run synchronously: nothing is queued."""
+
+    def timer(self) -> Timer:
+        return _PerfCounterTimer(self)
+
+    def to_device(self, t: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        """A real copy (``clone``), counted until dropped; refused before copying if it won't fit.
+        A tensor already in the device's memory is returned as is, like ``Tensor.to``.
+        ``non_blocking`` is accepted for interface parity; CPU copies are synchronous."""
+        if self.tracker.is_tracked(t):
+            return t
+        nbytes = t.numel() * t.element_size()
+        self.tracker.check(nbytes)
+        with self.tracker.paused():  # counted once, by register, whether or not a scope is entered
+            out = t.clone(memory_format=torch.contiguous_format)
+        return self.tracker.register(out)
+
+    def to_host(self, t: torch.Tensor, pinned: bool = False) -> torch.Tensor:
+        """A real copy outside the device's memory. ``pinned`` is ignored: pinning needs a GPU and
+        means nothing between two regions of host memory."""
+        with self.tracker.paused():
+            return t.clone(memory_format=torch.contiguous_format)
+
+    def empty_cache(self) -> None:
+        """Nothing is cached: a freed storage leaves the device at once."""
+
+
+_CUDA_REQUEST = re.compile(r"Tried to allocate ([0-9.]+) ([KMGT]?i?B)")
+
+
+class CudaDevice(Device):
+    """One GPU. ``capacity=None`` takes the GPU's free memory now; a given capacity below the GPU's
+    total is enforced by the caching allocator for this process."""
+
+    kind = "cuda"
+
+    def __init__(self, index: int, capacity: int | None = None, name: str | None = None) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("CudaDevice needs a CUDA GPU; use the cpu backend on this machine")
+        self.index = index
+        self.torch_device = torch.device("cuda", index)
+        self.name = name or f"cuda:{index}"
+        free, total = torch.cuda.mem_get_info(self.torch_device)
+        self.capacity = free if capacity is None else int(capacity)
+        if capacity is not None and capacity < total:
+            torch.cuda.set_per_process_memory_fraction(capacity / total, self.torch_device)
+        log.debug("%s: capacity %d of %d bytes (%d free)", self.name, self.capacity, total, free)
+
+    @contextmanager
+    def memory_scope(self) -> Iterator[CudaDevice]:
+        """Turn CUDA out-of-memory into ``DeviceOutOfMemoryError``; the allocator tracks the rest."""
+        try:
+            with torch.cuda.device(self.torch_device):
+                yield self
+        except torch.cuda.OutOfMemoryError as e:
+            match = _CUDA_REQUEST.search(str(e))
+            requested = None
+            if match:
+                try:
+                    requested = parse_bytes(f"{match.group(1)}{match.group(2)}")
+                except ValueError:
+                    pass
+            raise DeviceOutOfMemoryError(self.name, requested, self.allocated(), self.capacity) from e
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.torch_device)
+
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated(self.torch_device)
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.torch_device)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.torch_device)
+
+    def timer(self) -> Timer:
+        return _CudaEventTimer(self.torch_device)
+
+    def to_device(self, t: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        return t.to(self.torch_device, non_blocking=non_blocking)
+
+    def to_host(self, t: torch.Tensor, pinned: bool = False) -> torch.Tensor:
+        if not pinned:
+            return t.to("cpu")
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out.copy_(t, non_blocking=True)
+        return out
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+
+def make_devices(kind: str, count: int, capacity: int | None) -> list[Device]:
+    """``count`` devices of one kind, each with ``capacity`` bytes (None: free GPU memory, or the
+    host's memory for emulated devices)."""
+    if count < 1:
+        raise ValueError(f"need at least one device, got count={count}")
+    if kind == "cpu":
+        return [CpuDevice(f"cpu{i}", capacity) for i in range(count)]
+    if kind == "cuda":
+        available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count > available:
+            raise ValueError(
+                f"asked for {count} CUDA devices but {available} are visible; "
+                "use fewer devices or --device-type cpu"
+            )
+        return [CudaDevice(i, capacity) for i in range(count)]
+    raise ValueError(f"unknown device kind {kind!r}; expected 'cpu' or 'cuda'")
+
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_bytes(text: str | int) -> int:
+    """Bytes in a size such as ``"8GiB"``, ``"512MiB"``, ``"1.5GB"`` or ``"1000"``.
+
+    KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB powers of 1000 (units are case-insensitive);
+    a fractional result is rounded down to whole bytes.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise ValueError(f"a memory size cannot be negative: {text}")
+        return text
+    if not isinstance(text, str):
+        raise ValueError(f"a memory size must be text such as '8GiB', got {text!r}")
+    m = _SIZE.match(text)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ValueError(
+            f"cannot read {text!r} as a memory size; write a number with an optional unit: "
+            "B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. '8GiB'"
+        )
+    value = float(m.group(1)) * _UNITS[unit]
+    if not math.isfinite(value):
+        raise ValueError(f"memory size {text!r} is too large")
+    return int(value)
