@@ -79,6 +79,65 @@ def _cmd_decompose(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _default_capacity(graph) -> int:
+    """A quarter of the training footprint (weights, gradients, Adam's two states, example
+    activations): small enough that a default run exercises the swaps a GPU run needs."""
+    weights = graph.parameter_bytes()
+    activations = sum(v.nbytes for v in graph.values.values())
+    return max(1, (4 * weights + activations) // 4)
+
+
+def _cmd_profile(ns: argparse.Namespace) -> int:
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from harmony.decomposer.decompose import decompose
+    from harmony.modelfile import load_model_file, parse_options
+    from harmony.profiling import Profiler
+    from harmony.runtime.device import make_devices, parse_bytes
+
+    mf = load_model_file(ns.model_file, parse_options(ns.args))
+    model = mf.build_model()
+    inputs, _ = mf.get_batch(ns.batch_size, 0)
+    graph = decompose(model, inputs, depth=ns.depth, modules=ns.modules.split(",") if ns.modules else None,
+                      opaque_modules=ns.opaque, method=ns.method)
+    try:
+        capacity = parse_bytes(ns.device_memory) if ns.device_memory else None
+    except ValueError as exc:
+        raise HarmonyError(f"--device-memory: {exc}") from exc
+    if capacity is None and ns.device == "cpu":
+        capacity = _default_capacity(graph)
+    device = make_devices(ns.device, 1, capacity)[0]
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("profiling", total=None)
+        profiler = Profiler(graph, mf.get_batch, mf.build_optimizer, device, trials=ns.trials,
+                            on_progress=lambda msg: bar.update(task, description=f"profiling: {msg}"))
+        profile = profiler.profile(u_cap=ns.max_microbatch, samples=ns.samples)
+    if ns.out is not None:
+        graph.save(ns.out)
+        profile.save(ns.out / "profile.msgpack")
+    _print_profile(profile)
+    where = f"; wrote {ns.out}/profile.msgpack" if ns.out is not None else ""
+    console.print(f"{device.name}: capacity {_human_bytes(device.capacity)}, U_FMAX={profile.u_fmax}, U_BMAX={profile.u_bmax}{where}")
+    return 0
+
+
+def _print_profile(profile) -> None:
+    u = profile.u_bmax
+    table = Table(title=f"Layer profiles at u={u} ({profile.source}, {profile.device})")
+    for col in ("#", "layer", "W", "K", "fwd ms", "recompute ms", "bwd ms", "upd ms (dev/host)", "fwd peak", "bwd peak", "X"):
+        table.add_column(col, justify="left" if col == "layer" else "right")
+    for layer in profile.layers:
+        table.add_row(
+            str(layer.index), layer.name, _human_bytes(layer.w_bytes), _human_bytes(layer.k_bytes),
+            f"{1e3 * layer.at('fwd_time', u):.2f}", f"{1e3 * layer.at('recompute_time', u):.2f}",
+            f"{1e3 * layer.at('bwd_time', u):.2f}", f"{1e3 * layer.upd_time_device:.2f}/{1e3 * layer.upd_time_host:.2f}",
+            _human_bytes(layer.at("fwd_peak", u)), _human_bytes(layer.at("bwd_peak", u)), _human_bytes(layer.at("x_bytes", u)),
+        )
+    console.print(table)
+    errors = ", ".join(f"{k} {100 * v:.1f}%" for k, v in profile.fit_errors().items())
+    console.print(f"worst regression error on the samples: {errors}")
+
+
 def _print_layers(graph, batch_size: int) -> None:
     table = Table(title=f"Layers (tensor sizes at batch size {batch_size})")
     for col, justify in (("#", "right"), ("layer", "left"), ("params", "right"), ("param bytes", "right"),
@@ -131,6 +190,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=2, help="batch size of the example inputs (default 2)")
     p.add_argument("--meta", action="store_true", help="build the model on the meta device (no memory; for huge presets)")
     p.set_defaults(func=_cmd_decompose)
+
+    p = sub.add_parser(
+        "profile", help="measure every layer's time and memory across microbatch sizes",
+        description=(
+            "Decompose the model, find the largest microbatch that fits one device for the forward and the "
+            "backward pass (slow-start sweep), measure every layer at a few sizes from 1 to that maximum, "
+            "measure the optimizer update, and write profile.msgpack. Prints a per-layer table."
+        ),
+    )
+    _add_model_args(p)
+    _add_granularity_args(p)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="device backend (default: cuda if available, else emulated cpu)")
+    p.add_argument("--device-memory", help="capacity of the device, e.g. 8GiB (default: GPU free memory; "
+                   "emulated cpu: a quarter of the model's training footprint)")
+    p.add_argument("--max-microbatch", type=int, default=64, help="largest microbatch size worth trying (default 64)")
+    p.add_argument("--samples", type=int, default=4, help="microbatch sizes measured per pass (default 4)")
+    p.add_argument("--trials", type=int, default=3, help="timed repetitions per measurement (default 3)")
+    p.add_argument("--batch-size", type=int, default=2, help="batch size of the example inputs used for tracing")
+    p.add_argument("--out", type=Path, help="directory to write graph.msgpack, layers/ and profile.msgpack into")
+    p.set_defaults(func=_cmd_profile)
     return parser
 
 

@@ -83,7 +83,7 @@ class Profiler:
                     attempt.bwd_fits = False
                     attempt.failure = f"backward of layer {i} ({spec.name}) at u={u}: {exc}"
             attempt.fwd.append(m)
-            values = forward_outputs(module, values, self.device)
+            values = forward_outputs(module, values)
         return attempt
 
     def _fits(self, u: int, backward: bool) -> bool:
@@ -146,8 +146,11 @@ class Profiler:
         w_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
         b_bytes = sum(b.numel() * b.element_size() for b in module.buffers())
         self.on_progress(f"update layer {index}")
-        upd_device, k_bytes = measure_update(params, self.build_optimizer, self.device, self.trials)
-        upd_host, _ = measure_update(params, self.build_optimizer, CpuDevice("host"), self.trials)
+        upd_host, k_bytes = measure_update(params, self.build_optimizer, CpuDevice("host"), self.trials)
+        try:
+            upd_device, _ = measure_update(params, self.build_optimizer, self.device, self.trials)
+        except DeviceOutOfMemoryError:
+            upd_device = float("inf")  # the update of this layer must be offloaded to the host
         return LayerProfile(
             index=index, name=self.graph.layers[index].name, w_bytes=w_bytes,
             dw_bytes=sum(p.numel() * p.element_size() for p in params), k_bytes=k_bytes, b_bytes=b_bytes,

@@ -68,12 +68,12 @@ def _device_state(module: torch.nn.Module, device: Device) -> dict[str, torch.Te
     return state
 
 
-def forward_outputs(module: torch.nn.Module, inputs: tuple, device: Device) -> tuple:
-    """The layer's outputs on ``inputs``, computed on device copies and returned in host memory."""
-    with device.memory_scope(), torch.no_grad():
-        state = _device_state(module, device)
-        ys = functional_call(module, state, _on_device(device, inputs, grad=False))
-        return tuple(device.to_host(y) if isinstance(y, torch.Tensor) else y for y in ys)
+def forward_outputs(module: torch.nn.Module, inputs: tuple) -> tuple:
+    """The layer's outputs on ``inputs``, to feed the next layer: computed in host memory (it is
+    not measured) on copies of the buffers, so batch-norm statistics and the RNG stay untouched."""
+    state = {**dict(module.named_parameters()), **{n: b.clone() for n, b in module.named_buffers()}}
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        return tuple(functional_call(module, state, inputs))
 
 
 def measure_layer(
@@ -142,7 +142,8 @@ def measure_update(
     params: list[torch.Tensor], build_optimizer: Callable[[Any], torch.optim.Optimizer], device: Device, trials: int = 3
 ) -> tuple[float, int]:
     """Seconds of one optimizer step over a layer's parameters on ``device``, and the optimizer
-    state's bytes (K). The first step creates the state and is not timed."""
+    state's bytes (K). The first step creates the state and is not timed. Raises
+    ``DeviceOutOfMemoryError`` when weights, gradients and state do not fit together."""
     if not params:
         return 0.0, 0
     with device.memory_scope():
