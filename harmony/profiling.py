@@ -11,6 +11,7 @@ regression answers for the sizes in between.
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -69,22 +70,30 @@ class Profiler:
         attempt = _Attempt(u=u, fwd=[], fwd_fits=True, bwd_fits=backward)
         for i, module in enumerate(self.graph.modules):
             spec = self.graph.layers[i]
-            try:
-                m = measure_layer(module, values, self.device, trials=trials, backward=False)
-            except DeviceOutOfMemoryError as exc:
-                attempt.fwd_fits = attempt.bwd_fits = False
-                attempt.failure = f"forward of layer {i} ({spec.name}) at u={u}: {exc}"
-                return attempt
-            if attempt.bwd_fits:
-                try:
-                    b = measure_layer(module, values, self.device, trials=trials, backward=True)
-                    m.bwd_time, m.recompute_time, m.bwd_peak, m.dx_bytes = b.bwd_time, b.recompute_time, b.bwd_peak, b.dx_bytes
-                except DeviceOutOfMemoryError as exc:
-                    attempt.bwd_fits = False
-                    attempt.failure = f"backward of layer {i} ({spec.name}) at u={u}: {exc}"
-            attempt.fwd.append(m)
-            values = forward_outputs(module, values)
+            with _naming_failures(i, spec.name, u):
+                if not self._run_layer(attempt, i, module, values, u, backward, trials):
+                    return attempt
+                values = forward_outputs(module, values)
         return attempt
+
+    def _run_layer(self, attempt: _Attempt, i: int, module, values: tuple, u: int, backward: bool, trials: int) -> bool:
+        """Measure one layer into ``attempt``; False when its forward did not fit."""
+        spec = self.graph.layers[i]
+        try:
+            m = measure_layer(module, values, self.device, trials=trials, backward=False)
+        except DeviceOutOfMemoryError as exc:
+            attempt.fwd_fits = attempt.bwd_fits = False
+            attempt.failure = f"forward of layer {i} ({spec.name}) at u={u}: {exc}"
+            return False
+        if attempt.bwd_fits:
+            try:
+                b = measure_layer(module, values, self.device, trials=trials, backward=True)
+                m.bwd_time, m.recompute_time, m.bwd_peak, m.dx_bytes = b.bwd_time, b.recompute_time, b.bwd_peak, b.dx_bytes
+            except DeviceOutOfMemoryError as exc:
+                attempt.bwd_fits = False
+                attempt.failure = f"backward of layer {i} ({spec.name}) at u={u}: {exc}"
+        attempt.fwd.append(m)
+        return True
 
     def _fits(self, u: int, backward: bool) -> bool:
         key = (u, backward)
@@ -156,6 +165,19 @@ class Profiler:
             dw_bytes=sum(p.numel() * p.element_size() for p in params), k_bytes=k_bytes, b_bytes=b_bytes,
             upd_time_device=upd_device, upd_time_host=upd_host,
         )
+
+
+@contextmanager
+def _naming_failures(index: int, name: str, u: int):
+    """Any error but out-of-memory while running a layer is the model's: say where it happened."""
+    try:
+        yield
+    except (DeviceOutOfMemoryError, HarmonyError):
+        raise
+    except Exception as exc:
+        raise HarmonyError(
+            f"layer {index} ({name}) failed at microbatch size {u}: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def stride_sizes(u_max: int, samples: int) -> list[int]:

@@ -110,32 +110,37 @@ def _measure_backward(module, state, inputs: tuple, device: Device, trials: int,
     grads_params = [t for t in state.values() if t.requires_grad]
     rec_times, bwd_times = [], []
     for trial in range(trials + 1):
-        for p in grads_params:
-            p.grad = None
-        xs = _on_device(device, inputs, grad=True)
-        device.reset_peak()
-        timer = device.timer()
-        timer.start()
-        ys = functional_call(module, state, xs)
-        recompute = timer.stop()
-        outs = [y for y in ys if isinstance(y, torch.Tensor) and y.requires_grad]
-        dys = [torch.ones_like(y) for y in outs]
-        timer = device.timer()
-        timer.start()
-        if outs:
-            wanted = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
-            torch.autograd.backward(outs, dys, inputs=wanted + grads_params or None)
-        backward = timer.stop()
-        m.bwd_peak = max(m.bwd_peak, device.peak())
-        m.dx_bytes = _nbytes([x.grad for x in xs if isinstance(x, torch.Tensor) and x.grad is not None])
+        recompute, backward = _backward_once(module, state, grads_params, inputs, device, m)
         if trial:
             rec_times.append(recompute)
             bwd_times.append(backward)
-        del xs, ys, outs, dys
-    for p in grads_params:
-        p.grad = None
     m.recompute_time = _median(rec_times)
     m.bwd_time = _median(bwd_times)
+
+
+def _backward_once(module, state, grads_params, inputs: tuple, device: Device, m: Measurement) -> tuple[float, float]:
+    """One BWD task; in a function of its own so that every tensor it made is gone when it returns
+    (a tensor surviving into the next trial would inflate that trial's peak)."""
+    for p in grads_params:
+        p.grad = None
+    xs = _on_device(device, inputs, grad=True)
+    device.reset_peak()
+    timer = device.timer()
+    timer.start()
+    ys = functional_call(module, state, xs)
+    recompute = timer.stop()
+    outs = [y for y in ys if isinstance(y, torch.Tensor) and y.requires_grad]
+    timer = device.timer()
+    timer.start()
+    if outs:
+        wanted = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad] + grads_params
+        torch.autograd.backward(outs, [torch.ones_like(y) for y in outs], inputs=wanted)
+    backward = timer.stop()
+    m.bwd_peak = max(m.bwd_peak, device.peak())
+    m.dx_bytes = _nbytes([x.grad for x in xs if isinstance(x, torch.Tensor) and x.grad is not None])
+    for p in grads_params:
+        p.grad = None
+    return recompute, backward
 
 
 def measure_update(

@@ -1,0 +1,100 @@
+"""The profiler: slow-start sweep bounds, memory interpolation, profile files."""
+
+import pytest
+import torch
+
+import harmony
+from harmony.profiling import Profiler, stride_sizes
+from harmony.runtime.device import CpuDevice
+from harmony.scheduler.profiles import Profile
+
+WIDTH = 32
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(WIDTH, 4 * WIDTH), torch.nn.GELU(), torch.nn.Linear(4 * WIDTH, WIDTH),
+        torch.nn.LayerNorm(WIDTH), torch.nn.Linear(WIDTH, 10),
+    )
+
+
+def _get_batch(batch_size, step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(batch_size, WIDTH, generator=g), torch.randint(0, 10, (batch_size,), generator=g)
+
+
+def _profiler(capacity, trials=1):
+    model = _mlp()
+    graph = harmony.decompose(model, _get_batch(2, 0)[0])
+    return Profiler(graph, _get_batch, lambda p: torch.optim.SGD(p, lr=0.1), CpuDevice("emu", capacity), trials=trials)
+
+
+def test_stride_sizes_cover_one_to_max():
+    assert stride_sizes(3, 4) == [1, 2, 3]
+    sizes = stride_sizes(100, 5)
+    assert sizes[0] == 1 and sizes[-1] == 100 and len(sizes) == 5
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_slow_start_finds_the_largest_microbatch_that_fits(backward):
+    profiler = _profiler(capacity=200_000)
+    u = profiler.slow_start(backward=backward, cap=10_000)
+    fresh = _profiler(capacity=200_000)
+    assert fresh.run(u, backward=backward, trials=0).__getattribute__("bwd_fits" if backward else "fwd_fits")
+    assert not fresh.run(u + 1, backward=backward, trials=0).__getattribute__("bwd_fits" if backward else "fwd_fits")
+
+
+def test_backward_maximum_is_below_forward_maximum():
+    profile = _profiler(capacity=200_000).profile(u_cap=10_000, samples=3)
+    assert 1 <= profile.u_bmax <= profile.u_fmax
+
+
+def test_a_device_too_small_for_one_sample_is_a_clear_error():
+    with pytest.raises(harmony.HarmonyError, match="even microbatch size 1 does not fit"):
+        _profiler(capacity=1_000).slow_start(backward=False, cap=8)
+
+
+def test_interpolated_memory_matches_a_fresh_measurement():
+    profiler = _profiler(capacity=None)
+    profile = profiler.profile(u_cap=40, samples=3)  # samples at 1, 20, 40
+    check = _profiler(capacity=None).run(13, backward=True, trials=0)
+    for layer, m in zip(profile.layers, check.fwd):
+        assert 13 not in [s.u for s in layer.fwd_samples]
+        assert layer.at("fwd_peak", 13) == pytest.approx(m.fwd_peak, rel=0.05)
+        assert layer.at("bwd_peak", 13) == pytest.approx(m.bwd_peak, rel=0.05)
+        assert layer.at("x_bytes", 13) == pytest.approx(m.x_bytes, rel=0.01)
+
+
+def test_profile_records_sizes_and_round_trips(tmp_path):
+    profile = _profiler(capacity=None).profile(u_cap=8, samples=2)
+    first = profile.layers[0]
+    assert first.w_bytes == (WIDTH * 4 * WIDTH + 4 * WIDTH) * 4
+    assert first.k_bytes == 0  # plain SGD keeps no state
+    assert profile.source == "measured"
+    profile.save(tmp_path / "profile.msgpack")
+    loaded = Profile.load(tmp_path / "profile.msgpack")
+    assert loaded.to_dict() == profile.to_dict()
+
+
+def test_profiling_leaves_model_buffers_and_rng_untouched():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv1d(4, 4, 1), torch.nn.BatchNorm1d(4), torch.nn.Dropout(0.5))
+    graph = harmony.decompose(model, torch.randn(2, 4, 3))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(7)
+    Profiler(graph, lambda b, s: (torch.randn(b, 4, 3, generator=torch.Generator().manual_seed(s)), None), lambda p: torch.optim.SGD(p, lr=0.1),
+             CpuDevice("emu", None), trials=1).profile(u_cap=4, samples=2)
+    after_rng = torch.rand(1)
+    torch.manual_seed(7)
+    assert torch.equal(after_rng, torch.rand(1))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_a_layer_that_fails_for_another_reason_is_named():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    graph = harmony.decompose(model, torch.randn(2, 4))
+    profiler = Profiler(graph, lambda b, s: (torch.randn(b, 4), None), lambda p: torch.optim.SGD(p, lr=0.1), CpuDevice("emu", None))
+    with pytest.raises(harmony.HarmonyError, match=r"layer 1 \(1\) failed at microbatch size 1: ValueError"):
+        profiler.run(1, backward=False, trials=0)
