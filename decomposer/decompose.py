@@ -34,15 +34,17 @@ def _as_inputs(example_inputs: Any) -> tuple:
 
 
 class _MetaProp(fx.Interpreter):
-    """Runs the graph on meta tensors to learn every value's shape without touching real data.
+    """Runs the graph once to learn every value's shape, without touching the model's state.
 
-    Parameters, buffers and leaf modules are swapped for meta copies, so batch-norm statistics and
-    the RNG of the real model are left untouched.
+    Parameters, buffers and leaf modules are swapped for copies, so batch-norm statistics and the
+    RNG of the real model are left untouched. The copies are meta tensors (no data, no time) unless
+    ``real``: opaque modules may branch on data, which meta tensors do not have.
     """
 
-    def __init__(self, gm: fx.GraphModule):
+    def __init__(self, gm: fx.GraphModule, real: bool):
         super().__init__(gm)
         self.values: dict[fx.Node, Any] = {}
+        self.convert = _to_real_copy if real else _to_meta
 
     def run_node(self, n: fx.Node) -> Any:
         result = super().run_node(n)
@@ -51,17 +53,17 @@ class _MetaProp(fx.Interpreter):
 
     def get_attr(self, target, args, kwargs):
         value = super().get_attr(target, args, kwargs)
-        return _to_meta(value) if isinstance(value, torch.Tensor) else value
+        return self.convert(value) if isinstance(value, torch.Tensor) else value
 
     def call_function(self, target, args, kwargs):
         if target is tracing.device_of:
-            return torch.device("meta")
+            return torch.device("cpu") if self.convert is _to_real_copy else torch.device("meta")
         return super().call_function(target, args, kwargs)
 
     def call_module(self, target, args, kwargs):
         module = self.fetch_attr(target)
-        state = {k: _to_meta(v) for k, v in {**dict(module.named_parameters()), **dict(module.named_buffers())}.items()}
-        return functional_call(module, state, args, kwargs)
+        state = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+        return functional_call(module, {k: self.convert(v) for k, v in state.items()}, args, kwargs)
 
 
 def _to_meta(t: torch.Tensor) -> torch.Tensor:
@@ -69,6 +71,13 @@ def _to_meta(t: torch.Tensor) -> torch.Tensor:
     if t.requires_grad:
         meta.requires_grad_(True)
     return meta
+
+
+def _to_real_copy(t: torch.Tensor) -> torch.Tensor:
+    copy = t.detach().clone()
+    if t.requires_grad:
+        copy.requires_grad_(True)
+    return copy
 
 
 def _value_spec(name: str, value: Any) -> ValueSpec:
@@ -80,11 +89,11 @@ def _value_spec(name: str, value: Any) -> ValueSpec:
     return ValueSpec(name=name, kind="object", text=repr(value)[:200])
 
 
-def _propagate(gm: fx.GraphModule, inputs: tuple) -> dict[fx.Node, Any]:
-    prop = _MetaProp(gm)
+def _propagate(gm: fx.GraphModule, inputs: tuple, real: bool) -> dict[fx.Node, Any]:
+    prop = _MetaProp(gm, real)
     try:
         with torch.random.fork_rng(devices=[]):
-            prop.run(*[_to_meta(x) for x in inputs])
+            prop.run(*[prop.convert(x) for x in inputs])
     except Exception as exc:
         node = next((n for n in gm.graph.nodes if n not in prop.values and n.op != "placeholder"), None)
         where = f" at {node.format_node()}" if node is not None else ""
@@ -140,7 +149,9 @@ def decompose(
     gm = traced.gm
     if len(traced.input_names) != len(inputs):
         raise DecomposeError(f"the traced model takes {len(traced.input_names)} inputs but {len(inputs)} example inputs were given")
-    values = _propagate(gm, inputs)
+    # opaque modules may branch on data: give them real tensors when the model has real weights
+    real = bool(opaque) and not any(t.is_meta for t in list(model.parameters()) + list(inputs))
+    values = _propagate(gm, inputs, real)
     segments = partition.segment(gm, model, gran)
     boundaries = partition.live_sets(gm, segments)
     graphs = codegen.layer_graphs(gm, segments, boundaries)
@@ -218,7 +229,8 @@ def _record_state(graph: LayerGraph, layer_modules: list[torch.nn.Module], model
             kind, _, persistent = codegen.tensor_kind(model, name)
             graph.state.setdefault(name, _state_spec(name, kind, b, persistent))
             spec.state.append(name)
-            if kind == "constant" and b.device.type != "meta":
+            # constants and non-persistent buffers are not in a state_dict: the graph carries them
+            if (kind == "constant" or not persistent) and b.device.type != "meta":
                 graph.constants[name] = b.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
     # tied aliases that no layer names directly still belong to the state table
     for canon, aliases in ties.items():

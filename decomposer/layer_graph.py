@@ -94,7 +94,7 @@ class LayerGraph:
     state: dict[str, StateSpec]
     ties: dict[str, list[str]]  # canonical parameter name -> other names of the same tensor
     output_spec: str  # torch.utils._pytree treespec, serialized; "" if not serializable
-    constants: dict[str, bytes] = field(default_factory=dict)
+    constants: dict[str, bytes] = field(default_factory=dict)  # values of constants and non-persistent buffers
     sources: dict[str, str] = field(default_factory=dict, repr=False)  # code_file -> source
     modules: list[torch.nn.Module] | None = field(default=None, repr=False, compare=False)
     _out_spec: Any = field(default=None, repr=False, compare=False)
@@ -274,6 +274,8 @@ class LayerGraph:
         if source is None:
             _retie(modules, self.ties)
             self._fill_constants(modules)
+            for module in modules:
+                module.train(self.training)
         self.modules = modules
         return modules
 
