@@ -96,10 +96,16 @@ def _cmd_profile(ns: argparse.Namespace) -> int:
     from harmony.runtime.device import make_devices, parse_bytes
 
     mf = load_model_file(ns.model_file, parse_options(ns.args))
-    model = mf.build_model()
+    if ns.analytic:
+        with torch.device("meta"):
+            model = mf.build_model()
+    else:
+        model = mf.build_model()
     inputs, _ = mf.get_batch(ns.batch_size, 0)
     graph = decompose(model, inputs, depth=ns.depth, modules=ns.modules.split(",") if ns.modules else None,
                       opaque_modules=ns.opaque, method=ns.method)
+    if ns.analytic:
+        return _analytic(ns, graph)
     try:
         capacity = parse_bytes(ns.device_memory) if ns.device_memory else None
     except ValueError as exc:
@@ -118,6 +124,20 @@ def _cmd_profile(ns: argparse.Namespace) -> int:
     _print_profile(profile)
     where = f"; wrote {ns.out}/profile.msgpack" if ns.out is not None else ""
     console.print(f"{device.name}: capacity {_human_bytes(device.capacity)}, U_FMAX={profile.u_fmax}, U_BMAX={profile.u_bmax}{where}")
+    return 0
+
+
+def _analytic(ns: argparse.Namespace, graph) -> int:
+    from harmony.scheduler.analytic import analytic_profile
+    from harmony.scheduler.devicespec import load_spec
+
+    spec = load_spec(ns.analytic)
+    profile = analytic_profile(graph, spec, max_microbatch=ns.max_microbatch)
+    if ns.out is not None:
+        graph.save(ns.out)
+        profile.save(ns.out / "profile.msgpack")
+    _print_profile(profile)
+    console.print(f"analytic {spec.name}: capacity {_human_bytes(profile.capacity)}, U_FMAX={profile.u_fmax}, U_BMAX={profile.u_bmax}")
     return 0
 
 
@@ -209,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=4, help="microbatch sizes measured per pass (default 4)")
     p.add_argument("--trials", type=int, default=3, help="timed repetitions per measurement (default 3)")
     p.add_argument("--batch-size", type=int, default=2, help="batch size of the example inputs used for tracing")
+    p.add_argument("--analytic", metavar="SPEC",
+                   help="estimate instead of measuring, for a device we lack: 1080ti, v100, a100, h100 or a JSON "
+                   "file of DeviceSpec fields; the model is built on the meta device")
     p.add_argument("--out", type=Path, help="directory to write graph.msgpack, layers/ and profile.msgpack into")
     p.set_defaults(func=_cmd_profile)
     return parser

@@ -41,3 +41,16 @@ def test_bad_model_file_exits_2_with_message(tmp_path, capsys):
 def test_console_script_is_installed():
     result = subprocess.run([sys.executable, "-m", "harmony.cli", "--help"], capture_output=True, text=True, check=True)
     assert "decompose" in result.stdout
+
+
+def test_profile_measures_and_writes_a_profile(tmp_path, capsys):
+    rc = main(["profile", str(ROOT / "models" / "gpt2.py"), "--arg", "preset=tiny", "--device", "cpu",
+               "--device-memory", "4MiB", "--max-microbatch", "4", "--samples", "2", "--trials", "1", "--out", str(tmp_path)])
+    assert rc == 0
+    assert "U_FMAX=4" in capsys.readouterr().out
+    assert (tmp_path / "profile.msgpack").is_file()
+
+
+def test_analytic_profile_of_an_unknown_spec_is_a_clear_error(capsys):
+    assert main(["profile", str(ROOT / "models" / "gpt2.py"), "--arg", "preset=tiny", "--analytic", "nope"]) == 2
+    assert "neither a device spec preset" in capsys.readouterr().out
