@@ -13,7 +13,7 @@ import harmony
 from harmony.decomposer.layer_graph import LayerGraph
 from conftest import FACTORIES, RTOL, assert_close, assert_layers_match_model, tensor_leaves
 
-ROUND_TRIP_MODELS = ["gpt2", "resnet", "tv_vit", "hf_gpt2", "hf_bert"]  # fx and export traces
+ROUND_TRIP_MODELS = ["gpt2", "resnet", "hf_bert"]  # fx and export traces (hf_gpt2: see the tied test)
 
 
 def _decomposed(name, tmp_path, dtype=torch.float64, train=False):
@@ -62,9 +62,7 @@ def test_generated_layer_files_are_importable_and_define_one_class_per_layer(tmp
         assert set(layer.state_dict()) <= set(lg.state)
 
 
-# hf_bert is left out of the output checks: its loaded outputs depend on uninitialized memory (see
-# test_loaded_graph_restores_non_persistent_buffers)
-@pytest.mark.parametrize("name", [n for n in ROUND_TRIP_MODELS if n != "hf_bert"])
+@pytest.mark.parametrize("name", ROUND_TRIP_MODELS)
 def test_loaded_graph_with_model_weights_reproduces_outputs_in_train_mode(tmp_path, name):
     model, inputs, lg, d = _decomposed(name, tmp_path, train=True)
     lg2 = LayerGraph.load(d)
@@ -76,7 +74,7 @@ def test_loaded_graph_with_model_weights_reproduces_outputs_in_train_mode(tmp_pa
     "name",
     [
         "gpt2",
-        "hf_gpt2",
+        "hf_bert",  # non-persistent buffers (position_ids, token_type_ids) must be restored
         "resnet",  # batch norm must use its running statistics
     ],
 )
