@@ -183,20 +183,24 @@ class LayerGraph:
         return out
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy tensors by original name into the layers (as the original model's load_state_dict)."""
-        missing = [n for n, s in self.state.items() if s.kind != "constant" and s.persistent and n not in state_dict]
-        missing = [n for n in missing if not any(a in state_dict for a in self.ties.get(n, []))]
+        """Copy tensors by original name into the layers (as the original model's load_state_dict).
+
+        A tied parameter may arrive under any of its names.
+        """
+        def lookup(name: str) -> torch.Tensor | None:
+            canon = self.canonical(name)
+            for candidate in (name, canon, *self.ties.get(canon, [])):
+                if candidate in state_dict:
+                    return state_dict[candidate]
+            return None
+
+        missing = [n for n, s in self.state.items() if s.kind != "constant" and s.persistent and lookup(n) is None]
         if missing:
             raise DecomposeError(f"state_dict lacks {len(missing)} tensor(s) of the model, e.g. {missing[:3]}")
         with torch.no_grad():
             for module in self._require_modules():
                 for name, tensor in module.state_dict(keep_vars=True).items():
-                    src = state_dict.get(name)
-                    if src is None:
-                        src = next((state_dict[a] for a in self.ties.get(self.canonical(name), []) if a in state_dict), None)
-                    if src is None:
-                        canon = self.canonical(name)
-                        src = state_dict.get(canon)
+                    src = lookup(name)
                     if src is not None:
                         tensor.copy_(src)
 

@@ -50,7 +50,8 @@ def attach_opaque(layer: torch.nn.Module, path: str, source: torch.nn.Module | N
             f"layer {type(layer).__name__} runs module {path!r} as an opaque module; build the layer "
             "with source=<the model> (opaque modules have no generated code)"
         )
-    attach_module(layer, path, lambda: None, None, source)  # type: ignore[arg-type,return-value]
+    parent, name = _parent(layer, path)
+    parent.add_module(name, source.get_submodule(path))
 
 
 def attach_parameter(

@@ -8,7 +8,7 @@ without a traceback (``-v`` shows it) and exit with status 2.
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import logging
 import sys
 import time
@@ -51,22 +51,25 @@ def _add_granularity_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--method", choices=("auto", "fx", "export"), default="auto", help="tracer (default: fx, then torch.export)")
 
 
-def _cmd_decompose(ns: argparse.Namespace) -> int:
+def _load_and_decompose(ns: argparse.Namespace, meta: bool):
+    """The model file, its model (on the meta device when asked) and its layer graph."""
     from harmony.decomposer.decompose import decompose
     from harmony.modelfile import load_model_file, parse_options
 
     mf = load_model_file(ns.model_file, parse_options(ns.args))
-    start = time.perf_counter()
-    if ns.meta:
-        with torch.device("meta"):
-            model = mf.build_model()
-    else:
+    with torch.device("meta") if meta else contextlib.nullcontext():
         model = mf.build_model()
     inputs, _ = mf.get_batch(ns.batch_size, 0)
     graph = decompose(
         model, inputs, depth=ns.depth, modules=ns.modules.split(",") if ns.modules else None,
         opaque_modules=ns.opaque, method=ns.method,
     )
+    return mf, model, graph
+
+
+def _cmd_decompose(ns: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    _, model, graph = _load_and_decompose(ns, meta=ns.meta)
     elapsed = time.perf_counter() - start
     if ns.out is not None:
         graph.save(ns.out)
@@ -90,20 +93,10 @@ def _default_capacity(graph) -> int:
 def _cmd_profile(ns: argparse.Namespace) -> int:
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from harmony.decomposer.decompose import decompose
-    from harmony.modelfile import load_model_file, parse_options
     from harmony.profiling import Profiler
     from harmony.runtime.device import make_devices, parse_bytes
 
-    mf = load_model_file(ns.model_file, parse_options(ns.args))
-    if ns.analytic:
-        with torch.device("meta"):
-            model = mf.build_model()
-    else:
-        model = mf.build_model()
-    inputs, _ = mf.get_batch(ns.batch_size, 0)
-    graph = decompose(model, inputs, depth=ns.depth, modules=ns.modules.split(",") if ns.modules else None,
-                      opaque_modules=ns.opaque, method=ns.method)
+    mf, _, graph = _load_and_decompose(ns, meta=bool(ns.analytic))
     if ns.analytic:
         return _analytic(ns, graph)
     try:

@@ -20,7 +20,7 @@ import torch
 from harmony.decomposer.layer_graph import LayerGraph
 from harmony.errors import DeviceOutOfMemoryError, HarmonyError
 from harmony.runtime.device import CpuDevice, Device
-from harmony.runtime.profiler import Measurement, forward_outputs, measure_layer, measure_update
+from harmony.runtime.profiler import Measurement, measure_layer, measure_update
 from harmony.scheduler.profiles import LayerProfile, LayerSample, Profile
 
 log = logging.getLogger(__name__)
@@ -70,30 +70,18 @@ class Profiler:
         attempt = _Attempt(u=u, fwd=[], fwd_fits=True, bwd_fits=backward)
         for i, module in enumerate(self.graph.modules):
             spec = self.graph.layers[i]
-            with _naming_failures(i, spec.name, u):
-                if not self._run_layer(attempt, i, module, values, u, backward, trials):
-                    return attempt
-                values = forward_outputs(module, values)
-        return attempt
-
-    def _run_layer(self, attempt: _Attempt, i: int, module, values: tuple, u: int, backward: bool, trials: int) -> bool:
-        """Measure one layer into ``attempt``; False when its forward did not fit."""
-        spec = self.graph.layers[i]
-        try:
-            m = measure_layer(module, values, self.device, trials=trials, backward=False)
-        except DeviceOutOfMemoryError as exc:
-            attempt.fwd_fits = attempt.bwd_fits = False
-            attempt.failure = f"forward of layer {i} ({spec.name}) at u={u}: {exc}"
-            return False
-        if attempt.bwd_fits:
             try:
-                b = measure_layer(module, values, self.device, trials=trials, backward=True)
-                m.bwd_time, m.recompute_time, m.bwd_peak, m.dx_bytes = b.bwd_time, b.recompute_time, b.bwd_peak, b.dx_bytes
+                with _naming_failures(i, spec.name, u):
+                    m, values = measure_layer(module, values, self.device, trials=trials, backward=attempt.bwd_fits)
             except DeviceOutOfMemoryError as exc:
+                attempt.fwd_fits = attempt.bwd_fits = False
+                attempt.failure = f"forward of layer {i} ({spec.name}) at u={u}: {exc}"
+                return attempt
+            if m.bwd_error:
                 attempt.bwd_fits = False
-                attempt.failure = f"backward of layer {i} ({spec.name}) at u={u}: {exc}"
-        attempt.fwd.append(m)
-        return True
+                attempt.failure = f"backward of layer {i} ({spec.name}) at u={u}: {m.bwd_error}"
+            attempt.fwd.append(m)
+        return attempt
 
     def _fits(self, u: int, backward: bool) -> bool:
         key = (u, backward)

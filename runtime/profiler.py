@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 from torch.func import functional_call
 
+from harmony.errors import DeviceOutOfMemoryError
 from harmony.runtime.device import Device
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,7 @@ class Measurement:
     recompute_time: float = 0.0
     bwd_peak: int = 0
     dx_bytes: int = 0
+    bwd_error: str = ""  # why the backward task did not fit, if it did not
 
 
 def _nbytes(values) -> int:
@@ -68,25 +70,21 @@ def _device_state(module: torch.nn.Module, device: Device) -> dict[str, torch.Te
     return state
 
 
-def forward_outputs(module: torch.nn.Module, inputs: tuple) -> tuple:
-    """The layer's outputs on ``inputs``, to feed the next layer: computed in host memory (it is
-    not measured) on copies of the buffers, so batch-norm statistics and the RNG stay untouched."""
-    state = {**dict(module.named_parameters()), **{n: b.clone() for n, b in module.named_buffers()}}
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        return tuple(functional_call(module, state, inputs))
-
-
 def measure_layer(
     module: torch.nn.Module, inputs: tuple, device: Device, trials: int = 3, backward: bool = True
-) -> Measurement:
-    """Time and peak memory of the FWD task and (with ``backward``) the BWD task of one layer.
+) -> tuple[Measurement, tuple]:
+    """Time and peak memory of one layer's FWD task and (with ``backward``) its BWD task, and the
+    layer's outputs in host memory (the next layer's inputs).
 
-    Raises ``DeviceOutOfMemoryError`` if a task does not fit; the device is left as before either way.
+    A forward that does not fit raises ``DeviceOutOfMemoryError``; a backward that does not fit is
+    recorded in ``Measurement.bwd_error``, since the forward figures are still good. The device is
+    left as before either way.
     """
     with torch.random.fork_rng(devices=[]), device.memory_scope():
         state = _device_state(module, device)
         fwd_times, fwd_peak, x_bytes, y_bytes = [], 0, 0, 0
-        for trial in range(trials + 1):  # the first run warms caches and is not timed
+        outputs: tuple = ()
+        for trial in range(trials + 1):  # the first run warms caches, is not timed, and feeds the next layer
             xs = _on_device(device, inputs, grad=False)
             device.reset_peak()
             timer = device.timer()
@@ -98,12 +96,17 @@ def measure_layer(
             x_bytes, y_bytes = _nbytes(xs), _nbytes(ys)
             if trial:
                 fwd_times.append(elapsed)
+            else:
+                outputs = tuple(device.to_host(y) if isinstance(y, torch.Tensor) else y for y in ys)
             del xs, ys
         m = Measurement(fwd_time=_median(fwd_times), fwd_peak=fwd_peak, x_bytes=x_bytes, y_bytes=y_bytes)
         if backward:
-            _measure_backward(module, state, inputs, device, trials, m)
+            try:
+                _measure_backward(module, state, inputs, device, trials, m)
+            except DeviceOutOfMemoryError as exc:
+                m.bwd_error = str(exc)
         del state
-    return m
+    return m, outputs
 
 
 def _measure_backward(module, state, inputs: tuple, device: Device, trials: int, m: Measurement) -> None:
