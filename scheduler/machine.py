@@ -1,0 +1,232 @@
+"""What the scheduler knows about the machine a plan runs on: how many devices, how much memory each
+has, and how fast bytes move between host and devices, between devices, and between workers.
+
+A ``Machine`` is plain data. It comes from one of three places (``source``):
+
+- ``"measured"``: ``harmony.runtime.probe.probe_machine`` timed real copies on this machine;
+- ``"analytic"``: :meth:`Machine.from_spec` read a :class:`~harmony.scheduler.devicespec.DeviceSpec`
+  preset or JSON file (hardware we do not have);
+- ``"given"``: a person wrote the numbers (a file edited by hand, a test).
+
+Channels (all bandwidths in bytes per second, one direction):
+
+- ``h2d`` / ``d2h``: swap-in / swap-out of one device while the others are idle;
+- ``h2d_all`` / ``d2h_all``: the *aggregate* rate when every device swaps at once. On a shared host
+  link (``host_link_shared``) this is what contention leaves: with ``k`` devices copying at the same
+  time each gets ``min(h2d, h2d_all / k)``;
+- ``d2d``: point-to-point between two devices (NVLink/PCIe peer copies on CUDA; gloo between worker
+  processes on the emulated ``cpu`` backend);
+- ``msg``: host memory of one worker to host memory of another (gloo on loopback). On the ``cpu``
+  backend device memory *is* host memory, so ``d2d`` and ``msg`` are the same mechanism there.
+
+``latency`` is the fixed cost of one transfer (seconds), added once per transfer.
+
+The scheduler must not import the runtime, so this module imports only the standard library,
+``harmony.errors``, ``harmony.serialization`` and the device specs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from harmony import serialization
+from harmony.errors import FormatError, HarmonyError
+
+from .devicespec import DeviceSpec, load_spec
+
+__all__ = ["Machine", "MachineError", "KIND", "VERSION", "CHANNELS", "ANALYTIC_LATENCY"]
+
+KIND = "machine"
+VERSION = 1
+
+CHANNELS = ("h2d", "d2h", "d2d", "msg")
+_KINDS = ("cpu", "cuda", "analytic")
+_SOURCES = ("measured", "analytic", "given")
+_BANDWIDTHS = ("h2d", "d2h", "d2d", "h2d_all", "d2h_all", "msg")
+
+# The fixed cost of one host<->device copy when nobody measured it: a cudaMemcpyAsync launch plus its
+# completion is about 5-10 us on PCIe systems (CUDA bandwidthTest / nvbandwidth at small sizes).
+ANALYTIC_LATENCY = 10e-6
+
+
+class MachineError(HarmonyError):
+    """A machine description with missing, unknown or impossible values."""
+
+
+def _positive_number(value: Any) -> bool:
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )
+
+
+@dataclass
+class Machine:
+    """The devices of one server and the speeds of the links between them (see the module docs)."""
+
+    kind: str  # "cpu" | "cuda" | "analytic"
+    device_name: str  # e.g. "NVIDIA H100 80GB HBM3", "Intel(R) Xeon(R) ...", "1080ti"
+    devices: int  # number of devices the plan may use
+    capacity: int  # bytes of memory per device
+    h2d: float  # B/s, one device swapping in alone
+    d2h: float  # B/s, one device swapping out alone
+    d2d: float  # B/s, point-to-point between two devices
+    host_link_shared: bool  # whether the devices' host copies contend for one link / memory bus
+    h2d_all: float  # B/s, aggregate over all devices swapping in at once
+    d2h_all: float  # B/s, aggregate over all devices swapping out at once
+    msg: float  # B/s, host memory of one worker to another's
+    latency: float  # s, fixed cost of one transfer
+    source: str = "given"  # "measured" | "analytic" | "given"
+    notes: dict[str, str] = field(default_factory=dict)  # how the numbers were obtained
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.kind not in _KINDS:
+            problems.append(f"kind must be one of {', '.join(_KINDS)}, got {self.kind!r}")
+        if not isinstance(self.device_name, str):
+            problems.append(f"device_name must be text, got {self.device_name!r}")
+        if isinstance(self.devices, bool) or not isinstance(self.devices, int) or self.devices < 1:
+            problems.append(f"devices must be a whole number >= 1, got {self.devices!r}")
+        if not _positive_number(self.capacity):
+            problems.append(f"capacity must be a positive number of bytes, got {self.capacity!r}")
+        for name in _BANDWIDTHS:
+            value = getattr(self, name)
+            if not _positive_number(value):
+                problems.append(f"{name} must be a positive, finite bandwidth in B/s, got {value!r}")
+        if (
+            isinstance(self.latency, bool)
+            or not isinstance(self.latency, (int, float))
+            or not math.isfinite(self.latency)
+            or self.latency < 0
+        ):
+            problems.append(f"latency must be a finite number of seconds >= 0, got {self.latency!r}")
+        if not isinstance(self.host_link_shared, bool):
+            problems.append(f"host_link_shared must be true or false, got {self.host_link_shared!r}")
+        if self.source not in _SOURCES:
+            problems.append(f"source must be one of {', '.join(_SOURCES)}, got {self.source!r}")
+        if not isinstance(self.notes, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in self.notes.items()
+        ):
+            problems.append(f"notes must map text to text, got {self.notes!r}")
+        if problems:
+            raise MachineError(f"machine description {self.device_name!r}: " + "; ".join(problems))
+        self.capacity = int(self.capacity)
+        for name in _BANDWIDTHS:
+            setattr(self, name, float(getattr(self, name)))
+        self.latency = float(self.latency)
+        self.notes = dict(self.notes)
+
+    # ------------------------------------------------------------------ transfer model
+    def bandwidth(self, channel: str, concurrent: int = 1) -> float:
+        """Bytes per second one transfer on ``channel`` gets while ``concurrent`` devices (itself
+        included) copy on the same channel at once. Only host copies (``h2d``, ``d2h``) on a shared
+        host link contend: each gets ``min(single, aggregate / concurrent)``."""
+        if channel not in CHANNELS:
+            raise ValueError(f"unknown channel {channel!r}; expected one of {', '.join(CHANNELS)}")
+        if isinstance(concurrent, bool) or not isinstance(concurrent, int) or concurrent < 1:
+            raise ValueError(f"concurrent must be a whole number >= 1, got {concurrent!r}")
+        single = getattr(self, channel)
+        if concurrent > 1 and self.host_link_shared and channel in ("h2d", "d2h"):
+            aggregate = self.h2d_all if channel == "h2d" else self.d2h_all
+            return min(single, aggregate / concurrent)
+        return single
+
+    def transfer_time(self, nbytes: int, channel: str, concurrent: int = 1) -> float:
+        """Seconds to move ``nbytes`` on ``channel``: ``latency + nbytes / bandwidth``, the bandwidth
+        shared as :meth:`bandwidth` says. Zero bytes is no transfer and takes no time."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) or not nbytes >= 0:
+            raise ValueError(f"nbytes must be a number >= 0, got {nbytes!r}")
+        bandwidth = self.bandwidth(channel, concurrent)
+        if nbytes == 0:
+            return 0.0
+        return self.latency + nbytes / bandwidth
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_spec(cls, spec: DeviceSpec | str, devices: int, latency: float = ANALYTIC_LATENCY) -> Machine:
+        """A machine of ``devices`` copies of an analytic device spec (a ``DeviceSpec``, a preset
+        name or a JSON file). On a shared host link every device's swaps go through one link, so the
+        aggregate equals one device's rate; otherwise each device has its own link and the aggregate
+        is ``devices`` times it. ``msg`` is a copy between two workers' host memory: one read and one
+        write of host memory, so half the host memory bandwidth."""
+        spec = load_spec(spec)
+        if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+            raise MachineError(f"devices must be a whole number >= 1, got {devices!r}")
+        links = 1 if spec.host_link_shared else devices
+        return cls(
+            kind="analytic",
+            device_name=spec.name,
+            devices=devices,
+            capacity=spec.capacity,
+            h2d=spec.host_to_device,
+            d2h=spec.device_to_host,
+            d2d=spec.device_to_device,
+            host_link_shared=spec.host_link_shared,
+            h2d_all=spec.host_to_device * links,
+            d2h_all=spec.device_to_host * links,
+            msg=spec.host_memory_bandwidth / 2,
+            latency=latency,
+            source="analytic",
+            notes={
+                "spec": spec.name,
+                "h2d_all": "one shared host link" if spec.host_link_shared else f"{devices} independent host links",
+                "msg": "half the host memory bandwidth (one read, one write)",
+                "latency": f"assumed {latency:g} s per transfer (not measured)",
+            },
+        )
+
+    # ------------------------------------------------------------------ files
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, body: Any, source: str = "machine description") -> Machine:
+        if not isinstance(body, dict):
+            raise MachineError(f"{source} must be a mapping with the fields {', '.join(FIELD_NAMES)}")
+        required = [
+            f.name for f in fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
+        missing = [f for f in required if f not in body]
+        unknown = sorted(str(k) for k in set(body) - set(FIELD_NAMES))
+        if missing or unknown:
+            parts = []
+            if missing:
+                parts.append(f"missing field(s) {', '.join(missing)}")
+            if unknown:
+                parts.append(f"unknown field(s) {', '.join(unknown)}")
+            raise MachineError(f"{source}: {'; '.join(parts)}. A machine has the fields {', '.join(FIELD_NAMES)}")
+        return cls(**body)
+
+    def save(self, path: str | Path) -> None:
+        serialization.save(path, KIND, VERSION, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | Path) -> Machine:
+        body = serialization.load(path, KIND, VERSION)
+        try:
+            return cls.from_dict(body, source=str(path))
+        except MachineError as exc:
+            raise FormatError(f"{path} is not a valid machine description: {exc}") from exc
+
+    def describe(self) -> str:
+        """A few lines for people: the device, its memory and the link speeds in GB/s."""
+        gb = 1e9
+        lines = [
+            f"{self.devices} x {self.device_name} ({self.kind}, {self.source}), "
+            f"{self.capacity / (1 << 30):.2f} GiB each",
+            f"  h2d {self.h2d / gb:.2f} GB/s, d2h {self.d2h / gb:.2f} GB/s (one device)",
+            f"  h2d {self.h2d_all / gb:.2f} GB/s, d2h {self.d2h_all / gb:.2f} GB/s (all devices at once, "
+            f"host link {'shared' if self.host_link_shared else 'per device'})",
+            f"  d2d {self.d2d / gb:.2f} GB/s, msg {self.msg / gb:.2f} GB/s, latency {self.latency * 1e6:.1f} us",
+        ]
+        return "\n".join(lines)
+
+
+FIELD_NAMES = tuple(f.name for f in fields(Machine))
