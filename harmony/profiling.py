@@ -128,6 +128,7 @@ class Profiler:
                 sample = LayerSample(
                     u=u, fwd_time=m.fwd_time, bwd_time=m.bwd_time, recompute_time=m.recompute_time,
                     fwd_peak=m.fwd_peak, bwd_peak=m.bwd_peak, x_bytes=m.x_bytes, y_bytes=m.y_bytes, dx_bytes=m.dx_bytes,
+                    act_bytes=m.act_bytes,
                 )
                 layer.fwd_samples.append(sample)
                 if u in bwd_us:
@@ -169,8 +170,15 @@ def _naming_failures(index: int, name: str, u: int):
 
 
 def stride_sizes(u_max: int, samples: int) -> list[int]:
-    """``samples`` sizes at a fixed stride from 1 to ``u_max`` (both included)."""
+    """``samples`` sizes at a fixed stride from 1 to ``u_max`` (both included).
+
+    A stride of 8 or more is rounded to a multiple of 8: kernels are tuned for such sizes, and an
+    odd size between two of them runs slower than either neighbour, which would bend the fit.
+    """
     if u_max <= samples:
         return list(range(1, u_max + 1))
     stride = (u_max - 1) / (samples - 1)
+    if stride >= 8:
+        step = 8 * max(1, round(stride / 8))
+        return sorted({1, u_max, *(min(u_max, k * step) for k in range(1, samples - 1))})
     return sorted({1 + round(k * stride) for k in range(samples)})

@@ -1,4 +1,4 @@
-"""The profiler's measuring loop: one layer, one microbatch, on a real device backend (§4.2).
+"""The profiler's measuring loop: one layer (or pack), one microbatch, on a device backend (§4.2).
 
 A layer is measured as the runtime will run it: its weights and buffers copied to the device,
 its input swapped in, forward without autograd (a FWD task stashes only its input), then the
@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import statistics
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.func import functional_call
@@ -26,7 +26,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Measurement:
-    """A layer's forward (and, when asked, backward) at one microbatch size, on one device."""
+    """A pack's (usually one layer's) FWD task and, when asked, its BWD task at one microbatch size.
+
+    ``act_bytes`` is what the recompute leaves alive for the backward (saved activations and the
+    outputs): what a pack of several layers accumulates before its backward starts, so the
+    scheduler can estimate a pack's memory from its layers'.
+    """
 
     fwd_time: float
     fwd_peak: int
@@ -35,6 +40,7 @@ class Measurement:
     bwd_time: float = 0.0
     recompute_time: float = 0.0
     bwd_peak: int = 0
+    act_bytes: int = 0
     dx_bytes: int = 0
     bwd_error: str = ""  # why the backward task did not fit, if it did not
 
@@ -70,18 +76,33 @@ def _device_state(module: torch.nn.Module, device: Device) -> dict[str, torch.Te
     return state
 
 
+def _run_pack(modules: Sequence[torch.nn.Module], states: list[dict], values: tuple) -> tuple:
+    for module, state in zip(modules, states):
+        values = tuple(functional_call(module, state, values))
+    return values
+
+
 def measure_layer(
     module: torch.nn.Module, inputs: tuple, device: Device, trials: int = 3, backward: bool = True
 ) -> tuple[Measurement, tuple]:
-    """Time and peak memory of one layer's FWD task and (with ``backward``) its BWD task, and the
-    layer's outputs in host memory (the next layer's inputs).
+    """One layer measured as a pack of one; see ``measure_pack``."""
+    return measure_pack([module], inputs, device, trials=trials, backward=backward)
 
-    A forward that does not fit raises ``DeviceOutOfMemoryError``; a backward that does not fit is
-    recorded in ``Measurement.bwd_error``, since the forward figures are still good. The device is
-    left as before either way.
+
+def measure_pack(
+    modules: Sequence[torch.nn.Module], inputs: tuple, device: Device, trials: int = 3, backward: bool = True
+) -> tuple[Measurement, tuple]:
+    """Time and peak memory of a pack's FWD task and (with ``backward``) its BWD task, and the
+    pack's outputs in host memory (the next layer's inputs).
+
+    The BWD task runs as under input-batch grouping: the pack's gradient buffers are resident
+    (allocated before the task), and the recompute and backward add to them. A forward that does
+    not fit raises ``DeviceOutOfMemoryError``; a backward that does not fit is recorded in
+    ``Measurement.bwd_error``, since the forward figures are still good. The device is left as
+    before either way.
     """
     with torch.random.fork_rng(devices=[]), device.memory_scope():
-        state = _device_state(module, device)
+        states = [_device_state(module, device) for module in modules]
         fwd_times, fwd_peak, x_bytes, y_bytes = [], 0, 0, 0
         outputs: tuple = ()
         for trial in range(trials + 1):  # the first run warms caches, is not timed, and feeds the next layer
@@ -90,7 +111,7 @@ def measure_layer(
             timer = device.timer()
             timer.start()
             with torch.no_grad():
-                ys = functional_call(module, state, xs)
+                ys = _run_pack(modules, states, xs)
             elapsed = timer.stop()
             fwd_peak = max(fwd_peak, device.peak())
             x_bytes, y_bytes = _nbytes(xs), _nbytes(ys)
@@ -102,47 +123,50 @@ def measure_layer(
         m = Measurement(fwd_time=_median(fwd_times), fwd_peak=fwd_peak, x_bytes=x_bytes, y_bytes=y_bytes)
         if backward:
             try:
-                _measure_backward(module, state, inputs, device, trials, m)
+                _measure_backward(modules, states, inputs, device, trials, m)
             except DeviceOutOfMemoryError as exc:
                 m.bwd_error = str(exc)
-        del state
+        del states
     return m, outputs
 
 
-def _measure_backward(module, state, inputs: tuple, device: Device, trials: int, m: Measurement) -> None:
-    grads_params = [t for t in state.values() if t.requires_grad]
+def _measure_backward(modules, states, inputs: tuple, device: Device, trials: int, m: Measurement) -> None:
+    params = [t for state in states for t in state.values() if t.requires_grad]
+    for p in params:  # the gradient buffer, resident across the group's microbatches
+        p.grad = torch.zeros_like(p)
     rec_times, bwd_times = [], []
     for trial in range(trials + 1):
-        recompute, backward = _backward_once(module, state, grads_params, inputs, device, m)
+        recompute, backward = _backward_once(modules, states, params, inputs, device, m)
         if trial:
             rec_times.append(recompute)
             bwd_times.append(backward)
+    for p in params:
+        p.grad = None
     m.recompute_time = _median(rec_times)
     m.bwd_time = _median(bwd_times)
 
 
-def _backward_once(module, state, grads_params, inputs: tuple, device: Device, m: Measurement) -> tuple[float, float]:
+def _backward_once(modules, states, params, inputs: tuple, device: Device, m: Measurement) -> tuple[float, float]:
     """One BWD task; in a function of its own so that every tensor it made is gone when it returns
     (a tensor surviving into the next trial would inflate that trial's peak)."""
-    for p in grads_params:
-        p.grad = None
     xs = _on_device(device, inputs, grad=True)
     device.reset_peak()
+    before = device.allocated()
     timer = device.timer()
     timer.start()
-    ys = functional_call(module, state, xs)
+    ys = _run_pack(modules, states, xs)
     recompute = timer.stop()
+    m.act_bytes = device.allocated() - before
     outs = [y for y in ys if isinstance(y, torch.Tensor) and y.requires_grad]
+    del ys
     timer = device.timer()
     timer.start()
     if outs:
-        wanted = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad] + grads_params
+        wanted = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad] + params
         torch.autograd.backward(outs, [torch.ones_like(y) for y in outs], inputs=wanted)
     backward = timer.stop()
     m.bwd_peak = max(m.bwd_peak, device.peak())
     m.dx_bytes = _nbytes([x.grad for x in xs if isinstance(x, torch.Tensor) and x.grad is not None])
-    for p in grads_params:
-        p.grad = None
     return recompute, backward
 
 

@@ -209,6 +209,7 @@ class Cost:
     x_bytes: int
     y_bytes: int
     dx_bytes: int
+    act_bytes: int = 0  # alive after the recompute, for the backward
 
 
 def _roofline(flops: np.ndarray, moved: np.ndarray, peak: float, bandwidth: float) -> float:
@@ -227,9 +228,11 @@ class LayerCostModel:
         peak_flops: float,
         bandwidth: float,
         name: str,
+        grad_bytes: int = 0,
     ) -> None:
         self._count = count
         self.fixed_bytes = fixed_bytes  # W + B on the device
+        self.grad_bytes = grad_bytes  # dW: the gradient buffer, resident during a BWD task (grouping)
         self.peak_flops = peak_flops  # already times efficiency
         self.bandwidth = bandwidth
         self.name = name
@@ -288,7 +291,7 @@ class LayerCostModel:
     def peaks(self, u: int) -> tuple[int, int]:
         c = self._counts_at(u)
         fwd = self.fixed_bytes + c.x_bytes + (float(c.fwd_live.max()) if c.fwd_live.size else 0.0)
-        bwd = self.fixed_bytes + c.x_bytes + c.dy_bytes + (float(c.bwd_live.max()) if c.bwd_live.size else 0.0)
+        bwd = self.fixed_bytes + self.grad_bytes + c.x_bytes + c.dy_bytes + (float(c.bwd_live.max()) if c.bwd_live.size else 0.0)
         return int(round(fwd)), int(round(bwd))
 
     def at(self, u: int) -> Cost:
@@ -303,6 +306,7 @@ class LayerCostModel:
             fwd_time=fwd_time, bwd_time=bwd_time, recompute_time=fwd_time,
             fwd_peak=fwd_peak, bwd_peak=bwd_peak,
             x_bytes=int(round(c.x_bytes)), y_bytes=int(round(c.y_bytes)), dx_bytes=int(round(c.dx_bytes)),
+            act_bytes=int(round(c.bwd_live[k - 1])) if k > 0 else 0,
         )
 
 
@@ -502,8 +506,8 @@ def layer_cost_models(
         model = cache.get(key)
         if model is None:
             runner = _LayerRunner(graph, i, module, override, batch)
-            w, _, b = _state_bytes(graph, i, module, override)
-            model = LayerCostModel(runner.count, w + b, peak, spec.memory_bandwidth, graph.layers[i].name)
+            w, dw, b = _state_bytes(graph, i, module, override)
+            model = LayerCostModel(runner.count, w + b, peak, spec.memory_bandwidth, graph.layers[i].name, grad_bytes=dw)
             cache[key] = model
         models.append(model)
     return models
@@ -646,6 +650,7 @@ def analytic_profile(
         return LayerSample(
             u=c.u, fwd_time=c.fwd_time, bwd_time=c.bwd_time, recompute_time=c.recompute_time,
             fwd_peak=c.fwd_peak, bwd_peak=c.bwd_peak, x_bytes=c.x_bytes, y_bytes=c.y_bytes, dx_bytes=c.dx_bytes,
+            act_bytes=c.act_bytes,
         )
 
     layers = []

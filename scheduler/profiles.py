@@ -26,7 +26,8 @@ PROFILE_FILE = "profile.msgpack"
 
 # Quantities that grow with the microbatch size and are interpolated.
 TIME_FIELDS = ("fwd_time", "bwd_time", "recompute_time")
-MEMORY_FIELDS = ("fwd_peak", "bwd_peak", "x_bytes", "y_bytes", "dx_bytes")
+MEMORY_FIELDS = ("fwd_peak", "bwd_peak", "act_bytes", "x_bytes", "y_bytes", "dx_bytes")
+BWD_FIELDS = ("bwd_time", "recompute_time", "bwd_peak", "act_bytes", "dx_bytes")
 SAMPLE_FIELDS = TIME_FIELDS + MEMORY_FIELDS
 
 
@@ -36,8 +37,9 @@ class LayerSample:
 
     Times are seconds (median of trials). ``fwd_peak``/``bwd_peak`` are the peak device bytes of the
     forward / backward task on that layer alone, including its weights, inputs, outputs and
-    temporaries (backward includes the recompute). Sizes are of the layer's input X, output Y and
-    input gradient dX.
+    temporaries; the backward includes the recompute and the resident gradient buffer dW.
+    ``act_bytes`` is what the recompute leaves alive for the backward (saved activations and Y).
+    Sizes are of the layer's input X, output Y and input gradient dX.
     """
 
     u: int
@@ -49,31 +51,55 @@ class LayerSample:
     x_bytes: int
     y_bytes: int
     dx_bytes: int
+    act_bytes: int = 0
 
 
 @dataclass
 class Fit:
-    """y ≈ intercept + slope·u for one quantity, with the worst relative error on its samples."""
+    """One quantity as a function of u: exact at the samples, linear between neighbouring samples,
+    and a least-squares line (scikit-learn) over the largest samples beyond them.
 
+    Time is only piecewise linear in u (small microbatches are bound by reading the weights), so
+    one line through every sample misfits small u; memory is affine and comes out exact either way.
+    ``max_rel_error`` is the leave-one-out error: each interior sample predicted from the others.
+    """
+
+    us: list[int]
+    ys: list[float]
     intercept: float
     slope: float
     max_rel_error: float
 
     def __call__(self, u: float) -> float:
+        if not self.us:
+            return 0.0
+        if self.us[0] <= u <= self.us[-1]:
+            return float(np.interp(u, self.us, self.ys))
+        if u < self.us[0]:
+            return max(0.0, self.ys[0] * u / self.us[0])
         return max(0.0, self.intercept + self.slope * u)
 
 
-def fit_samples(us: list[int], ys: list[float]) -> Fit:
-    """Least-squares line through the samples (scikit-learn), recording how well it fits them."""
-    if not us:
-        return Fit(0.0, 0.0, 0.0)
-    if len(set(us)) == 1:
-        return Fit(0.0, float(np.mean(ys)) / us[0], 0.0)
+def _line(us: list[int], ys: list[float]) -> tuple[float, float]:
+    if len(set(us)) < 2:
+        return 0.0, (ys[0] / us[0] if us and us[0] else 0.0)
     model = LinearRegression().fit(np.asarray(us, dtype=float).reshape(-1, 1), np.asarray(ys, dtype=float))
-    fit = Fit(float(model.intercept_), float(model.coef_[0]), 0.0)
-    errors = [abs(fit(u) - y) / y for u, y in zip(us, ys) if y > 0]
-    fit.max_rel_error = float(max(errors)) if errors else 0.0
-    return fit
+    return float(model.intercept_), float(model.coef_[0])
+
+
+def fit_samples(us: list[int], ys: list[float]) -> Fit:
+    """Fit one quantity's samples (any order); see ``Fit``."""
+    order = sorted(range(len(us)), key=lambda i: us[i])
+    us = [int(us[i]) for i in order]
+    ys = [float(ys[i]) for i in order]
+    tail = max(2, len(us) // 2)  # extrapolate from the larger sizes, where the trend has settled
+    intercept, slope = _line(us[-tail:], ys[-tail:])
+    errors = []
+    for k in range(1, len(us) - 1):
+        predicted = np.interp(us[k], us[:k] + us[k + 1:], ys[:k] + ys[k + 1:])
+        if ys[k] > 0:
+            errors.append(abs(predicted - ys[k]) / ys[k])
+    return Fit(us, ys, intercept, slope, float(max(errors)) if errors else 0.0)
 
 
 @dataclass
@@ -100,13 +126,13 @@ class LayerProfile:
     def fits(self) -> dict[str, Fit]:
         fits = {}
         for name in SAMPLE_FIELDS:
-            samples = self.bwd_samples if name in ("bwd_time", "recompute_time", "bwd_peak", "dx_bytes") else self.fwd_samples
+            samples = self.bwd_samples if name in BWD_FIELDS else self.fwd_samples
             fits[name] = fit_samples([s.u for s in samples], [getattr(s, name) for s in samples])
         return fits
 
     def at(self, quantity: str, u: int) -> float:
         """The quantity at microbatch size u: the sample itself when measured, else the fit."""
-        samples = self.bwd_samples if quantity in ("bwd_time", "recompute_time", "bwd_peak", "dx_bytes") else self.fwd_samples
+        samples = self.bwd_samples if quantity in BWD_FIELDS else self.fwd_samples
         for s in samples:
             if s.u == u:
                 return float(getattr(s, quantity))
@@ -133,6 +159,48 @@ class Profile:
             for name, fit in layer.fits.items():
                 worst[name] = max(worst.get(name, 0.0), fit.max_rel_error)
         return worst
+
+    # ------------------------------------------------------------ packs
+    def pack_time(self, first: int, last: int, u: int, quantity: str) -> float:
+        """Seconds of a pack (layers first..last) for fwd_time, bwd_time or recompute_time."""
+        return sum(layer.at(quantity, u) for layer in self.layers[first:last + 1])
+
+    def pack_fwd_memory(self, first: int, last: int, u: int) -> int:
+        """Peak device bytes of a FWD task over layers first..last.
+
+        The pack's weights and buffers are resident; layer l's input, output and temporaries come
+        and go in turn, while the pack's own input stays (it is stashed for the recompute).
+        """
+        layers = self.layers[first:last + 1]
+        resident = sum(layer.w_bytes + layer.b_bytes for layer in layers)
+        x_first = layers[0].at("x_bytes", u)
+        worst = 0.0
+        for k, layer in enumerate(layers):
+            working = layer.at("fwd_peak", u) - layer.w_bytes - layer.b_bytes
+            worst = max(worst, working + (x_first if k else 0.0))
+        return int(round(resident + worst))
+
+    def pack_bwd_memory(self, first: int, last: int, u: int) -> int:
+        """Peak device bytes of a BWD task (recompute, then backward) over layers first..last.
+
+        Weights, buffers and gradient buffers of the pack are resident, and so is the pack's input.
+        The recompute leaves every layer's activations alive; the backward then walks from the last
+        layer down, freeing them as it goes, so during layer l's backward the activations of
+        layers ≤ l are alive plus l's own backward working memory (measured on the layer alone),
+        and the pack's output with its gradient, which the task holds until the backward ends.
+        """
+        layers = self.layers[first:last + 1]
+        resident = sum(layer.w_bytes + layer.b_bytes + layer.dw_bytes for layer in layers)
+        x_first = layers[0].at("x_bytes", u)
+        acts = [layer.at("act_bytes", u) for layer in layers]
+        # the pack's output and its incoming gradient stay alive until the whole backward is done
+        held = 2 * layers[-1].at("y_bytes", u)
+        worst = 0.0
+        for k, layer in enumerate(layers):
+            own_resident = layer.w_bytes + layer.b_bytes + layer.dw_bytes + layer.at("x_bytes", u) + acts[k]
+            extra = max(0.0, layer.at("bwd_peak", u) - own_resident)
+            worst = max(worst, sum(acts[: k + 1]) + extra + (held if k < len(layers) - 1 else 0.0))
+        return int(round(resident + x_first + worst))
 
     def to_dict(self) -> dict:
         return asdict(self)

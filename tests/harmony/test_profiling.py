@@ -6,7 +6,7 @@ import torch
 import harmony
 from harmony.profiling import Profiler, stride_sizes
 from harmony.runtime.device import CpuDevice
-from harmony.scheduler.profiles import Profile
+from harmony.scheduler.profiles import Profile, fit_samples
 
 WIDTH = 32
 
@@ -98,3 +98,29 @@ def test_a_layer_that_fails_for_another_reason_is_named():
     profiler = Profiler(graph, lambda b, s: (torch.randn(b, 4), None), lambda p: torch.optim.SGD(p, lr=0.1), CpuDevice("emu", None))
     with pytest.raises(harmony.HarmonyError, match=r"layer 1 \(1\) failed at microbatch size 1: ValueError"):
         profiler.run(1, backward=False, trials=0)
+
+
+def test_interpolated_time_matches_a_fresh_measurement_within_noise():
+    """Time at an unsampled u, interpolated from sampled neighbours, is within 10% of measuring it,
+    plus twice the spread of repeated measurements. Sizes are measured round-robin so that drift
+    of this shared machine hits all of them alike."""
+    width = 1024  # milliseconds per task: large enough for the clock, small enough for CI
+
+    def get_batch(batch_size, step):
+        g = torch.Generator().manual_seed(step)
+        return torch.randn(batch_size, width, generator=g), None
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width))
+    graph = harmony.decompose(model, get_batch(2, 0)[0])
+    profiler = Profiler(graph, get_batch, lambda p: torch.optim.SGD(p, lr=0.1), CpuDevice("emu", None), trials=3)
+    sizes, target = (32, 64), 40
+    runs = {u: [] for u in (*sizes, target)}
+    for _ in range(3):
+        for u in runs:
+            runs[u].append(profiler.run(u, backward=True, trials=3).fwd[0])
+    for quantity in ("fwd_time", "bwd_time"):
+        median = {u: sorted(getattr(m, quantity) for m in ms)[1] for u, ms in runs.items()}
+        fit = fit_samples(list(sizes), [median[u] for u in sizes])
+        spread = max(max(getattr(m, quantity) for m in ms) / min(getattr(m, quantity) for m in ms) - 1 for ms in runs.values())
+        assert fit(target) == pytest.approx(median[target], rel=0.10 + 2 * spread), (quantity, spread)
