@@ -127,6 +127,13 @@ class LayerGraph:
                 return canon
         return name
 
+    def fingerprint(self) -> str:
+        """SHA-256 of the graph's structure and code: profiles and plans record it, so a file made
+        for another decomposition of the model is recognized and refused."""
+        import msgpack
+
+        return hashlib.sha256(msgpack.packb(self.to_dict(), use_bin_type=True)).hexdigest()
+
     def relays(self) -> dict[int, list[str]]:
         return {spec.index: spec.relayed for spec in self.layers if spec.relayed}
 

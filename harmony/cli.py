@@ -106,15 +106,24 @@ def _cmd_profile(ns: argparse.Namespace) -> int:
     if capacity is None and ns.device == "cpu":
         capacity = _default_capacity(graph)
     device = make_devices(ns.device, 1, capacity)[0]
+    machine = None
+    if not ns.no_probe:
+        from harmony.runtime.probe import probe_machine
+
+        with console.status(f"probing {ns.devices} {ns.device} device(s)"):
+            machine = probe_machine(ns.device, ns.devices, capacity)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True) as bar:
         task = bar.add_task("profiling", total=None)
         profiler = Profiler(graph, mf.get_batch, mf.build_optimizer, device, trials=ns.trials,
                             on_progress=lambda msg: bar.update(task, description=f"profiling: {msg}"))
         profile = profiler.profile(u_cap=ns.max_microbatch, samples=ns.samples)
+    profile.machine = machine
     if ns.out is not None:
         graph.save(ns.out)
         profile.save(ns.out / "profile.msgpack")
     _print_profile(profile)
+    if machine is not None:
+        console.print(machine.describe())
     where = f"; wrote {ns.out}/profile.msgpack" if ns.out is not None else ""
     console.print(f"{device.name}: capacity {_human_bytes(device.capacity)}, U_FMAX={profile.u_fmax}, U_BMAX={profile.u_bmax}{where}")
     return 0
@@ -124,8 +133,12 @@ def _analytic(ns: argparse.Namespace, graph) -> int:
     from harmony.scheduler.analytic import analytic_profile
     from harmony.scheduler.devicespec import load_spec
 
+    from harmony.scheduler.machine import Machine
+
     spec = load_spec(ns.analytic)
     profile = analytic_profile(graph, spec, max_microbatch=ns.max_microbatch)
+    profile.graph_hash = graph.fingerprint()
+    profile.machine = Machine.from_spec(spec, ns.devices)
     if ns.out is not None:
         graph.save(ns.out)
         profile.save(ns.out / "profile.msgpack")
@@ -222,12 +235,52 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=4, help="microbatch sizes measured per pass (default 4)")
     p.add_argument("--trials", type=int, default=3, help="timed repetitions per measurement (default 3)")
     p.add_argument("--batch-size", type=int, default=2, help="batch size of the example inputs used for tracing")
+    p.add_argument("--devices", type=int, default=2, help="devices the machine description covers (default 2)")
+    p.add_argument("--no-probe", action="store_true", help="skip measuring the machine's link bandwidths")
     p.add_argument("--analytic", metavar="SPEC",
                    help="estimate instead of measuring, for a device we lack: 1080ti, v100, a100, h100 or a JSON "
                    "file of DeviceSpec fields; the model is built on the meta device")
     p.add_argument("--out", type=Path, help="directory to write graph.msgpack, layers/ and profile.msgpack into")
     p.set_defaults(func=_cmd_profile)
+
+    p = sub.add_parser(
+        "probe", help="measure the machine's link bandwidths (host<->device, device<->device, contention)",
+        description=(
+            "Measure host->device and device->host copy bandwidth for one device and for all devices at once "
+            "(the contention of a shared host link), device->device (p2p) bandwidth and the fixed cost of a "
+            "transfer, on the devices Harmony would use. Emulated cpu devices are worker processes and p2p is "
+            "torch.distributed gloo, as in the runtime."
+        ),
+    )
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="device backend (default: cuda if available, else emulated cpu)")
+    p.add_argument("--devices", type=int, default=2, help="number of devices (default 2)")
+    p.add_argument("--device-memory", help="capacity per device, e.g. 8GiB (default: free GPU memory / host memory)")
+    p.add_argument("--size", default="64MiB", help="bytes per timed transfer (default 64MiB)")
+    p.add_argument("--repeats", type=int, default=3, help="timed repetitions, the median is kept (default 3)")
+    p.add_argument("--out", type=Path, help="file to write the machine description (msgpack) to")
+    p.set_defaults(func=_cmd_probe)
     return parser
+
+
+def _cmd_probe(ns: argparse.Namespace) -> int:
+    from harmony.runtime.device import parse_bytes
+    from harmony.runtime.probe import probe_machine
+
+    if ns.devices < 1:
+        raise HarmonyError(f"--devices must be at least 1, got {ns.devices}")
+    try:
+        capacity = parse_bytes(ns.device_memory) if ns.device_memory else None
+        size = parse_bytes(ns.size)
+    except ValueError as exc:
+        raise HarmonyError(str(exc)) from exc
+    with console.status(f"probing {ns.devices} {ns.device} device(s)"):
+        machine = probe_machine(ns.device, ns.devices, capacity, size=size, repeats=ns.repeats)
+    console.print(machine.describe())
+    if ns.out is not None:
+        machine.save(ns.out)
+        console.print(f"wrote {ns.out}")
+    return 0
 
 
 def _version() -> str:

@@ -135,7 +135,7 @@ class Profiler:
                     layer.bwd_samples.append(sample)
         return Profile(
             source="measured", device=f"{self.device.kind}:{self.device.name}", capacity=self.device.capacity,
-            u_fmax=u_fmax, u_bmax=u_bmax, layers=layers,
+            u_fmax=u_fmax, u_bmax=u_bmax, layers=layers, graph_hash=self.graph.fingerprint(),
         )
 
     def _layer_profile(self, index: int) -> LayerProfile:

@@ -19,6 +19,7 @@ from sklearn.linear_model import LinearRegression
 
 from harmony import serialization
 from harmony.errors import FormatError
+from harmony.scheduler.machine import Machine
 
 SCHEMA_VERSION = 1
 KIND = "profile"
@@ -151,6 +152,7 @@ class Profile:
     layers: list[LayerProfile]
     graph_hash: str = ""  # ties the profile to the layer graph it was made from
     notes: dict[str, str] = field(default_factory=dict)
+    machine: Machine | None = None  # devices and link bandwidths, probed or from a spec
 
     def fit_errors(self) -> dict[str, float]:
         """The worst relative fit error per quantity over all layers (reported, not hidden)."""
@@ -216,7 +218,8 @@ class Profile:
                 )
                 for layer in body["layers"]
             ]
-            return cls(**{k: v for k, v in body.items() if k != "layers"}, layers=layers)
+            machine = Machine.from_dict(body["machine"]) if body.get("machine") else None
+            return cls(**{k: v for k, v in body.items() if k not in ("layers", "machine")}, layers=layers, machine=machine)
         except (KeyError, TypeError) as exc:
             raise FormatError(f"profile is malformed ({type(exc).__name__}: {exc})") from exc
 

@@ -7,6 +7,9 @@ from pathlib import Path
 import pytest
 
 from harmony.cli import build_parser, main
+from harmony.decomposer.layer_graph import LayerGraph
+from harmony.scheduler.machine import Machine
+from harmony.scheduler.profiles import Profile
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,10 +48,21 @@ def test_console_script_is_installed():
 
 def test_profile_measures_and_writes_a_profile(tmp_path, capsys):
     rc = main(["profile", str(ROOT / "models" / "gpt2.py"), "--arg", "preset=tiny", "--device", "cpu",
-               "--device-memory", "4MiB", "--max-microbatch", "4", "--samples", "2", "--trials", "1", "--out", str(tmp_path)])
+               "--device-memory", "4MiB", "--max-microbatch", "4", "--samples", "2", "--trials", "1", "--no-probe", "--out", str(tmp_path)])
     assert rc == 0
     assert "U_FMAX=4" in capsys.readouterr().out
-    assert (tmp_path / "profile.msgpack").is_file()
+    profile = Profile.load(tmp_path / "profile.msgpack")
+    graph = LayerGraph.load(tmp_path)
+    assert profile.graph_hash == graph.fingerprint()
+    assert len(profile.layers) == len(graph.layers)
+
+
+def test_probe_writes_a_machine_description(tmp_path, capsys):
+    out = tmp_path / "machine.msgpack"
+    assert main(["probe", "--device", "cpu", "--devices", "2", "--size", "1MiB", "--repeats", "1", "--out", str(out)]) == 0
+    machine = Machine.load(out)
+    assert machine.source == "measured" and machine.devices == 2 and machine.h2d > 0
+    assert "h2d" in capsys.readouterr().out
 
 
 def test_analytic_profile_of_an_unknown_spec_is_a_clear_error(capsys):
