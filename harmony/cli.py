@@ -82,18 +82,10 @@ def _cmd_decompose(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _default_capacity(graph) -> int:
-    """A quarter of the training footprint (weights, gradients, Adam's two states, example
-    activations): small enough that a default run exercises the swaps a GPU run needs."""
-    weights = graph.parameter_bytes()
-    activations = sum(v.nbytes for v in graph.values.values())
-    return max(1, (4 * weights + activations) // 4)
-
-
 def _cmd_profile(ns: argparse.Namespace) -> int:
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from harmony.profiling import Profiler
+    from harmony.profiling import Profiler, training_footprint
     from harmony.runtime.device import make_devices, parse_bytes
 
     mf, _, graph = _load_and_decompose(ns, meta=bool(ns.analytic))
@@ -104,7 +96,8 @@ def _cmd_profile(ns: argparse.Namespace) -> int:
     except ValueError as exc:
         raise HarmonyError(f"--device-memory: {exc}") from exc
     if capacity is None and ns.device == "cpu":
-        capacity = _default_capacity(graph)
+        # a quarter of the training footprint, so that a default run needs the swaps a GPU run needs
+        capacity = max(1, training_footprint(graph, mf.get_batch, ns.minibatch) // 4)
     device = make_devices(ns.device, 1, capacity)[0]
     machine = None
     if not ns.no_probe:
@@ -116,7 +109,7 @@ def _cmd_profile(ns: argparse.Namespace) -> int:
         task = bar.add_task("profiling", total=None)
         profiler = Profiler(graph, mf.get_batch, mf.build_optimizer, device, trials=ns.trials,
                             on_progress=lambda msg: bar.update(task, description=f"profiling: {msg}"))
-        profile = profiler.profile(u_cap=ns.max_microbatch, samples=ns.samples)
+        profile = profiler.profile(u_cap=ns.max_microbatch or ns.minibatch, samples=ns.samples)
     profile.machine = machine
     if ns.out is not None:
         graph.save(ns.out)
@@ -136,7 +129,7 @@ def _analytic(ns: argparse.Namespace, graph) -> int:
     from harmony.scheduler.machine import Machine
 
     spec = load_spec(ns.analytic)
-    profile = analytic_profile(graph, spec, max_microbatch=ns.max_microbatch)
+    profile = analytic_profile(graph, spec, max_microbatch=ns.max_microbatch or ns.minibatch)
     profile.graph_hash = graph.fingerprint()
     profile.machine = Machine.from_spec(spec, ns.devices)
     if ns.out is not None:
@@ -231,7 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="device backend (default: cuda if available, else emulated cpu)")
     p.add_argument("--device-memory", help="capacity of the device, e.g. 8GiB (default: GPU free memory; "
                    "emulated cpu: a quarter of the model's training footprint)")
-    p.add_argument("--max-microbatch", type=int, default=64, help="largest microbatch size worth trying (default 64)")
+    p.add_argument("--minibatch", type=int, default=64,
+                   help="minibatch size D: no microbatch is larger, and the default emulated capacity is a quarter of "
+                   "the footprint of training D samples on one device (default 64)")
+    p.add_argument("--max-microbatch", type=int, help="largest microbatch size worth trying (default: the minibatch)")
     p.add_argument("--samples", type=int, default=4, help="microbatch sizes measured per pass (default 4)")
     p.add_argument("--trials", type=int, default=3, help="timed repetitions per measurement (default 3)")
     p.add_argument("--batch-size", type=int, default=2, help="batch size of the example inputs used for tracing")

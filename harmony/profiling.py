@@ -116,10 +116,10 @@ class Profiler:
         u_fmax = self.slow_start(backward=False, cap=u_cap)
         u_bmax = self.slow_start(backward=True, cap=u_fmax)
         log.info("%s: U_FMAX=%d U_BMAX=%d", self.device.name, u_fmax, u_bmax)
-        fwd_us = stride_sizes(u_fmax, samples)
         bwd_us = set(stride_sizes(u_bmax, samples))
+        sizes = sorted(set(stride_sizes(u_fmax, samples)) | bwd_us)  # a backward sample needs its forward too
         layers = [self._layer_profile(i) for i in range(len(self.graph.layers))]
-        for u in fwd_us:
+        for u in sizes:
             self.on_progress(f"measure u={u}")
             attempt = self.run(u, backward=u in bwd_us, trials=self.trials)
             if not attempt.fwd_fits or (u in bwd_us and not attempt.bwd_fits):
@@ -154,6 +154,23 @@ class Profiler:
             dw_bytes=sum(p.numel() * p.element_size() for p in params), k_bytes=k_bytes, b_bytes=b_bytes,
             upd_time_device=upd_device, upd_time_host=upd_host,
         )
+
+
+def training_footprint(graph: LayerGraph, get_batch: Callable[[int, int], tuple], minibatch: int, k_per_w: float = 2.0) -> int:
+    """Bytes to train on one device without recompute: weights, gradients, optimizer state
+    (``k_per_w`` times the weights; Adam keeps two) and every layer's activations for a whole
+    minibatch. The activations per sample are measured (one sample through every layer's BWD task
+    on an unlimited emulated device) and scaled by the minibatch size."""
+    if graph.modules is None:
+        raise HarmonyError("the layer graph has no layer modules to run; decompose the model first")
+    device = CpuDevice("footprint")
+    inputs, _ = get_batch(1, 0)
+    values = inputs if isinstance(inputs, tuple) else (inputs,)
+    activations = 0
+    for module in graph.modules:
+        m, values = measure_layer(module, values, device, trials=0, backward=True)
+        activations += m.act_bytes
+    return int((2 + k_per_w) * graph.parameter_bytes() + minibatch * activations)
 
 
 @contextmanager

@@ -220,7 +220,7 @@ class Machine:
         gb = 1e9
         lines = [
             f"{self.devices} x {self.device_name} ({self.kind}, {self.source}), "
-            f"{self.capacity / (1 << 30):.2f} GiB each",
+            f"{_binary(self.capacity)} each",
             f"  h2d {self.h2d / gb:.2f} GB/s, d2h {self.d2h / gb:.2f} GB/s (one device)",
             f"  h2d {self.h2d_all / gb:.2f} GB/s, d2h {self.d2h_all / gb:.2f} GB/s (all devices at once, "
             f"host link {'shared' if self.host_link_shared else 'per device'})",
@@ -230,3 +230,11 @@ class Machine:
 
 
 FIELD_NAMES = tuple(f.name for f in fields(Machine))
+
+
+def _binary(n: int) -> str:
+    """Bytes in the largest binary unit that keeps the number at least 1."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"

@@ -45,9 +45,12 @@ def test_slow_start_finds_the_largest_microbatch_that_fits(backward):
     assert not fresh.run(u + 1, backward=backward, trials=0).__getattribute__("bwd_fits" if backward else "fwd_fits")
 
 
-def test_backward_maximum_is_below_forward_maximum():
+def test_backward_maximum_is_below_forward_maximum_and_both_passes_are_sampled_to_their_maximum():
     profile = _profiler(capacity=200_000).profile(u_cap=10_000, samples=3)
     assert profile.u_bmax >= 1 and profile.u_bmax <= profile.u_fmax
+    for layer in profile.layers:
+        assert [s.u for s in layer.bwd_samples][-1] == profile.u_bmax and len(layer.bwd_samples) == 3
+        assert [s.u for s in layer.fwd_samples][-1] == profile.u_fmax
 
 
 def test_a_device_too_small_for_one_sample_is_a_clear_error():
