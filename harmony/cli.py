@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -107,7 +108,8 @@ def _cmd_profile(ns: argparse.Namespace) -> int:
             machine = probe_machine(ns.device, ns.devices, capacity)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True) as bar:
         task = bar.add_task("profiling", total=None)
-        profiler = Profiler(graph, mf.get_batch, mf.build_optimizer, device, trials=ns.trials,
+        threads = max(1, (os.cpu_count() or 1) // ns.devices) if ns.device == "cpu" else None
+        profiler = Profiler(graph, mf.get_batch, mf.build_optimizer, device, trials=ns.trials, threads=threads,
                             on_progress=lambda msg: bar.update(task, description=f"profiling: {msg}"))
         profile = profiler.profile(u_cap=ns.max_microbatch or ns.minibatch, samples=ns.samples)
     profile.machine = machine

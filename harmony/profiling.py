@@ -48,6 +48,7 @@ class Profiler:
         device: Device,
         trials: int = 3,
         on_progress: Callable[[str], None] | None = None,
+        threads: int | None = None,
     ):
         if graph.modules is None:
             raise HarmonyError("the layer graph has no layer modules to run; decompose the model first")
@@ -57,6 +58,7 @@ class Profiler:
         self.device = device
         self.trials = trials
         self.on_progress = on_progress or (lambda msg: None)
+        self.threads = threads  # torch threads while measuring: an emulated device's share of the cores
         self._fit_cache: dict[tuple[int, bool], _Attempt] = {}
 
     # ------------------------------------------------------------------ one size
@@ -113,11 +115,18 @@ class Profiler:
     # ------------------------------------------------------------------ the profile
     def profile(self, u_cap: int, samples: int = 4) -> Profile:
         """Sweep, measure at ``samples`` sizes per pass, measure updates, and assemble the Profile."""
+        with torch_threads(self.threads):
+            return self._profile(u_cap, samples)
+
+    def _profile(self, u_cap: int, samples: int) -> Profile:
         u_fmax = self.slow_start(backward=False, cap=u_cap)
         u_bmax = self.slow_start(backward=True, cap=u_fmax)
         log.info("%s: U_FMAX=%d U_BMAX=%d", self.device.name, u_fmax, u_bmax)
-        bwd_us = set(stride_sizes(u_bmax, samples))
-        sizes = sorted(set(stride_sizes(u_fmax, samples)) | bwd_us)  # a backward sample needs its forward too
+        # the stride, plus the sweep's doublings: peak memory bends where the task's largest moment
+        # moves from one phase to another, and denser small sizes catch that bend
+        doublings = {1 << k for k in range(u_fmax.bit_length()) if 1 << k <= u_fmax}
+        bwd_us = set(stride_sizes(u_bmax, samples)) | {u for u in doublings if u <= u_bmax}
+        sizes = sorted(set(stride_sizes(u_fmax, samples)) | doublings | bwd_us)  # a backward sample needs its forward
         layers = [self._layer_profile(i) for i in range(len(self.graph.layers))]
         for u in sizes:
             self.on_progress(f"measure u={u}")
@@ -154,6 +163,25 @@ class Profiler:
             dw_bytes=sum(p.numel() * p.element_size() for p in params), k_bytes=k_bytes, b_bytes=b_bytes,
             upd_time_device=upd_device, upd_time_host=upd_host,
         )
+
+
+@contextmanager
+def torch_threads(n: int | None):
+    """Run with ``n`` torch intra-op threads (None: leave as is), restoring the count afterwards.
+
+    N emulated devices share the host's cores, each worker with its share; measuring one device
+    with all the cores would time a device faster than the runtime will have, and on a shared
+    machine two threads contending also make timings several times noisier.
+    """
+    if n is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, n))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def training_footprint(graph: LayerGraph, get_batch: Callable[[int, int], tuple], minibatch: int, k_per_w: float = 2.0) -> int:
