@@ -1,0 +1,228 @@
+"""The task IR: what each device does in one training iteration, and what moves where (§4.3.2).
+
+A ``Task`` is a FWD, BWD or UPD over one pack of contiguous layers and a group of microbatches,
+bound to one device (or to the host, for an update offloaded to the CPU). Its inputs and outputs
+are ``Transfer``s that name the tensor, the channel that carries it and the task at the other end,
+so that the estimator can simulate the graph and the runtime can execute it without knowing how
+it was made. Each task prints as one compact line, a graph as one line per task, so plans can be
+read, diffed and golden-tested:
+
+    dev1 FWD L2-3 u=10x2 in: X<-P2P(dev0) W<-SWAP out: Y->P2P(dev0) Xs->SWAP
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Iterator
+
+from harmony.errors import FormatError
+
+HOST = -1  # the device index of work bound to the host CPU (an offloaded update)
+
+
+class Channel(str, Enum):
+    """How a tensor travels (§4.3.2)."""
+
+    SWAP = "SWAP"  # host memory <-> device memory
+    P2P = "P2P"  # device <-> device
+    MSG = "MSG"  # host <-> host between worker processes
+    SHM = "SHM"  # shared host memory (master weights, optimizer state): no copy
+    LOCAL = "LOCAL"  # stays resident on the device from an earlier task
+
+
+class Kind(str, Enum):
+    FWD = "FWD"
+    BWD = "BWD"  # recompute + backward; with ``loss`` the pack's forward, the loss and the backward
+    UPD = "UPD"
+
+
+# Tensor names used in transfers.
+#   X: the pack's input activation   Y: its output    Xs: X stashed for the recompute
+#   dY: gradient arriving at the pack's output        dX: gradient leaving at its input
+#   W: weights   B: buffers (e.g. batch-norm statistics)   dW: weight gradients   K: optimizer state
+#   T: the loss target
+TENSORS = ("X", "Y", "Xs", "dY", "dX", "W", "B", "dW", "K", "T")
+
+
+@dataclass
+class Transfer:
+    """One tensor into or out of a task."""
+
+    tensor: str
+    channel: Channel
+    nbytes: int
+    peer: int | None = None  # the other device, for P2P
+    task: int | None = None  # the producing task (inputs) or consuming task (outputs), if any
+    microbatch: int | None = None  # index within the task's group, for per-microbatch activations
+
+    def route(self) -> str:
+        return f"{self.channel.value}(dev{self.peer})" if self.channel == Channel.P2P and self.peer is not None else self.channel.value
+
+
+@dataclass
+class Task:
+    id: int
+    device: int
+    kind: Kind
+    first: int
+    last: int
+    microbatches: list[int]  # sizes of the group's microbatches, in order (the last may be smaller)
+    offset: int = 0  # index of the group's first sample in the minibatch
+    loss: bool = False  # BWD of the last pack: forward, loss and backward together (jit-compute)
+    update: str = "none"  # BWD: "device" (jit-update after its last microbatch), "host" or "none"
+    inputs: list[Transfer] = field(default_factory=list)
+    outputs: list[Transfer] = field(default_factory=list)
+
+    @property
+    def u(self) -> int:
+        return max(self.microbatches) if self.microbatches else 0
+
+    @property
+    def samples(self) -> int:
+        return sum(self.microbatches)
+
+    def deps(self) -> set[int]:
+        """Tasks that must have produced an input before this task can use it."""
+        return {t.task for t in self.inputs if t.task is not None}
+
+    def __str__(self) -> str:
+        where = "host" if self.device == HOST else f"dev{self.device}"
+        name = self.kind.value + ("+loss" if self.loss else "") + ("+upd" if self.update == "device" else "")
+        layers = f"L{self.first}" if self.first == self.last else f"L{self.first}-{self.last}"
+        parts = [where, name, layers]
+        if self.kind != Kind.UPD:
+            parts.append(f"u={_group_text(self.microbatches)}")
+        for label, transfers, is_input in (("in:", self.inputs, True), ("out:", self.outputs, False)):
+            if transfers:
+                parts.append(label)
+                parts.extend(_dedup(transfers, is_input))
+        return " ".join(parts)
+
+
+def _group_text(sizes: list[int]) -> str:
+    """``[10, 10, 4]`` -> ``10x2+4``: the group's microbatch sizes, compactly."""
+    if not sizes:
+        return "0"
+    full = sizes[0]
+    count = sum(1 for s in sizes if s == full)
+    rest = [s for s in sizes if s != full]
+    text = f"{full}x{count}" if count > 1 else f"{full}"
+    return text + "".join(f"+{s}" for s in rest)
+
+
+def _dedup(transfers: list[Transfer], is_input: bool) -> list[str]:
+    """Per-microbatch transfers of the same tensor and route print once."""
+    seen: list[str] = []
+    for t in transfers:
+        text = f"{t.tensor}{'<-' if is_input else '->'}{t.route()}"
+        if text not in seen:
+            seen.append(text)
+    return seen
+
+
+@dataclass
+class Configuration:
+    """(U_F, P_F, U_B, P_B): microbatch sizes and layer packs of the two passes (§4.3.1)."""
+
+    u_f: int
+    packs_f: list[tuple[int, int]]
+    u_b: int
+    packs_b: list[tuple[int, int]]
+
+    def __str__(self) -> str:
+        def packs(ps):
+            return " ".join(f"L{a}" if a == b else f"L{a}-{b}" for a, b in ps)
+
+        return f"U_F={self.u_f} P_F=[{packs(self.packs_f)}] U_B={self.u_b} P_B=[{packs(self.packs_b)}]"
+
+
+@dataclass
+class TaskGraph:
+    """One iteration's tasks in a valid execution order; each device runs its own in this order."""
+
+    mode: str
+    devices: int
+    minibatch: int
+    config: Configuration
+    tasks: list[Task]
+
+    def __iter__(self) -> Iterator[Task]:
+        return iter(self.tasks)
+
+    def device_tasks(self, device: int) -> list[Task]:
+        return [t for t in self.tasks if t.device == device]
+
+    def bytes_by_channel(self) -> dict[str, int]:
+        """Bytes per channel per iteration, counting every input once (outputs are someone's input
+        or land in host memory, which is counted on the way out)."""
+        total: Counter[str] = Counter()
+        for task in self.tasks:
+            for t in task.inputs:
+                if t.channel in (Channel.SWAP, Channel.P2P, Channel.MSG):
+                    total[f"{t.channel.value} in"] += t.nbytes
+            for t in task.outputs:
+                if t.channel in (Channel.SWAP, Channel.MSG):
+                    total[f"{t.channel.value} out"] += t.nbytes
+        return dict(total)
+
+    def swap_bytes(self, tensor: str | None = None) -> int:
+        """Host<->device bytes per iteration (in and out), optionally of one tensor kind."""
+        return sum(
+            t.nbytes
+            for task in self.tasks
+            for t in (*task.inputs, *task.outputs)
+            if t.channel == Channel.SWAP and (tensor is None or t.tensor == tensor)
+        )
+
+    def to_text(self) -> str:
+        lines = [f"# {self.mode} on {self.devices} device(s), minibatch {self.minibatch}: {self.config}"]
+        lines.extend(f"{t.id:>4} {t}" for t in self.tasks)
+        return "\n".join(lines) + "\n"
+
+    def validate(self) -> None:
+        """Every input's producer exists and comes earlier; raises ValueError naming the task."""
+        position = {t.id: i for i, t in enumerate(self.tasks)}
+        if len(position) != len(self.tasks):
+            raise ValueError("task ids are not unique")
+        for i, task in enumerate(self.tasks):
+            for dep in task.deps():
+                if dep not in position:
+                    raise ValueError(f"task {task.id} ({task}) reads from task {dep}, which does not exist")
+                if position[dep] >= i:
+                    raise ValueError(f"task {task.id} ({task}) reads from task {dep}, which comes later")
+
+    # ---------------------------------------------------------------- files
+    def to_dict(self) -> dict:
+        body = asdict(self)
+        for task in body["tasks"]:
+            task["kind"] = task["kind"].value if isinstance(task["kind"], Kind) else task["kind"]
+            for t in task["inputs"] + task["outputs"]:
+                t["channel"] = t["channel"].value if isinstance(t["channel"], Channel) else t["channel"]
+        return body
+
+    @classmethod
+    def from_dict(cls, body: dict) -> "TaskGraph":
+        try:
+            cfg = body["config"]
+            config = Configuration(
+                u_f=cfg["u_f"], packs_f=[tuple(p) for p in cfg["packs_f"]],
+                u_b=cfg["u_b"], packs_b=[tuple(p) for p in cfg["packs_b"]],
+            )
+            tasks = []
+            for t in body["tasks"]:
+                inputs = [Transfer(**{**x, "channel": Channel(x["channel"])}) for x in t["inputs"]]
+                outputs = [Transfer(**{**x, "channel": Channel(x["channel"])}) for x in t["outputs"]]
+                tasks.append(Task(**{**t, "kind": Kind(t["kind"]), "inputs": inputs, "outputs": outputs}))
+            return cls(mode=body["mode"], devices=body["devices"], minibatch=body["minibatch"], config=config, tasks=tasks)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FormatError(f"task graph is malformed ({type(exc).__name__}: {exc})") from exc
+
+
+def microbatch_sizes(samples: int, u: int) -> list[int]:
+    """``samples`` split into microbatches of ``u``, the last one smaller if u does not divide it."""
+    if u < 1:
+        raise ValueError(f"microbatch size must be at least 1, got {u}")
+    full, rest = divmod(samples, u)
+    return [u] * full + ([rest] if rest else [])
