@@ -45,6 +45,22 @@ class Measurement:
     bwd_error: str = ""  # why the backward task did not fit, if it did not
 
 
+MIN_TIMED_SECONDS = 0.02  # keep repeating a short task until this much was timed ...
+MAX_TRIAL_FACTOR = 10  # ... but at most this many times the asked-for trials
+
+
+def _trial_indices(trials: int, timed: list[float]):
+    """Trial numbers: 0 is the untimed warm-up; then at least ``trials`` timed runs, more while
+    the timed total is under ``MIN_TIMED_SECONDS`` (a sub-millisecond task's median of three is
+    mostly the noise of a shared machine). ``trials=0`` runs the warm-up only (sweeps)."""
+    trial = 0
+    while trial == 0 or (trial <= trials) or (
+        trials and sum(timed) < MIN_TIMED_SECONDS and trial <= trials * MAX_TRIAL_FACTOR
+    ):
+        yield trial
+        trial += 1
+
+
 def _nbytes(values) -> int:
     return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
 
@@ -105,7 +121,7 @@ def measure_pack(
         states = [_device_state(module, device) for module in modules]
         fwd_times, fwd_peak, x_bytes, y_bytes = [], 0, 0, 0
         outputs: tuple = ()
-        for trial in range(trials + 1):  # the first run warms caches, is not timed, and feeds the next layer
+        for trial in _trial_indices(trials, fwd_times):  # the warm-up is not timed and feeds the next layer
             xs = _on_device(device, inputs, grad=False)
             device.reset_peak()
             timer = device.timer()
@@ -135,7 +151,7 @@ def _measure_backward(modules, states, inputs: tuple, device: Device, trials: in
     for p in params:  # the gradient buffer, resident across the group's microbatches
         p.grad = torch.zeros_like(p)
     rec_times, bwd_times = [], []
-    for trial in range(trials + 1):
+    for trial in _trial_indices(trials, bwd_times):
         recompute, backward = _backward_once(modules, states, params, inputs, device, m)
         if trial:
             rec_times.append(recompute)
@@ -184,7 +200,7 @@ def measure_update(
             c.grad = torch.zeros_like(c)
         opt = build_optimizer(copies)
         times = []
-        for trial in range(trials + 1):
+        for trial in _trial_indices(trials, times):
             timer = device.timer()
             timer.start()
             opt.step()
