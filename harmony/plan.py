@@ -1,0 +1,146 @@
+"""The plan directory: everything `harmony compile` decided, in files a person and a worker can read.
+
+    manifest.json    versions, the model file's path and SHA-256, the options
+    graph.msgpack    the layer graph          layers/  one generated module per layer
+    profile.msgpack  the layer profiles and the machine description
+    plan.msgpack     the configuration, the task graph, the estimate, the mode comparison
+    trace.json       the simulated timeline (Chrome trace format; open in Perfetto)
+    summary.md       the same for people
+
+A plan is refused when its files disagree with each other (a graph, profile and task graph made
+at different times) or with the model file it was compiled from, with a message saying what
+changed and to compile again.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harmony import serialization
+from harmony.decomposer.layer_graph import LayerGraph
+from harmony.errors import FormatError, HarmonyError
+from harmony.modelfile import source_hash
+from harmony.scheduler.profiles import PROFILE_FILE, Profile
+from harmony.scheduler.tasks import TaskGraph
+
+SCHEMA_VERSION = 1
+KIND = "plan"
+PLAN_FILE = "plan.msgpack"
+MANIFEST = "manifest.json"
+
+
+class StalePlanError(HarmonyError):
+    """The plan no longer matches its model file or its own parts."""
+
+
+@dataclass
+class Plan:
+    graph: LayerGraph
+    profile: Profile
+    tasks: TaskGraph
+    estimate: dict[str, Any]  # iteration_time, fits, peak_memory, bytes_by_channel, busy
+    options: dict[str, Any] = field(default_factory=dict)
+    comparison: list[dict[str, Any]] = field(default_factory=list)  # one row per mode considered
+    model_file: str = ""
+    model_sha256: str = ""
+    search: dict[str, Any] = field(default_factory=dict)  # explored configurations, seconds
+
+    # ------------------------------------------------------------ files
+    def save(self, directory: str | Path, trace_events=None) -> Path:
+        """Write the plan directory; the manifest goes last, so a half-written plan has none."""
+        from harmony import __version__
+        from harmony.scheduler.trace import write_chrome_trace
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / MANIFEST).unlink(missing_ok=True)
+        self.graph.save(directory)
+        self.profile.save(directory / PROFILE_FILE)
+        body = {
+            "graph_fingerprint": self.graph.fingerprint(),
+            "tasks": self.tasks.to_dict(),
+            "estimate": self.estimate,
+            "options": self.options,
+            "comparison": self.comparison,
+            "search": self.search,
+        }
+        serialization.save(directory / PLAN_FILE, KIND, SCHEMA_VERSION, body)
+        if trace_events is not None:
+            write_chrome_trace(directory / "trace.json", trace_events, title=f"{self.tasks.mode} plan")
+        serialization.atomic_write_bytes(directory / "summary.md", self.summary().encode())
+        manifest = {
+            "harmony": __version__, "torch": torch.__version__, "python": platform.python_version(),
+            "schema": {"plan": SCHEMA_VERSION}, "model_file": self.model_file, "model_sha256": self.model_sha256,
+            "options": self.options,
+        }
+        serialization.atomic_write_bytes(directory / MANIFEST, json.dumps(manifest, indent=2, default=str).encode())
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | Path, model_file: str | Path | None = None, device: str = "cpu") -> "Plan":
+        """Read a plan directory, checking that its parts belong together and, given the model
+        file, that the model has not changed since the plan was compiled."""
+        directory = Path(directory)
+        manifest_path = directory / MANIFEST
+        if not manifest_path.is_file():
+            raise FormatError(f"{directory} is not a complete plan (no {MANIFEST}); compile it again")
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise FormatError(f"{manifest_path} is corrupt ({exc}); compile the plan again") from exc
+        if model_file is not None:
+            now = source_hash(Path(model_file))
+            if manifest.get("model_sha256") != now:
+                raise StalePlanError(
+                    f"{model_file} changed since the plan in {directory} was compiled "
+                    f"(SHA-256 {str(manifest.get('model_sha256'))[:12]}… then, {now[:12]}… now); run harmony compile again"
+                )
+        body = serialization.load(directory / PLAN_FILE, KIND, SCHEMA_VERSION)
+        graph = LayerGraph.load(directory, device=device)
+        if body.get("graph_fingerprint") != graph.fingerprint():
+            raise StalePlanError(f"{directory}/graph.msgpack is not the graph this plan was made for; compile again")
+        profile = Profile.load(directory / PROFILE_FILE)
+        if profile.graph_hash and profile.graph_hash != graph.fingerprint():
+            raise StalePlanError(f"{directory}/{PROFILE_FILE} was made for another layer graph; compile again")
+        return cls(
+            graph=graph, profile=profile, tasks=TaskGraph.from_dict(body["tasks"]), estimate=body["estimate"],
+            options=body.get("options", {}), comparison=body.get("comparison", []),
+            model_file=manifest.get("model_file", ""), model_sha256=manifest.get("model_sha256", ""),
+            search=body.get("search", {}),
+        )
+
+    # ------------------------------------------------------------ people
+    def summary(self) -> str:
+        est = self.estimate
+        lines = [
+            f"# Harmony plan: {self.tasks.mode} on {self.tasks.devices} device(s), minibatch {self.tasks.minibatch}",
+            "",
+            f"- model: `{self.model_file or self.graph.model_class}` ({len(self.graph.layers)} layers)",
+            f"- profile: {self.profile.source} on {self.profile.device}, capacity {self.profile.capacity:,} bytes per device",
+            f"- configuration: {self.tasks.config}",
+            f"- estimated iteration time: {est.get('iteration_time', float('nan')):.6f} s",
+            f"- search: {self.search.get('explored', '?')} configurations in {self.search.get('seconds', float('nan')):.2f} s",
+            "",
+            "## Bytes per iteration",
+            "",
+            "| channel | bytes |",
+            "|---|---:|",
+        ]
+        lines += [f"| {k} | {v:,} |" for k, v in sorted(est.get("bytes_by_channel", {}).items())]
+        lines += ["", "## Peak memory per device", "", "| device | peak bytes |", "|---|---:|"]
+        lines += [f"| {k} | {v:,} |" for k, v in sorted(est.get("peak_memory", {}).items(), key=lambda kv: int(kv[0]))]
+        if self.comparison:
+            lines += ["", "## Modes compared", "", "| mode | iteration s | swap bytes | peak bytes | configuration |", "|---|---:|---:|---:|---|"]
+            for row in self.comparison:
+                lines.append(
+                    f"| {row['mode']} | {row.get('iteration_time', float('nan')):.6f} | {row.get('swap_bytes', 0):,} | "
+                    f"{row.get('peak_memory', 0):,} | {row.get('config', '')} |"
+                )
+        lines += ["", "## Tasks", "", "```", self.tasks.to_text().rstrip(), "```", ""]
+        return "\n".join(lines)
