@@ -11,7 +11,6 @@ scheduler depends on nothing that runs.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -123,21 +122,30 @@ class LayerProfile:
     fwd_samples: list[LayerSample] = field(default_factory=list)
     bwd_samples: list[LayerSample] = field(default_factory=list)
 
-    @cached_property
+    def fit(self, quantity: str) -> Fit:
+        """The fit of one quantity, made on first use (the search asks for a few of them only)."""
+        fits = self.__dict__.setdefault("_fits", {})
+        if quantity not in fits:
+            samples = self.bwd_samples if quantity in BWD_FIELDS else self.fwd_samples
+            fits[quantity] = fit_samples([s.u for s in samples], [getattr(s, quantity) for s in samples])
+        return fits[quantity]
+
+    @property
     def fits(self) -> dict[str, Fit]:
-        fits = {}
-        for name in SAMPLE_FIELDS:
-            samples = self.bwd_samples if name in BWD_FIELDS else self.fwd_samples
-            fits[name] = fit_samples([s.u for s in samples], [getattr(s, name) for s in samples])
-        return fits
+        return {name: self.fit(name) for name in SAMPLE_FIELDS}
 
     def at(self, quantity: str, u: int) -> float:
-        """The quantity at microbatch size u: the sample itself when measured, else the fit."""
-        samples = self.bwd_samples if quantity in BWD_FIELDS else self.fwd_samples
-        for s in samples:
-            if s.u == u:
-                return float(getattr(s, quantity))
-        return self.fits[quantity](u)
+        """The quantity at microbatch size u: the sample itself when measured, else the fit.
+
+        Memoized: the scheduler asks for the same few (quantity, u) pairs many thousands of times.
+        """
+        memo = self.__dict__.setdefault("_at", {})
+        key = (quantity, u)
+        if key not in memo:
+            samples = self.bwd_samples if quantity in BWD_FIELDS else self.fwd_samples
+            exact = [s for s in samples if s.u == u]
+            memo[key] = float(getattr(exact[0], quantity)) if exact else self.fit(quantity)(u)
+        return memo[key]
 
 
 @dataclass
