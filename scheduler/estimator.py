@@ -1,0 +1,874 @@
+"""The runtime estimator (§4.3.1 "estimate"): an event-driven simulation of one training iteration.
+
+``estimate(graph, profile, machine)`` plays a :class:`~harmony.scheduler.tasks.TaskGraph` the way the
+runtime executes it (§4.4) and reports the iteration time, each device's peak memory, the bytes moved
+and a timeline of every stream. The search calls it thousands of times, so it is a single pass over
+a heap of events with integer bookkeeping; ``record_events=False`` skips building the timeline.
+
+What is simulated (the runtime's semantics, which this module must keep in step with):
+
+- **Streams.** Every device has five: compute, swap-in, swap-out, p2p-in and p2p-out. The host
+  (``HOST``) is one more "device" whose compute stream runs offloaded updates. Each device computes
+  its tasks in graph order; a task is one *unit* per microbatch (FWD: the pack's forward; BWD: the
+  recompute and the backward, or for a ``loss`` task the forward and the backward), plus one unit
+  for a fused device update; a UPD task is one unit.
+- **Transfers.** SWAP inputs (host -> device) run on the swap-in stream at the ``h2d`` rate, SWAP
+  outputs (device -> host) on the swap-out stream at ``d2h``; MSG uses the same streams at the
+  ``msg`` rate; a P2P transfer holds the sender's p2p-out and the receiver's p2p-in streams at once,
+  for ``transfer_time(nbytes, "d2d")``. SHM and LOCAL cost nothing and are pure dependencies. A task
+  on the host reads SWAP inputs straight from host memory: they are dependencies on the producer's
+  swap-out, not copies.
+- **When a transfer may start.** An input transfer is *issued* when the task before its consumer on
+  the same device starts computing (one task of lookahead: the next task's inputs are prefetched
+  while the current one computes; the first task's at time zero), and it is *ready* when its data
+  exists: a SWAP input produced by task k waits for k's matching swap-out to end, a P2P input for
+  the microbatch of k that produces it. Outputs leave as soon as the unit producing them ends (the
+  microbatch for per-microbatch outputs, the whole task for W/K/dW). Swap-in streams serve ready
+  transfers in the order their consumers compute; swap-out and p2p streams in the order transfers
+  became ready, so that a p2p transfer that heads both its queues always exists and p2p cannot
+  deadlock on its own.
+- **When compute may start.** A unit starts once the previous unit on the device has ended, the
+  task-wide inputs (W, B, K, ...) and its own microbatch's inputs have arrived.
+- **Host-link contention.** On a shared host link (``machine.host_link_shared``) the active h2d
+  copies of all devices share the link (likewise d2h): each progresses at
+  ``machine.bandwidth(channel, k)`` for the k copies active at the moment, rates recomputed whenever
+  one starts or ends (processor sharing); the fixed ``latency`` is paid before joining the link.
+  P2P and MSG copies do not contend.
+- **Memory.** A device holds, while a task computes, the task's peak (``pack_fwd_memory`` /
+  ``pack_bwd_memory`` at the task's largest microbatch; zero for UPD), which covers its weights,
+  buffers, gradient buffers, one microbatch's activations and its input X (and dY for BWD). On top:
+  every input from the moment its copy starts until its unit starts computing (then the task's peak
+  covers it; inputs the peak does not cover, K and T and everything of a UPD task, stay until the
+  unit ends); every output from the end of the unit that produced it until its copy ends (LOCAL
+  outputs until their consumer starts). The peak of that sum is reported per device; ``fits`` says
+  whether every device stays within ``capacity``.
+- **Memory-aware prefetch.** A swap-in that would push its device past ``capacity`` waits (the
+  runtime's memory manager blocks the prefetch) until memory is freed or its consumer is the very
+  next unit and the compute stream is idle; then it goes ahead regardless and the overflow shows in
+  the peak. P2P receives are not held back (the sender pushes as soon as the receiver issued them).
+- **Deadlock.** If the heap empties while a device still has units to run, the result carries a
+  ``deadlock`` description naming, for each stuck device, the task it waits to run and the inputs
+  it waits for (and the iteration time is infinite).
+
+Matching a consumer's input to its producer's output: among the producer's outputs naming the
+consumer (``Transfer.task``) on a compatible channel, the one with the same microbatch and a
+compatible tensor name (``Y`` feeds ``X``, ``dX`` feeds ``dY``, ``X``/``Xs`` feed each other) is
+preferred; outputs naming no consumer (``Xs->SWAP`` to the host store) match any later reader of
+that tensor. An input whose producer has no matching output waits for the producer's whole task.
+"""
+
+from __future__ import annotations
+
+import gc
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from .machine import Machine
+from .profiles import Profile
+from .tasks import HOST, Channel, Kind, Task, TaskGraph, Transfer
+
+__all__ = ["Estimate", "StreamEvent", "STREAMS", "estimate", "chrome_trace"]
+
+STREAMS = ("compute", "swap-in", "swap-out", "p2p-in", "p2p-out")
+_COMPUTE, _SWAP_IN, _SWAP_OUT, _P2P_IN, _P2P_OUT = range(5)
+
+# transfer kinds
+_IN, _OUT, _MSG_IN, _MSG_OUT, _P2P = range(5)
+_KIND_LABEL = {_IN: "SWAP in", _OUT: "SWAP out", _MSG_IN: "MSG in", _MSG_OUT: "MSG out", _P2P: "P2P"}
+
+# event codes
+_E_UNIT, _E_XFER, _E_JOIN, _E_LINK = range(4)
+
+# Input tensors that a task's memory peak already includes (absorbed when the unit starts).
+_COVERED = {
+    Kind.FWD: frozenset(("X", "W", "B")),
+    Kind.BWD: frozenset(("X", "Xs", "dY", "W", "B", "dW")),
+    Kind.UPD: frozenset(),
+}
+# (produced as, read as) pairs that are the same tensor seen from the two ends of a transfer
+_ALIASES = frozenset((("Y", "X"), ("dX", "dY"), ("X", "Xs"), ("Xs", "X"), ("Y", "Xs")))
+_HOSTLIKE = (Channel.SWAP, Channel.MSG, Channel.SHM)
+
+
+class StreamEvent(NamedTuple):
+    """One interval on one stream, for Chrome traces."""
+
+    device: int  # HOST (-1) for the host
+    stream: str  # one of STREAMS
+    task: int
+    label: str
+    start: float
+    end: float
+
+
+@dataclass
+class Estimate:
+    iteration_time: float  # seconds: the last completion over devices and host (inf on deadlock)
+    fits: bool  # every device's peak within capacity
+    peak_memory: dict[int, int]  # per device, bytes
+    bytes_by_channel: dict[str, int]  # "SWAP in", "SWAP out", "P2P", "MSG in", "MSG out"
+    bytes_by_device: dict[int, dict[str, int]]  # "SWAP in", "SWAP out", "P2P in", "P2P out", "MSG in", ...
+    busy: dict[int, dict[str, float]]  # per device per stream, busy seconds
+    deadlock: str | None = None  # what each stuck device waits for, if the graph cannot finish
+    events: list[StreamEvent] = field(default_factory=list)
+    capacity: int | None = None
+
+    def utilization(self, device: int, stream: str = "compute") -> float:
+        """Fraction of the iteration the stream was busy."""
+        if not self.iteration_time or math.isinf(self.iteration_time):
+            return 0.0
+        return self.busy.get(device, {}).get(stream, 0.0) / self.iteration_time
+
+
+# ---------------------------------------------------------------------------------------- model
+class _Unit:
+    """One microbatch of a task's compute (or its fused update, or a whole UPD task)."""
+
+    __slots__ = (
+        "slot", "order", "task", "j", "dur", "need", "end_units", "end_xfers", "issue",
+        "delta_start", "release_end", "alloc_end", "waits", "done",
+    )
+
+    def __init__(self, slot: int, task: Task, j: int, dur: float):
+        self.slot = slot
+        self.order = 0
+        self.task = task
+        self.j = j  # microbatch index; len(microbatches) for the fused update unit
+        self.dur = dur
+        self.need = 0
+        self.end_units: list[_Unit] = []
+        self.end_xfers: list[_Xfer] = []
+        self.issue: list[_Xfer] = []  # the next task's input transfers, issued when this unit starts
+        self.delta_start = 0  # bytes: + task peak (first unit) - inputs the peak covers
+        self.release_end = 0  # bytes freed at the end: uncovered inputs, the task peak (last unit)
+        self.alloc_end = 0  # bytes of outputs produced by this unit, held until they leave
+        self.waits: list[tuple[Transfer, int | None, object]] = []  # for deadlock reports
+        self.done = False
+
+
+class _Xfer:
+    __slots__ = (
+        "kind", "nbytes", "dur", "link", "src", "dst", "need", "end_units", "end_xfers", "unit",
+        "alloc_dst", "free_src", "free_dst", "done", "start", "transfer", "task_id",
+        "remaining", "version",
+    )
+
+    def __init__(self, kind: int, transfer: Transfer, task_id: int, src: int | None, dst: int | None):
+        self.kind = kind
+        self.transfer = transfer
+        self.task_id = task_id
+        self.nbytes = transfer.nbytes
+        self.src = src
+        self.dst = dst
+        self.dur = 0.0
+        self.link = None
+        self.need = 0
+        self.end_units: list[_Unit] = []
+        self.end_xfers: list[_Xfer] = []
+        self.unit: _Unit | None = None  # the consuming unit (inputs)
+        self.alloc_dst = 0
+        self.free_src = 0
+        self.free_dst = 0
+        self.done = False
+        self.start = 0.0
+        self.remaining = 0.0
+        self.version = 0
+
+
+class _Link:
+    """A shared host link in one direction: active copies share it (processor sharing)."""
+
+    __slots__ = ("channel", "active", "last", "rate", "rates")
+
+    def __init__(self, channel: str, machine: Machine, devices: int):
+        self.channel = channel
+        self.active: list[_Xfer] = []
+        self.last = 0.0
+        self.rate = 0.0
+        self.rates = [0.0] + [machine.bandwidth(channel, k) for k in range(1, devices + 2)]
+
+
+def _compatible(produced: str, read: str) -> bool:
+    return produced == read or (produced, read) in _ALIASES
+
+
+_GROUP = {Channel.P2P: "p2p", Channel.LOCAL: "local", Channel.SWAP: "host", Channel.MSG: "host", Channel.SHM: "host"}
+
+
+def _where(device: int) -> str:
+    return "host" if device == HOST else f"dev{device}"
+
+
+def _profile_cache(profile: Profile) -> dict:
+    cache = profile.__dict__.get("_estimator_cache")
+    if cache is None or cache[0] != len(profile.layers):
+        cache = (len(profile.layers), {})
+        profile.__dict__["_estimator_cache"] = cache
+    return cache[1]
+
+
+def _task_costs(task: Task, profile: Profile, cache: dict) -> tuple[list[float], int]:
+    """Durations of the task's units and its memory peak."""
+    key = (task.kind, task.loss, task.update, task.device == HOST, task.first, task.last, tuple(task.microbatches))
+    hit = cache.get(key)
+    if hit is not None:
+        return hit
+    first, last = task.first, task.last
+    layers = profile.layers[first:last + 1]
+
+    def pack(q: str, u: int) -> float:
+        k = (q, first, last, u)
+        v = cache.get(k)
+        if v is None:
+            v = cache[k] = profile.pack_time(first, last, u, q)
+        return v
+
+    if task.kind == Kind.UPD:
+        q = "upd_time_host" if task.device == HOST else "upd_time_device"
+        durs = [float(sum(getattr(layer, q) for layer in layers))]
+        peak = 0
+    else:
+        durs = []
+        for size in task.microbatches:
+            if task.kind == Kind.FWD:
+                durs.append(pack("fwd_time", size))
+            elif task.loss:
+                durs.append(pack("fwd_time", size) + pack("bwd_time", size))
+            else:
+                durs.append(pack("recompute_time", size) + pack("bwd_time", size))
+        if task.kind == Kind.BWD and task.update == "device":
+            durs.append(float(sum(layer.upd_time_device for layer in layers)))
+        if not durs:
+            durs = [0.0]
+        u = task.u
+        if u <= 0 or not layers:
+            peak = 0
+        elif task.kind == Kind.FWD:
+            peak = profile.pack_fwd_memory(first, last, u)
+        else:
+            peak = profile.pack_bwd_memory(first, last, u)
+    cache[key] = (durs, peak)
+    return durs, peak
+
+
+# ---------------------------------------------------------------------------------------- estimate
+def estimate(
+    graph: TaskGraph,
+    profile: Profile,
+    machine: Machine,
+    capacity: int | None = None,
+    record_events: bool = True,
+) -> Estimate:
+    """Simulate one iteration of ``graph``; see the module docs for the model.
+
+    ``capacity`` (bytes per device; ``machine.capacity`` when not given) is what ``fits`` is judged
+    against and what prefetching may use."""
+    # The simulation allocates tens of thousands of small objects; in a process that holds a big
+    # heap (torch, a model) the cyclic collector's full passes would triple the run time.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _estimate(graph, profile, machine, capacity, record_events)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: int | None, record_events: bool) -> Estimate:
+    cap = machine.capacity if capacity is None else int(capacity)
+    cache = _profile_cache(profile)
+    tasks = graph.tasks
+    by_id = {t.id: t for t in tasks}
+
+    # ---- slots: one per device, then the host
+    devices = sorted({t.device for t in tasks if t.device != HOST} | set(range(graph.devices)))
+    slot_of = {d: i for i, d in enumerate(devices)}
+    host_slot = len(devices)
+    slot_of[HOST] = host_slot
+    slot_dev = devices + [HOST]
+    nslots = len(slot_dev)
+
+    def slot(device: int | None) -> int | None:
+        if device is None:
+            return None
+        return slot_of.get(device)
+
+    # ---- units
+    units_of: dict[int, list[_Unit]] = {}
+    slot_units: list[list[_Unit]] = [[] for _ in range(nslots)]
+    first_unit_prev: dict[int, _Unit | None] = {}  # task id -> first unit of the previous task on its slot
+    last_on_slot: list[_Unit | None] = [None] * nslots
+    for task in tasks:
+        s = slot_of[task.device]
+        durs, peak = _task_costs(task, profile, cache)
+        us = [_Unit(s, task, j, d) for j, d in enumerate(durs)]
+        su = slot_units[s]
+        for u in us:
+            u.order = len(su)
+            su.append(u)
+        if s != host_slot:
+            us[0].delta_start += peak
+            us[-1].release_end += peak
+        first_unit_prev[task.id] = last_on_slot[s]
+        last_on_slot[s] = us[0]
+        units_of[task.id] = us
+
+    def unit_for(task: Task, mb: int | None, produce: bool) -> _Unit:
+        us = units_of[task.id]
+        if mb is not None and 0 <= mb < len(task.microbatches) and mb < len(us):
+            return us[mb]
+        return us[-1] if produce else us[0]
+
+    # ---- transfer rates
+    shared = machine.host_link_shared
+    links = {}
+    if shared:
+        links["h2d"] = _Link("h2d", machine, nslots)
+        links["d2h"] = _Link("d2h", machine, nslots)
+    latency = machine.latency
+    xfers: list[_Xfer] = []
+    bytes_by_channel: dict[str, int] = {}
+    bytes_by_device: dict[int, dict[str, int]] = {d: {} for d in slot_dev}
+
+    def count(device: int, key: str, n: int) -> None:
+        per = bytes_by_device.setdefault(device, {})
+        per[key] = per.get(key, 0) + n
+
+    def new_xfer(kind: int, transfer: Transfer, task_id: int, src: int | None, dst: int | None) -> _Xfer:
+        x = _Xfer(kind, transfer, task_id, src, dst)
+        n = transfer.nbytes
+        if kind == _IN:
+            x.dur = machine.transfer_time(n, "h2d")
+            x.link = links.get("h2d")
+            count(slot_dev[dst], "SWAP in", n)
+        elif kind == _OUT:
+            x.dur = machine.transfer_time(n, "d2h")
+            x.link = links.get("d2h")
+            count(slot_dev[src], "SWAP out", n)
+        elif kind == _MSG_IN:
+            x.dur = machine.transfer_time(n, "msg")
+            count(slot_dev[dst], "MSG in", n)
+        elif kind == _MSG_OUT:
+            x.dur = machine.transfer_time(n, "msg")
+            count(slot_dev[src], "MSG out", n)
+        else:
+            x.dur = machine.transfer_time(n, "d2d")
+            if src is not None:
+                count(slot_dev[src], "P2P out", n)
+            if dst is not None:
+                count(slot_dev[dst], "P2P in", n)
+        label = _KIND_LABEL[kind]
+        bytes_by_channel[label] = bytes_by_channel.get(label, 0) + n
+        xfers.append(x)
+        return x
+
+    # ---- outputs: what each producer emits, and when
+    # record: [transfer, producing unit, swap-out xfer or None, used, slot]
+    # record: [transfer, producing unit, swap-out xfer or None, used, slot]
+    to_consumer: dict[tuple, list[list]] = {}  # (producer, consumer, group, microbatch) -> records
+    to_consumer_any: dict[tuple, list[list]] = {}  # (producer, consumer, group) -> records
+    to_host: dict[int, list[list]] = {}  # producer -> records naming no consumer
+    to_host_mb: dict[tuple, list[list]] = {}  # (producer, microbatch) -> the same records
+    for task in tasks:
+        s = slot_of[task.device]
+        on_host = s == host_slot
+        for o in task.outputs:
+            pu = unit_for(task, o.microbatch, produce=True)
+            ch = o.channel
+            x = None
+            if o.nbytes > 0 and ch in (Channel.SWAP, Channel.MSG) and not (on_host and ch == Channel.SWAP):
+                x = new_xfer(_OUT if ch == Channel.SWAP else _MSG_OUT, o, task.id, s, None)
+                x.need = 1
+                pu.end_xfers.append(x)
+                if not on_host:
+                    pu.alloc_end += o.nbytes
+                    x.free_src = o.nbytes
+            elif not on_host and o.nbytes > 0 and ch in (Channel.P2P, Channel.LOCAL):
+                pu.alloc_end += o.nbytes  # held until sent / read
+            rec = [o, pu, x, False, s]
+            if o.task is not None and o.task in by_id:
+                group = _GROUP[ch]
+                to_consumer.setdefault((task.id, o.task, group, o.microbatch), []).append(rec)
+                to_consumer_any.setdefault((task.id, o.task, group), []).append(rec)
+            else:
+                to_host.setdefault(task.id, []).append(rec)
+                to_host_mb.setdefault((task.id, o.microbatch), []).append(rec)
+
+    def match(k: int, c: Task, i: Transfer) -> list | None:
+        group = _GROUP[i.channel]
+        fallback = None
+        for rec in to_consumer.get((k, c.id, group, i.microbatch), ()):
+            if not rec[3]:
+                if _compatible(rec[0].tensor, i.tensor):
+                    return rec
+                if fallback is None:
+                    fallback = rec
+        if fallback is not None:
+            return fallback
+        for rec in to_consumer_any.get((k, c.id, group), ()):
+            if not rec[3]:
+                if _compatible(rec[0].tensor, i.tensor):
+                    return rec
+                if fallback is None:
+                    fallback = rec
+        if fallback is not None:
+            return fallback
+        if group != "host":
+            return None
+        # outputs to the host store naming no reader: the same tensor name first, the same
+        # microbatch first, else a task-wide one, else the last of that tensor the producer wrote
+        best = None
+        for rec in to_host_mb.get((k, i.microbatch), ()):
+            o = rec[0]
+            if o.channel in _HOSTLIKE and _compatible(o.tensor, i.tensor):
+                if o.tensor == i.tensor:
+                    return rec
+                best = best or rec
+        if best is not None:
+            return best
+        best_score = -1
+        for rec in to_host.get(k, ()):
+            o = rec[0]
+            if o.channel not in _HOSTLIKE or not _compatible(o.tensor, i.tensor):
+                continue
+            score = 4 * (o.microbatch == i.microbatch) + 2 * (o.microbatch is None) + (o.tensor == i.tensor)
+            if score >= best_score:
+                best, best_score = rec, score
+        return best
+
+    # ---- inputs: transfers into each consumer and their dependencies
+    for task in tasks:
+        s = slot_of[task.device]
+        on_host = s == host_slot
+        prev_first = first_unit_prev[task.id]
+        covered = _COVERED.get(task.kind, frozenset())
+        last_unit = units_of[task.id][-1]
+        for i in task.inputs:
+            cu = unit_for(task, i.microbatch, produce=False)
+            per_mb = cu.j == i.microbatch
+            k = i.task if i.task in by_id else None
+            rec = match(k, task, i) if k is not None else None
+            if rec is not None and rec[0].task is not None:
+                rec[3] = True
+            # where the data becomes available: a swap-out's end, a producing unit's end, or now
+            if rec is not None:
+                source = rec[2] if (rec[2] is not None and i.channel != Channel.P2P) else rec[1]
+            elif k is not None:
+                source = units_of[k][-1]
+            else:
+                source = None
+            ch = i.channel
+            n = i.nbytes
+            k_slot = slot_of[by_id[k].device] if k is not None else None
+            x = None
+            if n > 0 and not on_host and ch == Channel.P2P:
+                src = k_slot if k is not None else slot(i.peer)
+                if src == host_slot:
+                    x = new_xfer(_IN, i, task.id, None, s)
+                elif src != s:
+                    x = new_xfer(_P2P, i, task.id, src, s)
+                    if rec is not None and rec[4] == src:
+                        x.free_src = rec[0].nbytes
+            elif n > 0 and ch in (Channel.SWAP, Channel.MSG) and not (on_host and ch == Channel.SWAP):
+                x = new_xfer(_IN if ch == Channel.SWAP else _MSG_IN, i, task.id, None, s)
+            if x is not None:
+                x.unit = cu
+                if not on_host:
+                    x.alloc_dst = n
+                    if i.tensor in covered:
+                        cu.delta_start -= n
+                    elif per_mb:
+                        cu.release_end += n
+                    else:
+                        last_unit.release_end += n
+                if source is not None:
+                    x.need += 1
+                    source.end_xfers.append(x)
+                if prev_first is not None:
+                    x.need += 1
+                    prev_first.issue.append(x)
+                x.end_units.append(cu)
+                cu.need += 1
+                cu.waits.append((i, k, x))
+            else:
+                if source is not None:
+                    source.end_units.append(cu)
+                    cu.need += 1
+                    cu.waits.append((i, k, source))
+                # a LOCAL tensor left on this device by its producer is taken over by the consumer
+                if rec is not None and ch == Channel.LOCAL and rec[0].channel == Channel.LOCAL and rec[4] == s and not on_host:
+                    held = rec[0].nbytes
+                    if i.tensor in covered:
+                        cu.delta_start -= held
+                    elif per_mb:
+                        cu.release_end += held
+                    else:
+                        last_unit.release_end += held
+
+    # outputs nobody read: P2P sends still happen; LOCAL tensors stay until their named task ends
+    for recs in (*to_consumer_any.values(), *to_host.values()):
+        for o, pu, x, used, s in recs:
+            if used or s == host_slot or o.nbytes <= 0:
+                continue
+            if o.channel == Channel.P2P:
+                consumer = by_id.get(o.task) if o.task is not None else None
+                dst = slot_of[consumer.device] if consumer is not None else slot(o.peer)
+                if dst == s or dst == host_slot:
+                    dst = None
+                y = new_xfer(_P2P, o, pu.task.id, s, dst)
+                y.need = 1
+                y.free_src = o.nbytes
+                if dst is not None:
+                    y.alloc_dst = y.free_dst = o.nbytes
+                pu.end_xfers.append(y)
+            elif o.channel == Channel.LOCAL and o.task in by_id and slot_of[by_id[o.task].device] == s:
+                units_of[o.task][-1].release_end += o.nbytes
+
+    # ------------------------------------------------------------------------------ simulation
+    heap: list = []
+    seq = 0
+    now = 0.0
+    mem = [0] * nslots
+    peak = [0] * nslots
+    caps = [cap] * nslots
+    caps[host_slot] = None
+    ptr = [0] * nslots
+    computing = [False] * nslots
+    busy_flag = [[False] * 5 for _ in range(nslots)]
+    busy_time = [[0.0] * 5 for _ in range(nslots)]
+    swap_in_q: list[list] = [[] for _ in range(nslots)]
+    swap_out_q: list[deque] = [deque() for _ in range(nslots)]
+    p2p_in_q: list[deque] = [deque() for _ in range(nslots)]
+    p2p_out_q: list[deque] = [deque() for _ in range(nslots)]
+    events: list[StreamEvent] = []
+    end_time = 0.0
+    heappush = heapq.heappush
+
+    def push(t: float, code: int, obj, ver: int = 0) -> None:
+        nonlocal seq
+        seq += 1
+        heappush(heap, (t, seq, code, obj, ver))
+
+    def try_compute(s: int) -> None:
+        if computing[s]:
+            return
+        su = slot_units[s]
+        p = ptr[s]
+        if p >= len(su):
+            return
+        u = su[p]
+        if u.need:
+            return
+        computing[s] = True
+        ptr[s] = p + 1
+        m = mem[s] + u.delta_start
+        mem[s] = m
+        if m > peak[s]:
+            peak[s] = m
+        push(now + u.dur, _E_UNIT, u, 0)
+        if record_events:
+            u_start[id(u)] = now
+        for x in u.issue:
+            x.need -= 1
+            if not x.need:
+                enqueue(x)
+
+    u_start: dict[int, float] = {}
+
+    def enqueue(x: _Xfer) -> None:
+        nonlocal seq
+        kind = x.kind
+        if kind == _IN or kind == _MSG_IN:
+            seq += 1
+            heappush(swap_in_q[x.dst], (x.unit.order, seq, x))
+            try_swap_in(x.dst)
+        elif kind == _P2P:
+            if x.src is not None:
+                p2p_out_q[x.src].append(x)
+            if x.dst is not None:
+                p2p_in_q[x.dst].append(x)
+            try_p2p(x)
+        else:
+            swap_out_q[x.src].append(x)
+            try_swap_out(x.src)
+
+    def try_swap_in(s: int) -> None:
+        q = swap_in_q[s]
+        if busy_flag[s][_SWAP_IN] or not q:
+            return
+        x = q[0][2]
+        c = caps[s]
+        if c is not None and mem[s] + x.alloc_dst > c:
+            # a prefetch that does not fit waits, unless the compute stream idles waiting for it
+            if computing[s] or ptr[s] != x.unit.order:
+                return
+        heapq.heappop(q)
+        busy_flag[s][_SWAP_IN] = True
+        start(x)
+
+    def try_swap_out(s: int) -> None:
+        q = swap_out_q[s]
+        if busy_flag[s][_SWAP_OUT] or not q:
+            return
+        x = q.popleft()
+        busy_flag[s][_SWAP_OUT] = True
+        start(x)
+
+    def try_p2p(x: _Xfer) -> None:
+        src, dst = x.src, x.dst
+        if src is not None and (busy_flag[src][_P2P_OUT] or p2p_out_q[src][0] is not x):
+            return
+        if dst is not None and (busy_flag[dst][_P2P_IN] or p2p_in_q[dst][0] is not x):
+            return
+        if src is not None:
+            p2p_out_q[src].popleft()
+            busy_flag[src][_P2P_OUT] = True
+        if dst is not None:
+            p2p_in_q[dst].popleft()
+            busy_flag[dst][_P2P_IN] = True
+        start(x)
+
+    def start(x: _Xfer) -> None:
+        x.start = now
+        if x.alloc_dst:
+            d = x.dst
+            m = mem[d] + x.alloc_dst
+            mem[d] = m
+            if m > peak[d]:
+                peak[d] = m
+        link = x.link
+        if link is None:
+            push(now + x.dur, _E_XFER, x, 0)
+        else:
+            x.remaining = float(x.nbytes)
+            if latency > 0:
+                push(now + latency, _E_JOIN, x, 0)
+            else:
+                join(link, x)
+
+    def advance(link: _Link) -> None:
+        dt = now - link.last
+        if dt > 0 and link.active:
+            r = link.rate * dt
+            for a in link.active:
+                a.remaining -= r
+        link.last = now
+
+    def reschedule(link: _Link) -> None:
+        active = link.active
+        if not active:
+            return
+        rate = link.rates[len(active)] if len(active) < len(link.rates) else machine.bandwidth(link.channel, len(active))
+        link.rate = rate
+        for a in active:
+            a.version += 1
+            push(now + max(a.remaining, 0.0) / rate, _E_LINK, a, a.version)
+
+    def join(link: _Link, x: _Xfer) -> None:
+        advance(link)
+        link.active.append(x)
+        reschedule(link)
+
+    def finish_xfer(x: _Xfer) -> None:
+        nonlocal end_time
+        x.done = True
+        kind = x.kind
+        src, dst = x.src, x.dst
+        d = now - x.start
+        if now > end_time:
+            end_time = now
+        if kind == _IN or kind == _MSG_IN:
+            busy_flag[dst][_SWAP_IN] = False
+            busy_time[dst][_SWAP_IN] += d
+            if record_events:
+                events.append(StreamEvent(slot_dev[dst], "swap-in", x.task_id, _xfer_label(x), x.start, now))
+        elif kind == _P2P:
+            if src is not None:
+                busy_flag[src][_P2P_OUT] = False
+                busy_time[src][_P2P_OUT] += d
+                if record_events:
+                    events.append(StreamEvent(slot_dev[src], "p2p-out", x.task_id, _xfer_label(x), x.start, now))
+            if dst is not None:
+                busy_flag[dst][_P2P_IN] = False
+                busy_time[dst][_P2P_IN] += d
+                if record_events:
+                    events.append(StreamEvent(slot_dev[dst], "p2p-in", x.task_id, _xfer_label(x), x.start, now))
+        else:
+            busy_flag[src][_SWAP_OUT] = False
+            busy_time[src][_SWAP_OUT] += d
+            if record_events:
+                events.append(StreamEvent(slot_dev[src], "swap-out", x.task_id, _xfer_label(x), x.start, now))
+        if x.free_src:
+            mem[src] -= x.free_src
+        if x.free_dst:
+            mem[dst] -= x.free_dst
+        for u in x.end_units:
+            u.need -= 1
+            if not u.need:
+                try_compute(u.slot)
+        for y in x.end_xfers:
+            y.need -= 1
+            if not y.need:
+                enqueue(y)
+        # the freed streams take their next transfer
+        if kind == _IN or kind == _MSG_IN:
+            try_swap_in(dst)
+        elif kind == _P2P:
+            if src is not None:
+                q = p2p_out_q[src]
+                if q:
+                    try_p2p(q[0])
+                if x.free_src and swap_in_q[src]:
+                    try_swap_in(src)
+            if dst is not None:
+                q = p2p_in_q[dst]
+                if q:
+                    try_p2p(q[0])
+                if x.free_dst and swap_in_q[dst]:
+                    try_swap_in(dst)
+        else:
+            try_swap_out(src)
+            if x.free_src and swap_in_q[src]:
+                try_swap_in(src)
+
+    def finish_unit(u: _Unit) -> None:
+        nonlocal end_time
+        s = u.slot
+        u.done = True
+        computing[s] = False
+        if now > end_time:
+            end_time = now
+        busy_time[s][_COMPUTE] += u.dur
+        if record_events:
+            events.append(StreamEvent(slot_dev[s], "compute", u.task.id, _unit_label(u), u_start.pop(id(u)), now))
+        m = mem[s] - u.release_end + u.alloc_end
+        mem[s] = m
+        if m > peak[s]:
+            peak[s] = m
+        for v in u.end_units:
+            v.need -= 1
+            if not v.need:
+                try_compute(v.slot)
+        for y in u.end_xfers:
+            y.need -= 1
+            if not y.need:
+                enqueue(y)
+        try_compute(s)
+        if swap_in_q[s]:
+            try_swap_in(s)
+
+    # time zero: everything issued and ready goes, then the loop
+    for x in xfers:
+        if not x.need:
+            enqueue(x)
+    for s in range(nslots):
+        try_compute(s)
+    heappop = heapq.heappop
+    while heap:
+        t, _, code, obj, ver = heappop(heap)
+        now = t
+        if code == _E_UNIT:
+            finish_unit(obj)
+        elif code == _E_XFER:
+            finish_xfer(obj)
+        elif code == _E_JOIN:
+            join(obj.link, obj)
+        elif ver == obj.version:
+            link = obj.link
+            advance(link)
+            link.active.remove(obj)
+            reschedule(link)
+            finish_xfer(obj)
+
+    # ------------------------------------------------------------------------------ results
+    stuck = [s for s in range(nslots) if ptr[s] < len(slot_units[s])]
+    deadlock = _describe_deadlock(stuck, slot_units, ptr, slot_dev, by_id, units_of) if stuck else None
+    device_slots = [s for s in range(nslots) if slot_dev[s] != HOST]
+    peak_memory = {slot_dev[s]: int(peak[s]) for s in device_slots}
+    fits = cap is None or all(v <= cap for v in peak_memory.values())
+    busy = {}
+    for s in range(nslots):
+        if slot_dev[s] == HOST and not any(busy_time[s]) and not slot_units[s]:
+            continue
+        busy[slot_dev[s]] = {name: busy_time[s][k] for k, name in enumerate(STREAMS)}
+    if record_events:
+        events.sort(key=lambda e: (e.start, e.end))
+    return Estimate(
+        iteration_time=math.inf if deadlock else end_time,
+        fits=fits,
+        peak_memory=peak_memory,
+        bytes_by_channel=bytes_by_channel,
+        bytes_by_device={d: v for d, v in bytes_by_device.items() if v or d != HOST},
+        busy=busy,
+        deadlock=deadlock,
+        events=events,
+        capacity=cap,
+    )
+
+
+def _unit_label(u: _Unit) -> str:
+    t = u.task
+    name = t.kind.value + ("+loss" if t.loss else "")
+    layers = f"L{t.first}" if t.first == t.last else f"L{t.first}-{t.last}"
+    if t.kind == Kind.UPD:
+        return f"{name} {layers}"
+    if u.j >= len(t.microbatches):
+        return f"UPD {layers}"
+    return f"{name} {layers} mb{u.j} u={t.microbatches[u.j]}"
+
+
+def _xfer_label(x: _Xfer) -> str:
+    tr = x.transfer
+    arrow = "->" if x.kind in (_OUT, _MSG_OUT) or (x.kind == _P2P and x.unit is None) else "<-"
+    mb = f" mb{tr.microbatch}" if tr.microbatch is not None else ""
+    return f"{tr.tensor}{arrow}{tr.channel.value}{mb} ({tr.nbytes} B)"
+
+
+def _describe_deadlock(stuck, slot_units, ptr, slot_dev, by_id, units_of) -> str:
+    parts = []
+    for s in stuck:
+        u = slot_units[s][ptr[s]]
+        task = u.task
+        what = f"task {task.id} ({task})"
+        if len(task.microbatches) > 1 and u.j < len(task.microbatches):
+            what = f"microbatch {u.j} of {what}"
+        waits = []
+        for transfer, k, obj in u.waits:
+            if obj.done:
+                continue
+            src = ""
+            if k is not None:
+                producer = by_id[k]
+                pu = units_of[k]
+                ran = all(v.done for v in pu)
+                if not ran:
+                    state = "not yet computed"
+                elif isinstance(obj, _Xfer) and obj.kind == _OUT:
+                    state = "its swap-out has not ended"
+                else:
+                    state = "not yet delivered"
+                src = f" from task {k} on {_where(producer.device)} ({state})"
+            waits.append(f"{transfer.tensor} via {transfer.channel.value}{src}")
+        reason = "; ".join(waits) if waits else "nothing it can name (a transfer never started)"
+        parts.append(f"{_where(slot_dev[s])} waits to run {what} for {reason}")
+    return "deadlock: " + " | ".join(parts)
+
+
+def chrome_trace(est: Estimate) -> dict:
+    """The estimate's timeline in Chrome trace format (open in Perfetto): one process per device,
+    one thread per stream, times in microseconds."""
+    trace = []
+    for d in sorted({e.device for e in est.events}):
+        trace.append({"ph": "M", "name": "process_name", "pid": d, "args": {"name": _where(d)}})
+        for k, name in enumerate(STREAMS):
+            trace.append({"ph": "M", "name": "thread_name", "pid": d, "tid": k, "args": {"name": name}})
+    tid = {name: k for k, name in enumerate(STREAMS)}
+    for e in est.events:
+        trace.append({
+            "ph": "X", "name": e.label, "pid": e.device, "tid": tid[e.stream],
+            "ts": e.start * 1e6, "dur": (e.end - e.start) * 1e6, "args": {"task": e.task},
+        })
+    return {"traceEvents": trace, "displayTimeUnit": "ms"}
