@@ -52,10 +52,10 @@ class Plan:
     search: dict[str, Any] = field(default_factory=dict)  # explored configurations, seconds
 
     # ------------------------------------------------------------ files
-    def save(self, directory: str | Path, trace_events=None) -> Path:
-        """Write the plan directory; the manifest goes last, so a half-written plan has none."""
+    def save(self, directory: str | Path, trace: dict | None = None) -> Path:
+        """Write the plan directory (``trace``: a Chrome trace of the estimate, see
+        ``estimator.chrome_trace``); the manifest goes last, so a half-written plan has none."""
         from harmony import __version__
-        from harmony.scheduler.trace import write_chrome_trace
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -71,8 +71,8 @@ class Plan:
             "search": self.search,
         }
         serialization.save(directory / PLAN_FILE, KIND, SCHEMA_VERSION, body)
-        if trace_events is not None:
-            write_chrome_trace(directory / "trace.json", trace_events, title=f"{self.tasks.mode} plan")
+        if trace is not None:
+            serialization.atomic_write_bytes(directory / "trace.json", json.dumps(trace).encode())
         serialization.atomic_write_bytes(directory / "summary.md", self.summary().encode())
         manifest = {
             "harmony": __version__, "torch": torch.__version__, "python": platform.python_version(),

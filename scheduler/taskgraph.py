@@ -65,10 +65,6 @@ class _Builder:
         return task
 
 
-def _route(src_device: int, dst_device: int) -> tuple[Channel, int | None]:
-    return (Channel.LOCAL, None) if src_device == dst_device else (Channel.P2P, src_device)
-
-
 def _state_inputs(sz: _Sizes, first: int, last: int) -> list[Transfer]:
     inputs = [Transfer("W", Channel.SWAP, sz.w(first, last))]
     if sz.b(first, last):
@@ -101,18 +97,50 @@ def _check(config: Configuration, layers: int) -> None:
         raise ValueError(f"the last pack must be shared by P_F and P_B (jit-compute): {config.packs_f[-1]} vs {config.packs_b[-1]}")
 
 
-def _stash_points(config: Configuration) -> set[int]:
-    """Layers whose input the backward pass recomputes from: starts of P_B packs, except the last
-    pack (no recompute) and layer 0 (its input is the minibatch, already in host memory)."""
-    return {first for first, _ in config.packs_b[:-1] if first > 0}
-
-
 def _share(total: int, parts: int, index: int) -> tuple[int, int]:
     """(offset, size) of part ``index`` when ``total`` samples are split as evenly as possible."""
     base, extra = divmod(total, parts)
     size = base + (1 if index < extra else 0)
     offset = index * base + min(index, extra)
     return offset, size
+
+
+def _producing_microbatch(producer: Task, end_sample: int) -> int:
+    """Index of the producer's microbatch that completes sample ``end_sample - 1`` (group-relative)."""
+    done = 0
+    for j, size in enumerate(producer.microbatches):
+        done += size
+        if done >= end_sample:
+            return j
+    return len(producer.microbatches) - 1
+
+
+def _connect(producer: Task | None, consumer: Task, out_name: str, in_name: str, channel: Channel,
+             nbytes, out_channel: Channel | None = None) -> None:
+    """Route a per-microbatch activation or gradient from ``producer`` to ``consumer``.
+
+    One transfer per consumer microbatch. Its output side is attached to the producer's microbatch
+    that completes those samples, so that a consumer with another microbatch size (U_F ≠ U_B)
+    starts as soon as its samples exist; ``nbytes(size)`` gives the bytes of ``size`` samples.
+    ``producer=None`` reads from the minibatch in host memory.
+    """
+    start = 0
+    for j, size in enumerate(consumer.microbatches):
+        n = nbytes(size)
+        if producer is None:
+            consumer.inputs.append(Transfer(in_name, Channel.SWAP, n, microbatch=j))
+        else:
+            peer_in = producer.device if channel == Channel.P2P else None
+            peer_out = consumer.device if channel == Channel.P2P else None
+            out_ch = out_channel or channel
+            producer.outputs.append(Transfer(out_name, out_ch, n, peer=peer_out, task=consumer.id,
+                                             microbatch=_producing_microbatch(producer, start + size)))
+            consumer.inputs.append(Transfer(in_name, channel, n, peer=peer_in, task=producer.id, microbatch=j))
+        start += size
+
+
+def _between(src: Task, dst: Task) -> Channel:
+    return Channel.LOCAL if src.device == dst.device else Channel.P2P
 
 
 # --------------------------------------------------------------------------- pp
@@ -123,57 +151,37 @@ def wrap_around_pipeline(profile: Profile, config: Configuration, devices: int, 
     b = _Builder()
     f_sizes = microbatch_sizes(minibatch, config.u_f)
     b_sizes = microbatch_sizes(minibatch, config.u_b)
-    stash = _stash_points(config)
-    stash_task: dict[int, int] = {}
+    fwd_of_layer: dict[int, Task] = {}  # the FWD task whose pack contains the layer
     chain = len(config.packs_f) - 1 + len(config.packs_b)
-    device = [i % devices for i in range(chain)]
 
     prev: Task | None = None
     for i, (first, last) in enumerate(config.packs_f[:-1]):
-        task = b.add(device=device[i], kind=Kind.FWD, first=first, last=last, microbatches=list(f_sizes))
+        task = b.add(device=i % devices, kind=Kind.FWD, first=first, last=last, microbatches=list(f_sizes))
         task.inputs += _state_inputs(sz, first, last)
-        for j, size in enumerate(f_sizes):
-            if prev is None:
-                task.inputs.append(Transfer("X", Channel.SWAP, sz.x(first, size), microbatch=j))
-            else:
-                channel, peer = _route(prev.device, task.device)
-                task.inputs.append(Transfer("X", channel, sz.x(first, size), peer=peer, task=prev.id, microbatch=j))
-            channel, peer = _route(task.device, device[i + 1])
-            task.outputs.append(Transfer("Y", channel, sz.y(last, size), peer=device[i + 1] if peer is not None else None, microbatch=j))
-            for s in sorted(p for p in stash if first <= p <= last):
-                task.outputs.append(Transfer("Xs", Channel.SWAP, sz.x(s, size), microbatch=j))
-                stash_task[s] = task.id
+        _connect(prev, task, "Y", "X", _between(prev, task) if prev else Channel.SWAP, lambda n, f=first: sz.x(f, n))
         task.outputs += _buffer_out(sz, first, last)
+        for layer in range(first, last + 1):
+            fwd_of_layer[layer] = task
         prev = task
 
-    bwd_packs = list(reversed(config.packs_b))
-    for k, (first, last) in enumerate(bwd_packs):
+    for k, (first, last) in enumerate(reversed(config.packs_b)):
         i = len(config.packs_f) - 1 + k
         loss = k == 0
-        task = b.add(device=device[i], kind=Kind.BWD, first=first, last=last, microbatches=list(b_sizes), loss=loss)
+        task = b.add(device=i % devices, kind=Kind.BWD, first=first, last=last, microbatches=list(b_sizes), loss=loss)
         task.inputs += _state_inputs(sz, first, last)
-        for j, size in enumerate(b_sizes):
-            if loss:
-                if prev is None:
-                    task.inputs.append(Transfer("X", Channel.SWAP, sz.x(first, size), microbatch=j))
-                else:
-                    channel, peer = _route(prev.device, task.device)
-                    task.inputs.append(Transfer("X", channel, sz.x(first, size), peer=peer, task=prev.id, microbatch=j))
-            else:
-                # the recompute starts from the stash, or from the minibatch itself for layer 0
-                task.inputs.append(Transfer("Xs" if first > 0 else "X", Channel.SWAP, sz.x(first, size),
-                                            task=stash_task.get(first), microbatch=j))
-                channel, peer = _route(prev.device, task.device)
-                task.inputs.append(Transfer("dY", channel, sz.y(last, size), peer=peer, task=prev.id, microbatch=j))
-            if first > 0:
-                nxt = device[i + 1]
-                channel, peer = _route(task.device, nxt)
-                task.outputs.append(Transfer("dX", channel, sz.dx(first, size), peer=nxt if peer is not None else None, microbatch=j))
+        if loss:
+            _connect(prev, task, "Y", "X", _between(prev, task) if prev else Channel.SWAP, lambda n, f=first: sz.x(f, n))
+        else:
+            # the recompute starts from the stash the forward left in host memory (or the minibatch)
+            stash = fwd_of_layer[first] if first > 0 else None
+            _connect(stash, task, "Xs", "Xs" if first > 0 else "X", Channel.SWAP, lambda n, f=first: sz.x(f, n))
+            _connect(prev, task, "dX", "dY", _between(prev, task), lambda n, l=last: sz.y(l, n))
         if loss:
             task.outputs += _buffer_out(sz, first, last)
         _finish_update(b, sz, task, update)
         prev = task
-    return TaskGraph(mode="pp", devices=devices, minibatch=minibatch, config=config, tasks=b.tasks)
+    assert len([t for t in b.tasks if t.kind != Kind.UPD]) == chain
+    return TaskGraph(mode="pp", devices=devices, minibatch=minibatch, config=config, tasks=_ordered(b.tasks))
 
 
 def _finish_update(b: _Builder, sz: _Sizes, task: Task, update: str) -> None:
@@ -197,47 +205,37 @@ def harmony_dp(profile: Profile, config: Configuration, devices: int, minibatch:
         raise ValueError(f"dp needs at least one sample per device: minibatch {minibatch} < {devices} devices")
     sz = _Sizes(profile)
     b = _Builder()
-    stash = _stash_points(config)
     bwd_tasks: dict[tuple[int, int], list[Task]] = {}
-    per_device: list[list[Task]] = []
     for d in range(devices):
         offset, share = _share(minibatch, devices, d)
         f_sizes = microbatch_sizes(share, config.u_f)
         b_sizes = microbatch_sizes(share, config.u_b)
-        produced: dict[int, int] = {}  # layer -> task whose output (in host memory) is that layer's input
+        fwd_of_layer: dict[int, Task] = {}
         prev: Task | None = None
         for first, last in config.packs_f[:-1]:
             task = b.add(device=d, kind=Kind.FWD, first=first, last=last, microbatches=list(f_sizes), offset=offset)
             task.inputs += _state_inputs(sz, first, last)
-            for j, size in enumerate(f_sizes):
-                task.inputs.append(Transfer("X", Channel.SWAP, sz.x(first, size), task=prev.id if prev else None, microbatch=j))
-                task.outputs.append(Transfer("Y", Channel.SWAP, sz.y(last, size), microbatch=j))
-                for s in sorted(p for p in stash if first < p <= last):
-                    task.outputs.append(Transfer("Xs", Channel.SWAP, sz.x(s, size), microbatch=j))
-            for s in range(first + 1, last + 1):
-                produced[s] = task.id
-            produced[last + 1] = task.id
+            # a group's activations do not fit on the device: they wait in host memory
+            _connect(prev, task, "Y", "X", Channel.SWAP, lambda n, f=first: sz.x(f, n))
             task.outputs += _buffer_out(sz, first, last)
+            for layer in range(first, last + 1):
+                fwd_of_layer[layer] = task
             prev = task
-        tasks = []
         for k, (first, last) in enumerate(reversed(config.packs_b)):
             loss = k == 0
             task = b.add(device=d, kind=Kind.BWD, first=first, last=last, microbatches=list(b_sizes), offset=offset, loss=loss)
             task.inputs += _state_inputs(sz, first, last)
-            for j, size in enumerate(b_sizes):
-                name = "X" if loss or first == 0 else "Xs"
-                task.inputs.append(Transfer(name, Channel.SWAP, sz.x(first, size), task=produced.get(first), microbatch=j))
-                if not loss:
-                    task.inputs.append(Transfer("dY", Channel.SWAP, sz.y(last, size), task=tasks[-1].id, microbatch=j))
-                if first > 0:
-                    task.outputs.append(Transfer("dX", Channel.SWAP, sz.dx(first, size), microbatch=j))
             if loss:
+                _connect(prev, task, "Y", "X", Channel.SWAP, lambda n, f=first: sz.x(f, n))
                 task.outputs += _buffer_out(sz, first, last)
+            else:
+                stash = fwd_of_layer[first] if first > 0 else None
+                _connect(stash, task, "Xs", "Xs" if first > 0 else "X", Channel.SWAP, lambda n, f=first: sz.x(f, n))
+                _connect(prev, task, "dX", "dY", Channel.SWAP, lambda n, l=last: sz.y(l, n))
             task.update = update
             task.outputs.append(Transfer("dW", Channel.SWAP, sz.dw(first, last)))
             bwd_tasks.setdefault((first, last), []).append(task)
-            tasks.append(task)
-        per_device.append(tasks)
+            prev = task
 
     # one update per pack once every device's gradient of it is in host memory
     for first, last in reversed(config.packs_b):
@@ -247,12 +245,12 @@ def harmony_dp(profile: Profile, config: Configuration, devices: int, minibatch:
                   inputs=[Transfer("dW", Channel.SHM, 0, task=t.id) for t in sources])
         elif update == "device":
             for t in sources:  # replicated update: every device refreshes its own copy (§3's Harmony DP)
-                upd = b.add(device=t.device, kind=Kind.UPD, first=first, last=last, microbatches=[],
-                            inputs=[Transfer("dW", Channel.SWAP, sz.dw(first, last), task=s.id) for s in sources[:1]]
-                            + [Transfer("dW", Channel.SHM, 0, task=s.id) for s in sources[1:]]
-                            + [Transfer("K", Channel.SWAP, sz.k(first, last))],
-                            outputs=[Transfer("W", Channel.SWAP, sz.w(first, last)), Transfer("K", Channel.SWAP, sz.k(first, last))])
-                upd.inputs.insert(0, Transfer("W", Channel.LOCAL, 0, task=t.id))
+                b.add(device=t.device, kind=Kind.UPD, first=first, last=last, microbatches=[],
+                      inputs=[Transfer("W", Channel.LOCAL, 0, task=t.id),
+                              Transfer("dW", Channel.SWAP, sz.dw(first, last), task=sources[0].id)]
+                      + [Transfer("dW", Channel.SHM, 0, task=s.id) for s in sources[1:]]
+                      + [Transfer("K", Channel.SWAP, sz.k(first, last))],
+                      outputs=[Transfer("W", Channel.SWAP, sz.w(first, last)), Transfer("K", Channel.SWAP, sz.k(first, last))])
         else:
             raise ValueError(f"update must be 'device' or 'host', got {update!r}")
     return TaskGraph(mode="dp", devices=devices, minibatch=minibatch, config=config, tasks=_ordered(b.tasks))
