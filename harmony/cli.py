@@ -142,6 +142,60 @@ def _analytic(ns: argparse.Namespace, graph) -> int:
     return 0
 
 
+def _cmd_compile(ns: argparse.Namespace) -> int:
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from harmony.compiler import CompileOptions, compile_plan
+
+    options = CompileOptions(
+        minibatch=ns.minibatch, devices=ns.devices, device_memory=ns.device_memory, mode=ns.mode,
+        device_type=ns.device, analytic=ns.analytic, compare=not ns.no_compare, trials=ns.trials,
+        probe=not ns.no_probe, extra={"args": ns.args},
+    )
+    options.validate()
+    mf, model, graph = _load_and_decompose(ns, meta=bool(ns.analytic))
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("compiling", total=None)
+        plan, trace = compile_plan(
+            model, mf.get_batch, mf.build_optimizer, options, model_file=str(ns.model_file),
+            model_sha256=mf.source_hash, graph=graph, on_progress=lambda msg: bar.update(task, description=msg),
+        )
+    plan.save(ns.out, trace=trace)
+    _print_comparison(plan)
+    console.print(f"chosen: {plan.tasks.mode} {plan.tasks.config}")
+    console.print(f"estimated iteration: {plan.estimate['iteration_time'] * 1e3:.2f} ms; wrote {ns.out}/ (plan.msgpack, trace.json, summary.md)")
+    return 0
+
+
+def _print_comparison(plan) -> None:
+    table = Table(title=f"Modes on {plan.tasks.devices} device(s), minibatch {plan.tasks.minibatch} (estimated)")
+    for col in ("mode", "iteration ms", "samples/s", "swap volume", "peak memory", "configuration"):
+        table.add_column(col, justify="left" if col in ("mode", "configuration") else "right")
+    for row in plan.comparison:
+        t = row["iteration_time"]
+        if t is None:
+            table.add_row(row["mode"], "-", "-", "-", "-", row["config"])
+            continue
+        table.add_row(row["mode"], f"{t * 1e3:.2f}", f"{plan.tasks.minibatch / t:,.1f}" if t else "-",
+                      _human_bytes(row["swap_bytes"]), _human_bytes(row["peak_memory"]), row["config"])
+    console.print(table)
+
+
+def _cmd_show(ns: argparse.Namespace) -> int:
+    from harmony.plan import Plan
+
+    plan = Plan.load(ns.plan_dir)
+    console.print(f"{plan.tasks.mode} on {plan.tasks.devices} device(s), minibatch {plan.tasks.minibatch}: {plan.tasks.config}")
+    devices = [ns.device] if ns.device is not None else sorted({t.device for t in plan.tasks})
+    for d in devices:
+        tasks = plan.tasks.device_tasks(d)
+        console.print(f"[bold]{'host' if d < 0 else f'device {d}'}[/] ({len(tasks)} tasks)")
+        for t in tasks:
+            console.print(f"  {t.id:>4} {t}", highlight=False, soft_wrap=True)
+    _print_comparison(plan)
+    return 0
+
+
 def _print_profile(profile) -> None:
     u = profile.u_bmax
     table = Table(title=f"Layer profiles at u={u} ({profile.source}, {profile.device})")
@@ -240,6 +294,37 @@ def build_parser() -> argparse.ArgumentParser:
                    "file of DeviceSpec fields; the model is built on the meta device")
     p.add_argument("--out", type=Path, help="directory to write graph.msgpack, layers/ and profile.msgpack into")
     p.set_defaults(func=_cmd_profile)
+
+    p = sub.add_parser(
+        "compile", help="decompose, profile and search a schedule; write a plan directory",
+        description=(
+            "Decompose the model, profile its layers (measured on the device, or analytic with --analytic), "
+            "search the fastest configuration (U_F, P_F, U_B, P_B) for the mode, and write a plan directory "
+            "(plan.msgpack, trace.json for Perfetto, summary.md). Prints every mode's estimate for comparison."
+        ),
+    )
+    _add_model_args(p)
+    _add_granularity_args(p)
+    p.add_argument("--minibatch", type=int, default=64, help="minibatch size D (default 64)")
+    p.add_argument("--devices", type=int, default=2, help="number of devices N (default 2)")
+    p.add_argument("--device-memory", help="capacity per device, e.g. 8GiB (default: free GPU memory; emulated cpu: "
+                   "a quarter of the model's training footprint)")
+    p.add_argument("--mode", choices=("pp", "dp", "dp-swap"), default="pp", help="parallel mode (default pp)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="device backend (default: cuda if available, else emulated cpu)")
+    p.add_argument("--analytic", metavar="SPEC", help="plan for hardware we lack: 1080ti, v100, a100, h100 or a JSON spec")
+    p.add_argument("--trials", type=int, default=3, help="timed repetitions per profile measurement (default 3)")
+    p.add_argument("--no-compare", action="store_true", help="search only the chosen mode")
+    p.add_argument("--no-probe", action="store_true", help="do not measure link bandwidths (nominal values)")
+    p.add_argument("--batch-size", type=int, default=2, help="batch size of the example inputs used for tracing")
+    p.add_argument("--out", type=Path, required=True, help="plan directory to write")
+    p.set_defaults(func=_cmd_compile)
+
+    p = sub.add_parser("show", help="print a plan's tasks per device and its mode comparison",
+                       description="Print the tasks of a plan directory, one line each, grouped by device.")
+    p.add_argument("plan_dir", type=Path, help="a directory written by harmony compile")
+    p.add_argument("--device", type=int, help="only this device (-1: the host)")
+    p.set_defaults(func=_cmd_show)
 
     p = sub.add_parser(
         "probe", help="measure the machine's link bandwidths (host<->device, device<->device, contention)",

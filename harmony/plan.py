@@ -138,6 +138,9 @@ class Plan:
         if self.comparison:
             lines += ["", "## Modes compared", "", "| mode | iteration s | swap bytes | peak bytes | configuration |", "|---|---:|---:|---:|---|"]
             for row in self.comparison:
+                if row.get("iteration_time") is None:
+                    lines.append(f"| {row['mode']} | - | - | - | {row.get('config', '')} |")
+                    continue
                 lines.append(
                     f"| {row['mode']} | {row.get('iteration_time', float('nan')):.6f} | {row.get('swap_bytes', 0):,} | "
                     f"{row.get('peak_memory', 0):,} | {row.get('config', '')} |"

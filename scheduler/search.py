@@ -80,15 +80,16 @@ def search(
                         pruned += 1
                         continue
                     config = Configuration(u_f=u_f, packs_f=p_f, u_b=u_b, packs_b=p_b)
-                    graph = generate(mode, profile, config, devices, minibatch, **options)
-                    est = estimate(graph, profile, machine, capacity=capacity, record_events=False)
-                    explored += 1
-                    if not est.fits or est.deadlock:
-                        continue
-                    if keep_candidates:
-                        candidates.append((est.iteration_time, config))
-                    if best is None or est.iteration_time < best[0]:
-                        best = (est.iteration_time, config, graph, est)
+                    for variant in _variants(mode, options):
+                        graph = generate(mode, profile, config, devices, minibatch, **variant)
+                        est = estimate(graph, profile, machine, capacity=capacity, record_events=False)
+                        explored += 1
+                        if not est.fits or est.deadlock:
+                            continue
+                        if keep_candidates:
+                            candidates.append((est.iteration_time, config))
+                        if best is None or est.iteration_time < best[0]:
+                            best = (est.iteration_time, config, graph, est)
     if best is None:
         raise NoFeasibleConfiguration(
             f"no {mode} configuration fits {capacity:,} bytes per device (explored {explored}); "
@@ -97,6 +98,15 @@ def search(
     _, config, graph, _ = best
     final = estimate(graph, profile, machine, capacity=capacity, record_events=True)
     return SearchResult(config, graph, final, explored, pruned, time.perf_counter() - start, candidates)
+
+
+def _variants(mode: str, options: dict) -> list[dict]:
+    """Generator options to try per configuration: where the update runs, unless the caller fixed
+    it. A device-side update keeps the optimizer state on the device for a moment, which a tight
+    device may not afford; the host-side one moves gradients out instead."""
+    if mode in ("pp", "dp") and "update" not in options:
+        return [{**options, "update": "device"}, {**options, "update": "host"}]
+    return [options]
 
 
 def _packings(profile: Profile, u: int, capacity: int, pass_: str, last_pack, extra: int) -> list[list[tuple[int, int]]]:

@@ -68,3 +68,33 @@ def test_probe_writes_a_machine_description(tmp_path, capsys):
 def test_analytic_profile_of_an_unknown_spec_is_a_clear_error(capsys):
     assert main(["profile", str(ROOT / "models" / "gpt2.py"), "--arg", "preset=tiny", "--analytic", "nope"]) == 2
     assert "neither a device spec preset" in capsys.readouterr().out
+
+
+def test_compile_writes_a_plan_that_show_prints_and_a_changed_model_file_is_refused(tmp_path, capsys):
+    model_file = tmp_path / "gpt2.py"
+    model_file.write_text((ROOT / "models" / "gpt2.py").read_text())
+    out = tmp_path / "plan"
+    rc = main(["compile", str(model_file), "--arg", "preset=tiny", "--minibatch", "4", "--devices", "2",
+               "--trials", "1", "--no-probe", "--out", str(out)])
+    assert rc == 0
+    assert "chosen: pp" in capsys.readouterr().out
+    for name in ("manifest.json", "plan.msgpack", "graph.msgpack", "profile.msgpack", "trace.json", "summary.md"):
+        assert (out / name).is_file(), name
+    assert main(["show", str(out)]) == 0
+    assert "FWD" in capsys.readouterr().out
+    from harmony.plan import Plan, StalePlanError
+
+    Plan.load(out, model_file=model_file)
+    model_file.write_text(model_file.read_text() + "\n# edited\n")
+    with pytest.raises(StalePlanError, match="changed since the plan"):
+        Plan.load(out, model_file=model_file)
+
+
+def test_compile_refuses_bad_arguments_before_any_work(tmp_path, capsys):
+    base = ["compile", str(ROOT / "models" / "gpt2.py"), "--arg", "preset=tiny", "--out", str(tmp_path / "p")]
+    assert main(base + ["--minibatch", "0"]) == 2
+    assert "minibatch size must be a positive integer" in capsys.readouterr().out
+    assert main(base + ["--devices", "0"]) == 2
+    assert "device count must be a positive integer" in capsys.readouterr().out
+    assert main(base + ["--device-memory", "lots"]) == 2
+    assert "device memory" in capsys.readouterr().out

@@ -1,0 +1,182 @@
+"""`compile`: decompose → profile → search, for a model file or a live model, into a Plan.
+
+The steps are the stages of DESIGN.md run in order; each can be skipped by handing in its result
+(a profile made earlier, a machine description). Every mode can be searched so that the plan
+carries a comparison table next to its choice.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from harmony.decomposer.decompose import decompose
+from harmony.decomposer.layer_graph import LayerGraph
+from harmony.errors import HarmonyError
+from harmony.plan import Plan
+from harmony.profiling import Profiler, training_footprint
+from harmony.runtime.device import make_devices, parse_bytes
+from harmony.scheduler.analytic import analytic_profile
+from harmony.scheduler.devicespec import load_spec
+from harmony.scheduler.estimator import chrome_trace
+from harmony.scheduler.machine import Machine
+from harmony.scheduler.profiles import Profile
+from harmony.scheduler.search import NoFeasibleConfiguration, search
+from harmony.scheduler.taskgraph import MODES
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CompileOptions:
+    minibatch: int
+    devices: int = 2
+    device_memory: int | str | None = None  # bytes or "8GiB"; default: see DESIGN.md "Devices"
+    mode: str = "pp"
+    device_type: str = "cpu"
+    analytic: str | None = None  # device spec preset or JSON file: plan for hardware we lack
+    compare: bool = True  # also search the other modes, for the comparison table
+    trials: int = 3
+    samples: int = 4
+    probe: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if not isinstance(self.minibatch, int) or self.minibatch < 1:
+            raise HarmonyError(f"the minibatch size must be a positive integer, got {self.minibatch!r}")
+        if not isinstance(self.devices, int) or self.devices < 1:
+            raise HarmonyError(f"the device count must be a positive integer, got {self.devices!r}")
+        if self.mode not in MODES:
+            raise HarmonyError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.device_type not in ("cpu", "cuda"):
+            raise HarmonyError(f"unknown device type {self.device_type!r}; choose cpu or cuda")
+        if self.device_type == "cuda" and not self.analytic:
+            visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if self.devices > visible:
+                raise HarmonyError(f"asked for {self.devices} CUDA devices but {visible} are visible; use fewer or --device cpu")
+
+    def capacity(self) -> int | None:
+        if self.device_memory is None:
+            return None
+        try:
+            value = parse_bytes(self.device_memory)
+        except ValueError as exc:
+            raise HarmonyError(f"device memory: {exc}") from exc
+        if value <= 0:
+            raise HarmonyError(f"device memory must be positive, got {self.device_memory!r}")
+        return value
+
+
+def compile_plan(
+    model: torch.nn.Module,
+    get_batch: Callable[[int, int], tuple],
+    build_optimizer: Callable,
+    options: CompileOptions,
+    model_file: str = "",
+    model_sha256: str = "",
+    graph: LayerGraph | None = None,
+    on_progress: Callable[[str], None] = lambda msg: None,
+) -> tuple[Plan, dict]:
+    """Decompose, profile and search; returns the plan and its Chrome trace."""
+    options.validate()
+    if graph is None:
+        on_progress("decomposing")
+        inputs, _ = get_batch(min(2, options.minibatch), 0)
+        graph = decompose(model, inputs)
+    profile, machine = _profile(graph, get_batch, build_optimizer, options, on_progress)
+    capacity = profile.capacity
+    _check_smallest_layer(profile, capacity)
+    results = {}
+    infeasible: list[str] = []
+    for mode in (MODES if options.compare else (options.mode,)):
+        on_progress(f"searching {mode}")
+        try:
+            results[mode] = search(profile, machine, mode, options.devices, options.minibatch, capacity=capacity)
+        except NoFeasibleConfiguration as exc:
+            if mode == options.mode:
+                raise HarmonyError(str(exc)) from exc
+            log.info("%s", exc)
+            infeasible.append(mode)
+    chosen = results[options.mode]
+    comparison = [
+        {
+            "mode": mode, "iteration_time": r.estimate.iteration_time, "swap_bytes": r.graph.swap_bytes(),
+            "peak_memory": max(r.estimate.peak_memory.values(), default=0), "config": str(r.config),
+            "explored": r.explored, "search_seconds": r.seconds,
+        }
+        for mode, r in results.items()
+    ] + [{"mode": mode, "iteration_time": None, "config": "does not fit"} for mode in infeasible]
+    est = chosen.estimate
+    plan = Plan(
+        graph=graph, profile=profile, tasks=chosen.graph,
+        estimate={
+            "iteration_time": est.iteration_time, "fits": est.fits,
+            "peak_memory": {str(k): int(v) for k, v in est.peak_memory.items()},
+            "bytes_by_channel": {k: int(v) for k, v in est.bytes_by_channel.items()},
+            "busy": {str(d): dict(s) for d, s in est.busy.items()},
+        },
+        options={
+            "minibatch": options.minibatch, "devices": options.devices, "mode": options.mode,
+            "device_type": options.device_type, "device_memory": capacity, "analytic": options.analytic,
+            **options.extra,
+        },
+        comparison=comparison, model_file=model_file, model_sha256=model_sha256,
+        search={"explored": chosen.explored, "pruned": chosen.pruned, "seconds": chosen.seconds},
+    )
+    return plan, chrome_trace(est)
+
+
+def _profile(graph, get_batch, build_optimizer, options: CompileOptions, on_progress) -> tuple[Profile, Machine]:
+    capacity = options.capacity()
+    if options.analytic:
+        spec = load_spec(options.analytic)
+        if capacity is not None:
+            spec = type(spec)(**{**spec.to_dict(), "capacity": capacity})
+        on_progress(f"analytic profile on {spec.name}")
+        profile = analytic_profile(graph, spec, max_microbatch=options.minibatch)
+        machine = Machine.from_spec(spec, options.devices)
+    else:
+        if capacity is None and options.device_type == "cpu":
+            # a quarter of the training footprint, so that a default run needs the swaps a GPU run needs
+            on_progress("measuring the training footprint")
+            capacity = max(1, training_footprint(graph, get_batch, options.minibatch) // 4)
+        device = make_devices(options.device_type, 1, capacity)[0]
+        threads = max(1, (os.cpu_count() or 1) // options.devices) if options.device_type == "cpu" else None
+        profiler = Profiler(graph, get_batch, build_optimizer, device, trials=options.trials,
+                            threads=threads, on_progress=on_progress)
+        profile = profiler.profile(u_cap=options.minibatch, samples=options.samples)
+        if options.probe:
+            from harmony.runtime.probe import probe_machine
+
+            on_progress("probing links")
+            machine = probe_machine(options.device_type, options.devices, device.capacity, size=16 << 20, repeats=2)
+        else:
+            machine = _nominal_machine(options, device.capacity)
+    profile.graph_hash = graph.fingerprint()
+    profile.machine = machine
+    return profile, machine
+
+
+def _nominal_machine(options: CompileOptions, capacity: int) -> Machine:
+    """A machine description without probing: memory-copy speeds of a typical host (the plan says so)."""
+    return Machine(
+        kind=options.device_type, device_name="unprobed", devices=options.devices, capacity=capacity,
+        h2d=5e9, d2h=5e9, d2d=5e9, host_link_shared=True, h2d_all=5e9, d2h_all=5e9, msg=2e9, latency=20e-6,
+        source="given", notes={"why": "compiled with probing off; bandwidths are nominal, not measured"},
+    )
+
+
+def _check_smallest_layer(profile: Profile, capacity: int) -> None:
+    """Refuse early, naming the layer, when one layer alone cannot run even one sample."""
+    for layer in profile.layers:
+        need = max(layer.at("fwd_peak", 1), layer.at("bwd_peak", 1))
+        if need > capacity:
+            raise HarmonyError(
+                f"layer {layer.index} ({layer.name}) needs {int(need):,} bytes for one sample, more than the "
+                f"{capacity:,} bytes a device has; give the devices more memory or decompose with a finer granularity"
+            )
+
