@@ -2,9 +2,9 @@
 
 For every backward microbatch size U_B the backward packs P_B come from balanced-time packing;
 for every forward size U_F the forward packs P_F are packed around P_B's last pack (shared,
-jit-compute); each configuration becomes a task graph that the event-driven estimator times. Two
-lower bounds prune it: a configuration cannot beat its devices' total compute divided among them,
-nor a pass that is already slower than the best whole iteration.
+jit-compute); each configuration becomes a task graph that the event-driven estimator times. A
+lower bound prunes it: a configuration cannot beat its busiest device's compute, nor its host-link
+traffic at full bandwidth; candidates are simulated in the order of that bound.
 
 The paper's Algorithm 2 keeps the fewest packs that fit (the largest average pack); we also try a
 few more packs per pass, since smaller packs sometimes balance a pipeline better (Fig. 8).
@@ -22,7 +22,7 @@ from harmony.scheduler.estimator import Estimate, estimate
 from harmony.scheduler.machine import Machine
 from harmony.scheduler.profiles import Profile
 from harmony.scheduler.taskgraph import generate
-from harmony.scheduler.tasks import Configuration, TaskGraph
+from harmony.scheduler.tasks import HOST, Channel, Configuration, Kind, Task, TaskGraph
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +42,32 @@ class NoFeasibleConfiguration(ValueError):
     """No configuration fits the device capacity."""
 
 
-def _sizes(limit: int) -> list[int]:
+def ladder(limit: int) -> list[int]:
+    """Microbatch sizes worth trying up to ``limit``: 1, 2, 3, 4, 6, 8, 12, 16, 24, … and ``limit``.
+
+    Neighbouring sizes differ little in time per sample, and each size costs a packing and a
+    simulation, so the search walks this ladder (ratios of at most 1.5) instead of every integer.
+    """
+    sizes = {1}
+    k = 1
+    while k <= limit:
+        sizes.update(x for x in (k, 3 * k // 2) if 1 <= x <= limit)
+        k *= 2
+    sizes.add(max(1, limit))
+    return sorted(sizes)
+
+
+def every_size(limit: int) -> list[int]:
+    """Every size 1..limit (Algorithm 1 as written; for small problems and brute-force checks)."""
     return list(range(1, max(1, limit) + 1))
+
+
+@dataclass(order=True)
+class _Candidate:
+    bound: float
+    order: int
+    config: Configuration = field(compare=False)
+    graph: TaskGraph = field(compare=False)
 
 
 def search(
@@ -53,43 +77,67 @@ def search(
     devices: int,
     minibatch: int,
     capacity: int | None = None,
-    extra_packs: int = 2,
-    sizes: Callable[[int], list[int]] = _sizes,
+    extra_packs: int = 1,
+    sizes: Callable[[int], list[int]] = ladder,
     keep_candidates: bool = False,
     **options,
 ) -> SearchResult:
-    """Search configurations for ``mode`` and return the best one with its graph and estimate."""
+    """Search configurations for ``mode`` and return the best one with its graph and estimate.
+
+    Every candidate's task graph is built first and given a lower bound (its busiest device's
+    compute, and its host-link traffic at full bandwidth); candidates are then simulated in order
+    of their bound, stopping once the next bound is no better than the best time found.
+    """
     capacity = capacity if capacity is not None else profile.capacity
     start = time.perf_counter()
-    per_device = minibatch if mode == "pp" else -(-minibatch // devices)
-    u_bs = [u for u in sizes(min(profile.u_bmax, per_device))]
-    u_fs = [u for u in sizes(min(profile.u_fmax, per_device))]
-    best: tuple[float, Configuration, TaskGraph, Estimate] | None = None
-    explored = pruned = 0
-    candidates: list[tuple[float, Configuration]] = []
+    # the fewest packs that fit the profile's memory can still overflow once prefetching and
+    # transfers in flight are simulated: widen to more, smaller packs until something fits
+    tried: set[int] = set()
+    for extra in (extra_packs, extra_packs + 3, extra_packs + 12, len(profile.layers)):
+        if extra in tried:
+            continue
+        tried.add(extra)
+        try:
+            result = _search(profile, machine, mode, devices, minibatch, capacity, extra, sizes, keep_candidates, options)
+        except NoFeasibleConfiguration:
+            if extra >= len(profile.layers):
+                raise
+            continue
+        result.seconds = time.perf_counter() - start
+        return result
+    raise NoFeasibleConfiguration(f"no {mode} configuration fits {capacity:,} bytes per device")
+
+
+def _search(profile, machine, mode, devices, minibatch, capacity, extra_packs, sizes, keep_candidates, options) -> SearchResult:
+    start = time.perf_counter()
+    per_device = minibatch if mode not in ("dp", "dp-swap") else -(-minibatch // devices)
+    u_bs = sizes(min(profile.u_bmax, per_device))
+    u_fs = sizes(min(profile.u_fmax, per_device))
+    pending: list[_Candidate] = []
     for u_b in u_bs:
         for p_b in _packings(profile, u_b, capacity, "bwd", None, extra_packs):
-            bwd_compute = _compute(profile, p_b, u_b, "bwd", minibatch)
-            if best is not None and bwd_compute / devices >= best[0]:
-                pruned += 1
-                continue
             for u_f in u_fs:
                 for p_f in _packings(profile, u_f, capacity, "fwd", p_b[-1], extra_packs):
-                    bound = (bwd_compute + _compute(profile, p_f[:-1], u_f, "fwd", minibatch)) / devices
-                    if best is not None and bound >= best[0]:
-                        pruned += 1
-                        continue
                     config = Configuration(u_f=u_f, packs_f=p_f, u_b=u_b, packs_b=p_b)
                     for variant in _variants(mode, options):
                         graph = generate(mode, profile, config, devices, minibatch, **variant)
-                        est = estimate(graph, profile, machine, capacity=capacity, record_events=False)
-                        explored += 1
-                        if not est.fits or est.deadlock:
-                            continue
-                        if keep_candidates:
-                            candidates.append((est.iteration_time, config))
-                        if best is None or est.iteration_time < best[0]:
-                            best = (est.iteration_time, config, graph, est)
+                        bound = lower_bound(graph, profile, machine)
+                        pending.append(_Candidate(bound, len(pending), config, graph))
+    pending.sort()
+    best: tuple[float, Configuration, TaskGraph, Estimate] | None = None
+    explored = 0
+    candidates: list[tuple[float, Configuration]] = []
+    for cand in pending:
+        if best is not None and cand.bound >= best[0] and not keep_candidates:
+            break
+        est = estimate(cand.graph, profile, machine, capacity=capacity, record_events=False)
+        explored += 1
+        if not est.fits or est.deadlock:
+            continue
+        if keep_candidates:
+            candidates.append((est.iteration_time, cand.config))
+        if best is None or est.iteration_time < best[0]:
+            best = (est.iteration_time, cand.config, cand.graph, est)
     if best is None:
         raise NoFeasibleConfiguration(
             f"no {mode} configuration fits {capacity:,} bytes per device (explored {explored}); "
@@ -97,7 +145,40 @@ def search(
         )
     _, config, graph, _ = best
     final = estimate(graph, profile, machine, capacity=capacity, record_events=True)
-    return SearchResult(config, graph, final, explored, pruned, time.perf_counter() - start, candidates)
+    return SearchResult(config, graph, final, explored, len(pending) - explored, time.perf_counter() - start, candidates)
+
+
+def lower_bound(graph: TaskGraph, profile: Profile, machine: Machine) -> float:
+    """No schedule of ``graph`` finishes sooner than its busiest device computes, nor sooner than
+    its host-link traffic takes at the link's full aggregate bandwidth."""
+    busy: dict[int, float] = {}
+    swap_in = swap_out = 0
+    for task in graph.tasks:
+        busy[task.device] = busy.get(task.device, 0.0) + _task_compute(task, profile)
+        for t in task.inputs:
+            if t.channel == Channel.SWAP:
+                swap_in += t.nbytes
+        for t in task.outputs:
+            if t.channel == Channel.SWAP:
+                swap_out += t.nbytes
+    return max(max(busy.values(), default=0.0), swap_in / machine.h2d_all, swap_out / machine.d2h_all)
+
+
+def _task_compute(task: Task, profile: Profile) -> float:
+    first, last = task.first, task.last
+    if task.kind == Kind.UPD:
+        key = "upd_time_host" if task.device == HOST else "upd_time_device"
+        return sum(getattr(layer, key) for layer in profile.layers[first:last + 1])
+    total = 0.0
+    for size in task.microbatches:
+        if task.kind == Kind.FWD:
+            total += profile.pack_time(first, last, size, "fwd_time")
+        else:
+            total += profile.pack_time(first, last, size, "fwd_time" if task.loss else "recompute_time")
+            total += profile.pack_time(first, last, size, "bwd_time")
+    if task.update == "device":
+        total += sum(layer.upd_time_device for layer in profile.layers[first:last + 1])
+    return total
 
 
 def _variants(mode: str, options: dict) -> list[dict]:
@@ -118,16 +199,3 @@ def _packings(profile: Profile, u: int, capacity: int, pass_: str, last_pack, ex
         if p is not None and p not in result:
             result.append(p)
     return result
-
-
-def _compute(profile: Profile, packs, u: int, pass_: str, minibatch: int) -> float:
-    """Compute seconds of a pass over the minibatch (a lower bound on its device time)."""
-    full, rest = divmod(minibatch, u)
-    total = 0.0
-    for first, last in packs:
-        if pass_ == "fwd":
-            per = lambda s: profile.pack_time(first, last, s, "fwd_time")  # noqa: E731
-        else:
-            per = lambda s: profile.pack_time(first, last, s, "recompute_time") + profile.pack_time(first, last, s, "bwd_time")  # noqa: E731
-        total += full * per(u) + (per(rest) if rest else 0.0)
-    return total

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from harmony.scheduler.profiles import Profile
 from harmony.scheduler.tasks import HOST, Channel, Configuration, Kind, Task, TaskGraph, Transfer, microbatch_sizes
 
-MODES = ("pp", "dp", "dp-swap")
+MODES = ("pp", "dp", "dp-swap", "dp-swap-r", "gpipe-swap", "gpipe-swap-r", "1f1b-swap", "1f1b-swap-r")
 
 
 @dataclass
@@ -290,6 +290,7 @@ def dp_swap(profile: Profile, config: Configuration, devices: int, minibatch: in
         last_bwd: dict[tuple[int, int], Task] = {}
         for j, size in enumerate(sizes):
             prev: Task | None = None
+            stashes: dict[int, tuple[Task, Transfer]] = {}  # layer -> (forward task, its stash output)
             for first, last in packs[:-1]:  # the last pack's forward runs with the loss and its backward
                 task = b.add(device=d, kind=Kind.FWD, first=first, last=last, microbatches=[size],
                              offset=offset + j * config.u_f)
@@ -300,7 +301,9 @@ def dp_swap(profile: Profile, config: Configuration, devices: int, minibatch: in
                 stashed = [first] if recompute else list(range(first, last + 1))
                 for s in stashed:
                     if s > 0:
-                        task.outputs.append(Transfer("Xs", Channel.SWAP, sz.x(s, size)))
+                        out = Transfer("Xs", Channel.SWAP, sz.x(s, size))
+                        task.outputs.append(out)
+                        stashes[s] = (task, out)
                 prev = task
             for k, (first, last) in enumerate(reversed(packs)):
                 task = b.add(device=d, kind=Kind.BWD, first=first, last=last, microbatches=[size],
@@ -313,7 +316,9 @@ def dp_swap(profile: Profile, config: Configuration, devices: int, minibatch: in
                     stashed = [first] if recompute else list(range(first, last + 1))
                     for s in stashed:
                         if s > 0:
-                            task.inputs.append(Transfer("Xs", Channel.SWAP, sz.x(s, size), task=prev.id))
+                            producer, out = stashes[s]
+                            out.task = task.id
+                            task.inputs.append(Transfer("Xs", Channel.SWAP, sz.x(s, size), task=producer.id))
                         else:
                             task.inputs.append(Transfer("X", Channel.SWAP, sz.x(0, size)))
                 if (first, last) in last_bwd:
@@ -340,5 +345,9 @@ def generate(mode: str, profile: Profile, config: Configuration, devices: int, m
     if mode == "dp":
         return harmony_dp(profile, config, devices, minibatch, **options)
     if mode == "dp-swap":
-        return dp_swap(profile, config, devices, minibatch, **options)
+        return dp_swap(profile, config, devices, minibatch, recompute=False, **options)
+    from harmony.scheduler.baselines import BASELINES
+
+    if mode in BASELINES:
+        return BASELINES[mode](profile, config, devices, minibatch, **options)
     raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
