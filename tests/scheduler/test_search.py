@@ -1,0 +1,74 @@
+"""Configuration search: close to brute force on small instances, clear failure when nothing fits."""
+
+import itertools
+
+import pytest
+
+from harmony.scheduler.estimator import estimate
+from harmony.scheduler.machine import Machine
+from harmony.scheduler.packing import all_contiguous_packings
+from harmony.scheduler.profiles import LayerProfile, LayerSample, Profile
+from harmony.scheduler.search import NoFeasibleConfiguration, every_size, ladder, search
+from harmony.scheduler.taskgraph import generate
+from harmony.scheduler.tasks import Configuration
+
+
+def skewed_profile(times=(1.0, 3.0, 1.0, 2.0, 1.5), w=400_000, x=200_000, capacity=8_000_000) -> Profile:
+    """Layers of unequal time and size, so that packing and microbatch size matter."""
+    layers = []
+    for i, t in enumerate(times):
+        def sample(u, t=t, i=i):
+            wi = w * (1 + i % 2)
+            return LayerSample(u=u, fwd_time=1e-3 * t * (0.3 + u), bwd_time=2e-3 * t * (0.3 + u),
+                               recompute_time=1e-3 * t * (0.3 + u), fwd_peak=2 * wi + 3 * x * u,
+                               bwd_peak=4 * wi + 6 * x * u, x_bytes=x * u, y_bytes=x * u, dx_bytes=x * u, act_bytes=2 * x * u)
+        layers.append(LayerProfile(index=i, name=f"L{i}", w_bytes=w * (1 + i % 2), dw_bytes=w * (1 + i % 2),
+                                   k_bytes=2 * w * (1 + i % 2), b_bytes=0, upd_time_device=1e-4, upd_time_host=1e-3,
+                                   fwd_samples=[sample(1), sample(8)], bwd_samples=[sample(1), sample(8)]))
+    return Profile(source="measured", device="synthetic", capacity=capacity, u_fmax=8, u_bmax=8, layers=layers)
+
+
+def brute_force(profile, machine, mode, devices, minibatch, sizes):
+    """The best estimate over every contiguous packing of both passes and every size."""
+    r = len(profile.layers)
+    best = float("inf")
+    for p_b in all_contiguous_packings(r):
+        for p_f in all_contiguous_packings(r):
+            if p_f[-1] != p_b[-1]:
+                continue
+            for u_f, u_b in itertools.product(sizes, sizes):
+                for update in ("device", "host"):
+                    graph = generate(mode, profile, Configuration(u_f, list(p_f), u_b, list(p_b)), devices, minibatch, update=update)
+                    est = estimate(graph, profile, machine, capacity=profile.capacity, record_events=False)
+                    if est.fits and not est.deadlock:
+                        best = min(best, est.iteration_time)
+    return best
+
+
+@pytest.mark.parametrize("mode", ["pp", "dp"])
+def test_search_is_within_5_percent_of_brute_force(mode):
+    profile = skewed_profile()
+    machine = Machine.from_spec("1080ti", 2)
+    minibatch, sizes = 6, [1, 2, 3, 4, 6]
+    best = brute_force(profile, machine, mode, 2, minibatch, sizes)
+    found = search(profile, machine, mode, 2, minibatch, sizes=lambda limit: [s for s in sizes if s <= limit])
+    assert found.estimate.fits
+    assert found.estimate.iteration_time <= 1.05 * best
+
+
+def test_search_explores_fewer_configurations_than_it_builds():
+    profile = skewed_profile()
+    result = search(profile, Machine.from_spec("1080ti", 2), "pp", 2, 8, sizes=every_size)
+    assert result.pruned > 0 and result.explored >= 1
+
+
+def test_ladder_of_sizes_has_small_ratios_and_ends_at_the_limit():
+    assert ladder(1) == [1]
+    assert ladder(64) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
+    assert ladder(10)[-1] == 10 and all(b / a <= 2 for a, b in zip(ladder(100), ladder(100)[1:]))
+
+
+def test_nothing_fits_is_a_clear_error():
+    profile = skewed_profile(capacity=500_000)
+    with pytest.raises(NoFeasibleConfiguration, match="no pp configuration fits"):
+        search(profile, Machine.from_spec("1080ti", 2), "pp", 2, 4, capacity=500_000)
