@@ -55,6 +55,7 @@ class Plan:
     def save(self, directory: str | Path, trace: dict | None = None) -> Path:
         """Write the plan directory (``trace``: a Chrome trace of the estimate, see
         ``estimator.chrome_trace``); the manifest goes last, so a half-written plan has none."""
+        trace = trace if trace is not None else getattr(self, "trace", None)
         from harmony import __version__
 
         directory = Path(directory)

@@ -1,0 +1,44 @@
+"""The Python API for a single virtual device (DESIGN.md): `compile` and `load_plan`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from harmony.compiler import CompileOptions, compile_plan
+from harmony.plan import Plan
+
+
+def compile(  # noqa: A001 - the name DESIGN.md gives the API
+    model: torch.nn.Module,
+    loss_fn: Callable,
+    get_batch: Callable[[int, int], tuple],
+    minibatch_size: int = 64,
+    devices: int = 2,
+    device_memory: int | str | None = None,
+    mode: str = "pp",
+    device_type: str = "cpu",
+    build_optimizer: Callable | None = None,
+    analytic: str | None = None,
+    compare: bool = False,
+    probe: bool = True,
+) -> Plan:
+    """Decompose ``model``, profile it and search a schedule; the plan remembers ``loss_fn`` and
+    ``get_batch`` (not saved to disk) for the trainer that runs it."""
+    options = CompileOptions(
+        minibatch=minibatch_size, devices=devices, device_memory=device_memory, mode=mode,
+        device_type=device_type, analytic=analytic, compare=compare, probe=probe,
+    )
+    optimizer = build_optimizer or (lambda params: torch.optim.SGD(params, lr=0.01))
+    plan, trace = compile_plan(model, get_batch, optimizer, options)
+    plan.trace = trace
+    plan.loss_fn = loss_fn
+    plan.get_batch = get_batch
+    return plan
+
+
+def load_plan(directory: str | Path, model_file: str | Path | None = None) -> Plan:
+    """A plan directory written by ``Plan.save`` or ``harmony compile``, checked for staleness."""
+    return Plan.load(directory, model_file=model_file)
