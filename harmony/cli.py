@@ -161,6 +161,10 @@ def _cmd_compile(ns: argparse.Namespace) -> int:
             model_sha256=mf.source_hash, graph=graph, on_progress=lambda msg: bar.update(task, description=msg),
         )
     plan.save(ns.out, trace=trace)
+    if ns.gantt:
+        from harmony.scheduler.gantt import write_gantt
+
+        write_gantt(ns.out / "gantt.png", plan.events, title=f"{plan.tasks.mode}: {plan.tasks.config}")
     _print_comparison(plan)
     console.print(f"chosen: {plan.tasks.mode} {plan.tasks.config}")
     console.print(f"estimated iteration: {plan.estimate['iteration_time'] * 1e3:.2f} ms; wrote {ns.out}/ (plan.msgpack, trace.json, summary.md)")
@@ -317,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-compare", action="store_true", help="search only the chosen mode")
     p.add_argument("--no-probe", action="store_true", help="do not measure link bandwidths (nominal values)")
     p.add_argument("--batch-size", type=int, default=2, help="batch size of the example inputs used for tracing")
+    p.add_argument("--gantt", action="store_true", help="also draw the simulated timeline as gantt.png (needs matplotlib)")
     p.add_argument("--out", type=Path, required=True, help="plan directory to write")
     p.set_defaults(func=_cmd_compile)
 

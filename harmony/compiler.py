@@ -127,6 +127,7 @@ def compile_plan(
         comparison=comparison, model_file=model_file, model_sha256=model_sha256,
         search={"explored": chosen.explored, "pruned": chosen.pruned, "seconds": chosen.seconds},
     )
+    plan.events = est.events  # for a Gantt picture; not saved (trace.json holds the same)
     return plan, chrome_trace(est)
 
 

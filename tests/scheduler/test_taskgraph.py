@@ -102,3 +102,16 @@ def test_printed_task_graph_matches_golden(uniform, mode):
         path.parent.mkdir(exist_ok=True)
         path.write_text(text)
     assert text == path.read_text()
+
+
+def test_gantt_picture_is_drawn_from_the_estimate(uniform, tmp_path):
+    pytest.importorskip("matplotlib")
+    from harmony.scheduler.estimator import estimate
+    from harmony.scheduler.gantt import write_gantt
+    from harmony.scheduler.machine import Machine
+
+    profile = uniform(layers=4)
+    graph = generate("pp", profile, config(r=4), 2, 4)
+    est = estimate(graph, profile, Machine.from_spec("1080ti", 2))
+    write_gantt(tmp_path / "g.png", est.events, title="pp")
+    assert (tmp_path / "g.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
