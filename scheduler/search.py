@@ -110,34 +110,36 @@ def search(
 
 def _search(profile, machine, mode, devices, minibatch, capacity, extra_packs, sizes, keep_candidates, options) -> SearchResult:
     start = time.perf_counter()
-    per_device = minibatch if mode not in ("dp", "dp-swap") else -(-minibatch // devices)
+    per_device = minibatch if mode not in ("dp", "dp-swap", "dp-swap-r") else -(-minibatch // devices)
     u_bs = sizes(min(profile.u_bmax, per_device))
     u_fs = sizes(min(profile.u_fmax, per_device))
-    pending: list[_Candidate] = []
+    pending: list[tuple[float, int, Configuration]] = []
     for u_b in u_bs:
         for p_b in _packings(profile, u_b, capacity, "bwd", None, extra_packs):
             for u_f in u_fs:
                 for p_f in _packings(profile, u_f, capacity, "fwd", p_b[-1], extra_packs):
                     config = Configuration(u_f=u_f, packs_f=p_f, u_b=u_b, packs_b=p_b)
-                    for variant in _variants(mode, options):
-                        graph = generate(mode, profile, config, devices, minibatch, **variant)
-                        bound = lower_bound(graph, profile, machine)
-                        pending.append(_Candidate(bound, len(pending), config, graph))
-    pending.sort()
+                    pending.append((quick_bound(mode, profile, config, devices, minibatch, machine), len(pending), config))
+    pending.sort(key=lambda c: (c[0], c[1]))
     best: tuple[float, Configuration, TaskGraph, Estimate] | None = None
-    explored = 0
+    explored = built = 0
     candidates: list[tuple[float, Configuration]] = []
-    for cand in pending:
-        if best is not None and cand.bound >= best[0] and not keep_candidates:
+    for quick, _, config in pending:
+        if best is not None and quick >= best[0] and not keep_candidates:
             break
-        est = estimate(cand.graph, profile, machine, capacity=capacity, record_events=False)
-        explored += 1
-        if not est.fits or est.deadlock:
-            continue
-        if keep_candidates:
-            candidates.append((est.iteration_time, cand.config))
-        if best is None or est.iteration_time < best[0]:
-            best = (est.iteration_time, cand.config, cand.graph, est)
+        for variant in _variants(mode, options):
+            graph = generate(mode, profile, config, devices, minibatch, **variant)
+            built += 1
+            if best is not None and lower_bound(graph, profile, machine) >= best[0] and not keep_candidates:
+                continue
+            est = estimate(graph, profile, machine, capacity=capacity, record_events=False)
+            explored += 1
+            if not est.fits or est.deadlock:
+                continue
+            if keep_candidates:
+                candidates.append((est.iteration_time, config))
+            if best is None or est.iteration_time < best[0]:
+                best = (est.iteration_time, config, graph, est)
     if best is None:
         raise NoFeasibleConfiguration(
             f"no {mode} configuration fits {capacity:,} bytes per device (explored {explored}); "
@@ -145,7 +147,52 @@ def _search(profile, machine, mode, devices, minibatch, capacity, extra_packs, s
         )
     _, config, graph, _ = best
     final = estimate(graph, profile, machine, capacity=capacity, record_events=True)
-    return SearchResult(config, graph, final, explored, len(pending) - explored, time.perf_counter() - start, candidates)
+    pruned = len(pending) * len(_variants(mode, options)) - explored
+    return SearchResult(config, graph, final, explored, pruned, time.perf_counter() - start, candidates)
+
+
+def quick_bound(mode: str, profile: Profile, config: Configuration, devices: int, minibatch: int, machine: Machine) -> float:
+    """A lower bound computed from the configuration alone, before any task graph is built.
+
+    Compute: in ``pp`` the busiest device of the wrap-around binding, elsewhere one device's share.
+    Swaps: every pack's weights come from the host at least once per pass (the last pack once):
+    once in ``pp``, on every device in ``dp``, and per microbatch in the per-GPU-swap baselines.
+    """
+    layers = profile.layers
+    last = config.packs_f[-1]
+
+    def fwd(first, l, u):
+        return profile.pack_time(first, l, u, "fwd_time")
+
+    def bwd(first, l, u, loss=False):
+        return profile.pack_time(first, l, u, "fwd_time" if loss else "recompute_time") + profile.pack_time(first, l, u, "bwd_time")
+
+    def over(fn, u, *args):
+        full, rest = divmod(minibatch if mode == "pp" else -(-minibatch // devices), u)
+        return full * fn(*args, u) + (fn(*args, rest) if rest else 0.0)
+
+    times = [over(lambda a, b, u: fwd(a, b, u), config.u_f, a, b) for a, b in config.packs_f[:-1]]
+    times.append(over(lambda a, b, u: bwd(a, b, u, loss=True), config.u_b, *last))
+    times += [over(lambda a, b, u: bwd(a, b, u), config.u_b, a, b) for a, b in reversed(config.packs_b[:-1])]
+    if mode == "pp":
+        load = [0.0] * devices
+        for i, t in enumerate(times):
+            load[i % devices] += t
+        compute = max(load)
+    else:  # the times above are already one device's share of the minibatch
+        compute = sum(times)
+    w_all = sum(layer.w_bytes for layer in layers)
+    w_last = sum(layer.w_bytes for layer in layers[last[0]:last[1] + 1])
+    per_pass = 2 * w_all - w_last  # every pack's weights once per pass, the last pack's once
+    if mode == "pp":
+        weights_in = per_pass
+    elif mode == "dp":
+        weights_in = devices * per_pass
+    elif mode.startswith("dp-swap"):  # no grouping: every microbatch of every device, plus its update
+        weights_in = devices * (-(-(-(-minibatch // devices)) // config.u_f) * per_pass + w_all)
+    else:  # per-GPU-swap pipelines: every microbatch once through the stages, plus the update
+        weights_in = -(-minibatch // config.u_f) * per_pass + w_all
+    return max(compute, weights_in / machine.h2d_all)
 
 
 def lower_bound(graph: TaskGraph, profile: Profile, machine: Machine) -> float:
