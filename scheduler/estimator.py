@@ -254,6 +254,11 @@ def _task_costs(task: Task, profile: Profile, cache: dict) -> tuple[list[float],
     return durs, peak
 
 
+def task_compute_seconds(task: Task, profile: Profile) -> float:
+    """Seconds of compute the task needs on its device (all microbatches, and a fused update)."""
+    return sum(_task_costs(task, profile, _profile_cache(profile))[0])
+
+
 # ---------------------------------------------------------------------------------------- estimate
 def estimate(
     graph: TaskGraph,

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from harmony.scheduler import packing
-from harmony.scheduler.estimator import Estimate, estimate
+from harmony.scheduler.estimator import Estimate, estimate, task_compute_seconds
 from harmony.scheduler.machine import Machine
 from harmony.scheduler.profiles import Profile
 from harmony.scheduler.taskgraph import generate
-from harmony.scheduler.tasks import HOST, Channel, Configuration, Kind, Task, TaskGraph
+from harmony.scheduler.tasks import Channel, Configuration, TaskGraph
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ def lower_bound(graph: TaskGraph, profile: Profile, machine: Machine) -> float:
     busy: dict[int, float] = {}
     swap_in = swap_out = 0
     for task in graph.tasks:
-        busy[task.device] = busy.get(task.device, 0.0) + _task_compute(task, profile)
+        busy[task.device] = busy.get(task.device, 0.0) + task_compute_seconds(task, profile)
         for t in task.inputs:
             if t.channel == Channel.SWAP:
                 swap_in += t.nbytes
@@ -209,23 +209,6 @@ def lower_bound(graph: TaskGraph, profile: Profile, machine: Machine) -> float:
             if t.channel == Channel.SWAP:
                 swap_out += t.nbytes
     return max(max(busy.values(), default=0.0), swap_in / machine.h2d_all, swap_out / machine.d2h_all)
-
-
-def _task_compute(task: Task, profile: Profile) -> float:
-    first, last = task.first, task.last
-    if task.kind == Kind.UPD:
-        key = "upd_time_host" if task.device == HOST else "upd_time_device"
-        return sum(getattr(layer, key) for layer in profile.layers[first:last + 1])
-    total = 0.0
-    for size in task.microbatches:
-        if task.kind == Kind.FWD:
-            total += profile.pack_time(first, last, size, "fwd_time")
-        else:
-            total += profile.pack_time(first, last, size, "fwd_time" if task.loss else "recompute_time")
-            total += profile.pack_time(first, last, size, "bwd_time")
-    if task.update == "device":
-        total += sum(layer.upd_time_device for layer in profile.layers[first:last + 1])
-    return total
 
 
 def _variants(mode: str, options: dict) -> list[dict]:
