@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from harmony.errors import HarmonyError
+from harmony.scheduler.taskgraph import MODES
 
 console = Console(width=None if sys.stdout.isatty() else 160)
 log = logging.getLogger("harmony")
@@ -68,6 +68,15 @@ def _load_and_decompose(ns: argparse.Namespace, meta: bool):
     return mf, model, graph
 
 
+def _add_device_args(p: argparse.ArgumentParser, count_help: str = "number of devices N (default 2)") -> None:
+    g = p.add_argument_group("devices")
+    g.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="device backend (default: cuda if available, else emulated cpu)")
+    g.add_argument("--devices", type=int, default=2, help=count_help)
+    g.add_argument("--device-memory", help="capacity per device, e.g. 8GiB (default: free GPU memory; emulated cpu: "
+                   "a quarter of the model's training footprint)")
+
+
 def _cmd_decompose(ns: argparse.Namespace) -> int:
     start = time.perf_counter()
     _, model, graph = _load_and_decompose(ns, meta=ns.meta)
@@ -84,67 +93,37 @@ def _cmd_decompose(ns: argparse.Namespace) -> int:
 
 
 def _cmd_profile(ns: argparse.Namespace) -> int:
+    from harmony.compiler import CompileOptions, profile_graph
+
+    options = CompileOptions(
+        minibatch=ns.max_microbatch or ns.minibatch, devices=ns.devices, device_memory=ns.device_memory,
+        device_type=ns.device, analytic=ns.analytic, trials=ns.trials, samples=ns.samples, probe=not ns.no_probe,
+    )
+    options.validate()
+    mf, _, graph = _load_and_decompose(ns, meta=bool(ns.analytic))
+    with _progress("profiling") as report:
+        profile, machine = profile_graph(graph, mf.get_batch, mf.build_optimizer, options, report)
+    if ns.out is not None:
+        graph.save(ns.out)
+        profile.save(ns.out / "profile.msgpack")
+    _print_profile(profile)
+    console.print(machine.describe())
+    where = f"; wrote {ns.out}/profile.msgpack" if ns.out is not None else ""
+    console.print(f"{profile.device}: capacity {_human_bytes(profile.capacity)}, U_FMAX={profile.u_fmax}, U_BMAX={profile.u_bmax}{where}")
+    return 0
+
+
+@contextlib.contextmanager
+def _progress(start: str):
+    """A spinner with elapsed time for long work of unknown length; yields a reporter of steps."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from harmony.profiling import Profiler, training_footprint
-    from harmony.runtime.device import make_devices, parse_bytes
-
-    mf, _, graph = _load_and_decompose(ns, meta=bool(ns.analytic))
-    if ns.analytic:
-        return _analytic(ns, graph)
-    try:
-        capacity = parse_bytes(ns.device_memory) if ns.device_memory else None
-    except ValueError as exc:
-        raise HarmonyError(f"--device-memory: {exc}") from exc
-    if capacity is None and ns.device == "cpu":
-        # a quarter of the training footprint, so that a default run needs the swaps a GPU run needs
-        capacity = max(1, training_footprint(graph, mf.get_batch, ns.minibatch) // 4)
-    device = make_devices(ns.device, 1, capacity)[0]
-    machine = None
-    if not ns.no_probe:
-        from harmony.runtime.probe import probe_machine
-
-        with console.status(f"probing {ns.devices} {ns.device} device(s)"):
-            machine = probe_machine(ns.device, ns.devices, capacity)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True) as bar:
-        task = bar.add_task("profiling", total=None)
-        threads = max(1, (os.cpu_count() or 1) // ns.devices) if ns.device == "cpu" else None
-        profiler = Profiler(graph, mf.get_batch, mf.build_optimizer, device, trials=ns.trials, threads=threads,
-                            on_progress=lambda msg: bar.update(task, description=f"profiling: {msg}"))
-        profile = profiler.profile(u_cap=ns.max_microbatch or ns.minibatch, samples=ns.samples)
-    profile.machine = machine
-    if ns.out is not None:
-        graph.save(ns.out)
-        profile.save(ns.out / "profile.msgpack")
-    _print_profile(profile)
-    if machine is not None:
-        console.print(machine.describe())
-    where = f"; wrote {ns.out}/profile.msgpack" if ns.out is not None else ""
-    console.print(f"{device.name}: capacity {_human_bytes(device.capacity)}, U_FMAX={profile.u_fmax}, U_BMAX={profile.u_bmax}{where}")
-    return 0
-
-
-def _analytic(ns: argparse.Namespace, graph) -> int:
-    from harmony.scheduler.analytic import analytic_profile
-    from harmony.scheduler.devicespec import load_spec
-
-    from harmony.scheduler.machine import Machine
-
-    spec = load_spec(ns.analytic)
-    profile = analytic_profile(graph, spec, max_microbatch=ns.max_microbatch or ns.minibatch)
-    profile.graph_hash = graph.fingerprint()
-    profile.machine = Machine.from_spec(spec, ns.devices)
-    if ns.out is not None:
-        graph.save(ns.out)
-        profile.save(ns.out / "profile.msgpack")
-    _print_profile(profile)
-    console.print(f"analytic {spec.name}: capacity {_human_bytes(profile.capacity)}, U_FMAX={profile.u_fmax}, U_BMAX={profile.u_bmax}")
-    return 0
+        task = bar.add_task(start, total=None)
+        yield lambda msg: bar.update(task, description=msg)
 
 
 def _cmd_compile(ns: argparse.Namespace) -> int:
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
     from harmony.compiler import CompileOptions, compile_plan
 
     options = CompileOptions(
@@ -154,11 +133,10 @@ def _cmd_compile(ns: argparse.Namespace) -> int:
     )
     options.validate()
     mf, model, graph = _load_and_decompose(ns, meta=bool(ns.analytic))
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True) as bar:
-        task = bar.add_task("compiling", total=None)
+    with _progress("compiling") as report:
         plan, trace = compile_plan(
             model, mf.get_batch, mf.build_optimizer, options, model_file=str(ns.model_file),
-            model_sha256=mf.source_hash, graph=graph, on_progress=lambda msg: bar.update(task, description=msg),
+            model_sha256=mf.source_hash, graph=graph, on_progress=report,
         )
     plan.save(ns.out, trace=trace)
     if ns.gantt:
@@ -280,10 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_model_args(p)
     _add_granularity_args(p)
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="device backend (default: cuda if available, else emulated cpu)")
-    p.add_argument("--device-memory", help="capacity of the device, e.g. 8GiB (default: GPU free memory; "
-                   "emulated cpu: a quarter of the model's training footprint)")
+    _add_device_args(p, count_help="devices the machine description covers (default 2)")
     p.add_argument("--minibatch", type=int, default=64,
                    help="minibatch size D: no microbatch is larger, and the default emulated capacity is a quarter of "
                    "the footprint of training D samples on one device (default 64)")
@@ -291,7 +266,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=4, help="microbatch sizes measured per pass (default 4)")
     p.add_argument("--trials", type=int, default=3, help="timed repetitions per measurement (default 3)")
     p.add_argument("--batch-size", type=int, default=2, help="batch size of the example inputs used for tracing")
-    p.add_argument("--devices", type=int, default=2, help="devices the machine description covers (default 2)")
     p.add_argument("--no-probe", action="store_true", help="skip measuring the machine's link bandwidths")
     p.add_argument("--analytic", metavar="SPEC",
                    help="estimate instead of measuring, for a device we lack: 1080ti, v100, a100, h100 or a JSON "
@@ -310,12 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     _add_granularity_args(p)
     p.add_argument("--minibatch", type=int, default=64, help="minibatch size D (default 64)")
-    p.add_argument("--devices", type=int, default=2, help="number of devices N (default 2)")
-    p.add_argument("--device-memory", help="capacity per device, e.g. 8GiB (default: free GPU memory; emulated cpu: "
-                   "a quarter of the model's training footprint)")
-    p.add_argument("--mode", choices=("pp", "dp", "dp-swap"), default="pp", help="parallel mode (default pp)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="device backend (default: cuda if available, else emulated cpu)")
+    _add_device_args(p)
+    p.add_argument("--mode", choices=MODES, default="pp",
+                   help="pp (wrap-around pipeline), dp (Harmony DP), or a per-GPU-swap baseline (default pp)")
     p.add_argument("--analytic", metavar="SPEC", help="plan for hardware we lack: 1080ti, v100, a100, h100 or a JSON spec")
     p.add_argument("--trials", type=int, default=3, help="timed repetitions per profile measurement (default 3)")
     p.add_argument("--no-compare", action="store_true", help="search only the chosen mode")
@@ -340,10 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
             "torch.distributed gloo, as in the runtime."
         ),
     )
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="device backend (default: cuda if available, else emulated cpu)")
-    p.add_argument("--devices", type=int, default=2, help="number of devices (default 2)")
-    p.add_argument("--device-memory", help="capacity per device, e.g. 8GiB (default: free GPU memory / host memory)")
+    _add_device_args(p)
     p.add_argument("--size", default="64MiB", help="bytes per timed transfer (default 64MiB)")
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions, the median is kept (default 3)")
     p.add_argument("--out", type=Path, help="file to write the machine description (msgpack) to")

@@ -87,7 +87,7 @@ def compile_plan(
         on_progress("decomposing")
         inputs, _ = get_batch(min(2, options.minibatch), 0)
         graph = decompose(model, inputs)
-    profile, machine = _profile(graph, get_batch, build_optimizer, options, on_progress)
+    profile, machine = profile_graph(graph, get_batch, build_optimizer, options, on_progress)
     capacity = profile.capacity
     _check_smallest_layer(profile, capacity)
     results = {}
@@ -131,7 +131,8 @@ def compile_plan(
     return plan, chrome_trace(est)
 
 
-def _profile(graph, get_batch, build_optimizer, options: CompileOptions, on_progress) -> tuple[Profile, Machine]:
+def profile_graph(graph, get_batch, build_optimizer, options: CompileOptions, on_progress=lambda msg: None) -> tuple[Profile, Machine]:
+    """The profile (measured on one device, or analytic) and the machine description, tied to the graph."""
     capacity = options.capacity()
     if options.analytic:
         spec = load_spec(options.analytic)
