@@ -66,8 +66,6 @@ class Fit:
 
     us: list[int]
     ys: list[float]
-    intercept: float
-    slope: float
     max_rel_error: float
 
     def __call__(self, u: float) -> float:
@@ -77,7 +75,16 @@ class Fit:
             return float(np.interp(u, self.us, self.ys))
         if u < self.us[0]:
             return max(0.0, self.ys[0] * u / self.us[0])
-        return max(0.0, self.intercept + self.slope * u)
+        intercept, slope = self.line()
+        return max(0.0, intercept + slope * u)
+
+    def line(self) -> tuple[float, float]:
+        """(intercept, slope) of the line through the larger half of the samples; fitted on first
+        use, since most lookups fall between samples and never need it."""
+        if "_line" not in self.__dict__:
+            tail = max(2, len(self.us) // 2)  # extrapolate from the larger sizes, where the trend has settled
+            self.__dict__["_line"] = _line(self.us[-tail:], self.ys[-tail:])
+        return self.__dict__["_line"]
 
 
 def _line(us: list[int], ys: list[float]) -> tuple[float, float]:
@@ -92,14 +99,12 @@ def fit_samples(us: list[int], ys: list[float]) -> Fit:
     order = sorted(range(len(us)), key=lambda i: us[i])
     us = [int(us[i]) for i in order]
     ys = [float(ys[i]) for i in order]
-    tail = max(2, len(us) // 2)  # extrapolate from the larger sizes, where the trend has settled
-    intercept, slope = _line(us[-tail:], ys[-tail:])
     errors = []
     for k in range(1, len(us) - 1):
         predicted = np.interp(us[k], us[:k] + us[k + 1:], ys[:k] + ys[k + 1:])
         if ys[k] > 0:
             errors.append(abs(predicted - ys[k]) / ys[k])
-    return Fit(us, ys, intercept, slope, float(max(errors)) if errors else 0.0)
+    return Fit(us, ys, float(max(errors)) if errors else 0.0)
 
 
 @dataclass
