@@ -133,6 +133,12 @@ def segment(gm: fx.GraphModule, model: torch.nn.Module, gran: Granularity) -> li
         unknown = [m for m in gran.modules if m not in known]
         if unknown:
             raise DecomposeError(f"no module named {', '.join(map(repr, unknown))} in {type(model).__name__}")
+        lists = [m for m in gran.modules if isinstance(model.get_submodule(m), (torch.nn.ModuleList, torch.nn.ModuleDict))]
+        if lists:
+            raise DecomposeError(
+                f"{', '.join(map(repr, lists))} is a ModuleList/ModuleDict, which is never called itself, so it cannot "
+                f"be one layer; name its elements (e.g. '{lists[0]}.0') or choose a depth"
+            )
     auto = _AutoRule(model)
     segments: list[Segment] = []
     prefix: list[fx.Node] = []  # free nodes before the first unit

@@ -180,3 +180,18 @@ def test_layer_specs_record_inputs_outputs_state_and_value_shapes(name):
     for n in model.state_dict():
         assert n in lg.state, f"{n} missing from the graph's state table"
         assert lg.state[n].shape == list(model.state_dict()[n].shape)
+
+
+def test_naming_a_module_list_as_a_layer_is_a_clear_error():
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    with pytest.raises(harmony.DecomposeError, match="'blocks' is a ModuleList"):
+        harmony.decompose(Net(), (torch.randn(2, 4),), modules=["blocks"])
