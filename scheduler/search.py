@@ -128,7 +128,11 @@ def _search(profile, machine, mode, devices, minibatch, capacity, extra_packs, s
         if best is not None and quick >= best[0] and not keep_candidates:
             break
         for variant in _variants(mode, options):
-            graph = generate(mode, profile, config, devices, minibatch, **variant)
+            try:
+                graph = generate(mode, profile, config, devices, minibatch, **variant)
+            except ValueError as exc:  # a configuration this mode cannot use (e.g. fewer packs than stages)
+                log.debug("skipping %s for %s: %s", config, mode, exc)
+                continue
             built += 1
             if best is not None and lower_bound(graph, profile, machine) >= best[0] and not keep_candidates:
                 continue

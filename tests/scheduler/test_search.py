@@ -72,3 +72,9 @@ def test_nothing_fits_is_a_clear_error():
     profile = skewed_profile(capacity=500_000)
     with pytest.raises(NoFeasibleConfiguration, match="no pp configuration fits"):
         search(profile, Machine.from_spec("1080ti", 2), "pp", 2, 4, capacity=500_000)
+
+
+def test_pipeline_baselines_skip_configurations_with_fewer_packs_than_stages():
+    profile = skewed_profile(times=(1.0, 2.0, 1.0))
+    result = search(profile, Machine.from_spec("1080ti", 3), "gpipe-swap-r", 3, 6)
+    assert len(result.config.packs_f) >= 3
