@@ -35,6 +35,7 @@ class _Attempt:
     fwd_fits: bool
     bwd_fits: bool
     failure: str = ""
+    failed_layer: int | None = None
 
 
 class Profiler:
@@ -78,10 +79,12 @@ class Profiler:
             except DeviceOutOfMemoryError as exc:
                 attempt.fwd_fits = attempt.bwd_fits = False
                 attempt.failure = f"forward of layer {i} ({spec.name}) at u={u}: {exc}"
+                attempt.failed_layer = i
                 return attempt
             if m.bwd_error:
                 attempt.bwd_fits = False
                 attempt.failure = f"backward of layer {i} ({spec.name}) at u={u}: {m.bwd_error}"
+                attempt.failed_layer = i
             attempt.fwd.append(m)
         return attempt
 
@@ -97,10 +100,7 @@ class Profiler:
     def slow_start(self, backward: bool, cap: int) -> int:
         """Largest u ≤ cap whose every layer fits (forward, or backward), by slow start."""
         if not self._fits(1, backward):
-            raise HarmonyError(
-                f"{self.device.name}: even microbatch size 1 does not fit: {self._fit_cache[(1, backward)].failure}. "
-                "Give the device more memory (--device-memory) or cut the model into smaller layers (--depth)"
-            )
+            raise HarmonyError(self._too_small(self._fit_cache[(1, backward)]))
         u = 1
         while u * 2 <= cap and self._fits(u * 2, backward):
             u *= 2
@@ -111,6 +111,23 @@ class Profiler:
             else:
                 step //= 2
         return u
+
+    def _too_small(self, attempt: _Attempt) -> str:
+        """Which layer cannot run one sample on this device, and how much it needs (measured on an
+        unlimited device)."""
+        i = attempt.failed_layer
+        if i is None:
+            return f"{self.device.name}: even microbatch size 1 does not fit: {attempt.failure}"
+        values = self._inputs(1)
+        for module in self.graph.modules[:i]:
+            values = measure_layer(module, values, CpuDevice("need"), trials=0, backward=False)[1]
+        need, _ = measure_layer(self.graph.modules[i], values, CpuDevice("need"), trials=0, backward=True)
+        return (
+            f"layer {i} ({self.graph.layers[i].name}) needs {max(need.fwd_peak, need.bwd_peak):,} bytes of device memory "
+            f"for one sample (forward {need.fwd_peak:,}, backward {need.bwd_peak:,}), more than the {self.device.capacity:,} "
+            f"bytes of {self.device.name}; give each device more memory (--device-memory) or cut the model into "
+            "smaller layers (--depth or --modules)"
+        )
 
     # ------------------------------------------------------------------ the profile
     def profile(self, u_cap: int, samples: int = 4) -> Profile:
