@@ -2,7 +2,8 @@
 
 GPT-2 1.5B on four modelled GTX 1080 Ti (11 GB, PCIe 3) with analytic profiles: every mode's
 configuration is searched, and the swap volume of the chosen task graph is reported with its
-ratio to Harmony PP's. Goal: dp-swap at least 100x pp at minibatch 64 and above.
+ratio to Harmony PP's. Goal: dp-swap at least 100x pp at minibatch 64 and above. "dp-swap u=1"
+is the paper's setting (one sample per microbatch); plain "dp-swap" is searched like pp.
 
     python -m bench.swap_volume [--quick]
 """
@@ -23,7 +24,7 @@ from harmony.scheduler.machine import Machine
 from harmony.scheduler.search import NoFeasibleConfiguration, search
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
-MODES = ("pp", "dp", "dp-swap", "gpipe-swap-r", "1f1b-swap-r")
+MODES = ("pp", "dp", "dp-swap", "dp-swap u=1", "gpipe-swap-r", "1f1b-swap-r")
 
 
 def main() -> None:
@@ -44,8 +45,10 @@ def main() -> None:
     for d in minibatches:
         volumes = {}
         for mode in MODES:
+            name, _, fixed = mode.partition(" u=")
+            sizes = {"sizes": (lambda limit, u=int(fixed): [u])} if fixed else {}
             try:
-                volumes[mode] = search(profile, machine, mode, 4, d).graph.swap_bytes()
+                volumes[mode] = search(profile, machine, name, 4, d, **sizes).graph.swap_bytes()
             except NoFeasibleConfiguration:
                 volumes[mode] = None
         base = volumes["pp"]

@@ -177,8 +177,18 @@ class Profile:
 
     # ------------------------------------------------------------ packs
     def pack_time(self, first: int, last: int, u: int, quantity: str) -> float:
-        """Seconds of a pack (layers first..last) for fwd_time, bwd_time or recompute_time."""
-        return sum(layer.at(quantity, u) for layer in self.layers[first:last + 1])
+        """Seconds of a pack (layers first..last) for fwd_time, bwd_time or recompute_time.
+
+        From prefix sums per (quantity, u): the search asks for hundreds of thousands of packs.
+        """
+        prefixes = self.__dict__.setdefault("_prefix", {})
+        key = (quantity, u)
+        prefix = prefixes.get(key)
+        if prefix is None:
+            prefix = prefixes[key] = [0.0]
+            for layer in self.layers:
+                prefix.append(prefix[-1] + layer.at(quantity, u))
+        return prefix[last + 1] - prefix[first]
 
     def pack_fwd_memory(self, first: int, last: int, u: int) -> int:
         """Peak device bytes of a FWD task over layers first..last.

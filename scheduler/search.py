@@ -111,13 +111,16 @@ def search(
 def _search(profile, machine, mode, devices, minibatch, capacity, extra_packs, sizes, keep_candidates, options) -> SearchResult:
     start = time.perf_counter()
     per_device = minibatch if mode not in ("dp", "dp-swap", "dp-swap-r") else -(-minibatch // devices)
+    # per-GPU-swap baselines do best with fine packs (swapping per layer is their nature): give
+    # them the whole ladder of pack counts, so that the comparison is fair to them
+    doublings = 0 if mode in ("pp", "dp") else 64
     u_bs = sizes(min(profile.u_bmax, per_device))
     u_fs = sizes(min(profile.u_fmax, per_device))
     pending: list[tuple[float, int, Configuration]] = []
     for u_b in u_bs:
-        for p_b in _packings(profile, u_b, capacity, "bwd", None, extra_packs):
+        for p_b in _packings(profile, u_b, capacity, "bwd", None, extra_packs, doublings):
             for u_f in u_fs:
-                for p_f in _packings(profile, u_f, capacity, "fwd", p_b[-1], extra_packs):
+                for p_f in _packings(profile, u_f, capacity, "fwd", p_b[-1], extra_packs, doublings):
                     config = Configuration(u_f=u_f, packs_f=p_f, u_b=u_b, packs_b=p_b)
                     pending.append((quick_bound(mode, profile, config, devices, minibatch, machine), len(pending), config))
     pending.sort(key=lambda c: (c[0], c[1]))
@@ -224,11 +227,23 @@ def _variants(mode: str, options: dict) -> list[dict]:
     return [options]
 
 
-def _packings(profile: Profile, u: int, capacity: int, pass_: str, last_pack, extra: int) -> list[list[tuple[int, int]]]:
-    """Balanced packings with the fewest packs that fit and up to ``extra`` more packs."""
-    counts = packing.pack_counts(profile, u, capacity, pass_, last_pack=last_pack)
+def _packings(profile: Profile, u: int, capacity: int, pass_: str, last_pack, extra: int,
+              doublings: int = 2) -> list[list[tuple[int, int]]]:
+    """Balanced packings with the fewest packs that fit, up to ``extra`` more, and then doubling
+    pack counts up to one layer per pack: fewer, larger packs swap less, more, smaller ones leave
+    room for prefetching and balance pipelines better, and the best is rarely at either end."""
+    counts = list(packing.pack_counts(profile, u, capacity, pass_, last_pack=last_pack))
+    if not counts:
+        return []
+    wanted = set(counts[: extra + 1])
+    n = counts[0] * 2
+    while n < counts[-1] and len(wanted) < extra + 1 + doublings:
+        wanted.add(n)
+        n *= 2
+    if doublings > 2:
+        wanted.add(counts[-1])
     result = []
-    for n in list(counts)[: extra + 1]:
+    for n in sorted(wanted):
         p = packing.balanced_time_packing(profile, u, capacity, pass_, num_packs=n, last_pack=last_pack)
         if p is not None and p not in result:
             result.append(p)
