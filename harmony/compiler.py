@@ -92,10 +92,14 @@ def compile_plan(
     _check_smallest_layer(profile, capacity)
     results = {}
     infeasible: list[str] = []
+    same_u = batch_coupled(graph)
+    if same_u:
+        log.info("U_F = U_B: %s", same_u)
     for mode in (MODES if options.compare else (options.mode,)):
         on_progress(f"searching {mode}")
         try:
-            results[mode] = search(profile, machine, mode, options.devices, options.minibatch, capacity=capacity)
+            results[mode] = search(profile, machine, mode, options.devices, options.minibatch, capacity=capacity,
+                                   same_u=bool(same_u))
         except NoFeasibleConfiguration as exc:
             if mode == options.mode:
                 raise HarmonyError(str(exc)) from exc
@@ -122,13 +126,41 @@ def compile_plan(
         options={
             "minibatch": options.minibatch, "devices": options.devices, "mode": options.mode,
             "device_type": options.device_type, "device_memory": capacity, "analytic": options.analytic,
-            **options.extra,
+            "same_u": same_u, **options.extra,
         },
         comparison=comparison, model_file=model_file, model_sha256=model_sha256,
         search={"explored": chosen.explored, "pruned": chosen.pruned, "seconds": chosen.seconds},
     )
     plan.events = est.events  # for a Gantt picture; not saved (trace.json holds the same)
     return plan, chrome_trace(est)
+
+
+# functional calls that draw random numbers, as they appear in generated layer code (module calls
+# such as nn.Dropout are found on the modules themselves)
+_RANDOM_CALLS = ("functional.dropout", "functional.alpha_dropout", "functional.feature_alpha_dropout",
+                 "functional.dropout1d", "functional.dropout2d", "functional.dropout3d", "functional.rrelu",
+                 "torch.dropout", "torch.bernoulli", "torch.rand(", "torch.randn(", "torch.randint(",
+                 "torch.randperm(", "torch.normal(", "torch.multinomial(", ".bernoulli_(", ".normal_(",
+                 ".uniform_(", "native_dropout")
+
+
+def batch_coupled(graph: LayerGraph) -> str:
+    """Why the forward's microbatches must be the recompute's (U_F = U_B), or "" if they need not:
+    a layer that draws random numbers (dropout masks are drawn per microbatch) or normalizes over
+    the batch (BatchNorm in training mode) gives other results on other microbatches."""
+    reasons = []
+    if graph.training:
+        text = "\n".join(graph.sources.values())
+        found = [name.rstrip("(").split(".")[-1] for name in _RANDOM_CALLS if name in text]
+        for module in graph.modules or []:
+            for sub in module.modules():
+                if isinstance(sub, torch.nn.modules.dropout._DropoutNd) and sub.p > 0:
+                    found.append(type(sub).__name__)
+                if isinstance(sub, torch.nn.modules.batchnorm._BatchNorm):
+                    reasons.append(f"{type(sub).__name__} normalizes over the microbatch")
+        if found:
+            reasons.insert(0, f"layers draw random numbers ({', '.join(sorted(set(found)))})")
+    return "; ".join(dict.fromkeys(reasons))
 
 
 def profile_graph(graph, get_batch, build_optimizer, options: CompileOptions, on_progress=lambda msg: None) -> tuple[Profile, Machine]:

@@ -80,6 +80,7 @@ def search(
     extra_packs: int = 1,
     sizes: Callable[[int], list[int]] = ladder,
     keep_candidates: bool = False,
+    same_u: bool = False,
     **options,
 ) -> SearchResult:
     """Search configurations for ``mode`` and return the best one with its graph and estimate.
@@ -87,6 +88,9 @@ def search(
     Every candidate's task graph is built first and given a lower bound (its busiest device's
     compute, and its host-link traffic at full bandwidth); candidates are then simulated in order
     of their bound, stopping once the next bound is no better than the best time found.
+
+    ``same_u`` keeps U_F = U_B: for models whose layers draw random numbers or normalize over the
+    batch (dropout, BatchNorm), where a recompute must see exactly the forward's microbatches.
     """
     capacity = capacity if capacity is not None else profile.capacity
     start = time.perf_counter()
@@ -98,7 +102,7 @@ def search(
             continue
         tried.add(extra)
         try:
-            result = _search(profile, machine, mode, devices, minibatch, capacity, extra, sizes, keep_candidates, options)
+            result = _search(profile, machine, mode, devices, minibatch, capacity, extra, sizes, keep_candidates, same_u, options)
         except NoFeasibleConfiguration:
             if extra >= len(profile.layers):
                 raise
@@ -108,7 +112,7 @@ def search(
     raise NoFeasibleConfiguration(f"no {mode} configuration fits {capacity:,} bytes per device")
 
 
-def _search(profile, machine, mode, devices, minibatch, capacity, extra_packs, sizes, keep_candidates, options) -> SearchResult:
+def _search(profile, machine, mode, devices, minibatch, capacity, extra_packs, sizes, keep_candidates, same_u, options) -> SearchResult:
     start = time.perf_counter()
     per_device = minibatch if mode not in ("dp", "dp-swap", "dp-swap-r") else -(-minibatch // devices)
     # per-GPU-swap baselines do best with fine packs (swapping per layer is their nature): give
@@ -119,7 +123,7 @@ def _search(profile, machine, mode, devices, minibatch, capacity, extra_packs, s
     pending: list[tuple[float, int, Configuration]] = []
     for u_b in u_bs:
         for p_b in _packings(profile, u_b, capacity, "bwd", None, extra_packs, doublings):
-            for u_f in u_fs:
+            for u_f in ([u_b] if u_b <= max(u_fs) else []) if same_u else u_fs:
                 for p_f in _packings(profile, u_f, capacity, "fwd", p_b[-1], extra_packs, doublings):
                     config = Configuration(u_f=u_f, packs_f=p_f, u_b=u_b, packs_b=p_b)
                     pending.append((quick_bound(mode, profile, config, devices, minibatch, machine), len(pending), config))

@@ -1,0 +1,131 @@
+"""Channels (§4.3.2): how tensors travel between host memory, devices and worker processes, and
+how many bytes each moved.
+
+- SWAP: host memory <-> device memory (the master state in the host store, stashes, activations
+  parked in host memory, the minibatch).
+- P2P: device -> device. On emulated CPU devices the sender copies into a shared-memory segment
+  and hands its handle to the receiver's inbox (a ``torch.multiprocessing`` queue); the receiver
+  copies it into its device memory. On GPUs the same interface carries NCCL/CUDA-IPC copies.
+- MSG: host -> host between worker processes (activations parked in one worker's host memory and
+  read by another worker), through the same inboxes.
+- SHM: shared host memory read in place (the master state, gradient slots): no copy, no bytes.
+- LOCAL: stays resident on the device.
+
+``Counters`` keep bytes per channel and direction, the way ``TaskGraph.bytes_by_channel`` plans
+them, so a run can be checked byte for byte against its plan. ``Mailbox`` is a worker's inbox:
+a thread drains the queue into a table that the executor waits on by key.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from typing import Any, Callable, Hashable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class Counters:
+    """Bytes moved, by ``"<CHANNEL> in|out"`` and, for diagnosis, by tensor kind."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.by_channel: Counter[str] = Counter()
+        self.by_tensor: Counter[str] = Counter()
+
+    def add(self, channel: str, direction: str, tensor: str, nbytes: int) -> None:
+        with self._lock:
+            self.by_channel[f"{channel} {direction}"] += nbytes
+            self.by_tensor[f"{tensor} {channel} {direction}"] += nbytes
+
+    def reset(self) -> None:
+        with self._lock:
+            self.by_channel.clear()
+            self.by_tensor.clear()
+
+    def snapshot(self) -> tuple[dict[str, int], dict[str, int]]:
+        with self._lock:
+            return dict(self.by_channel), dict(self.by_tensor)
+
+
+def tensor_bytes(values: Any) -> int:
+    """Bytes of the tensors among ``values`` (a tensor, or a sequence with tensors and objects)."""
+    if isinstance(values, torch.Tensor):
+        return values.numel() * values.element_size()
+    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+
+
+def shared_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` in a fresh shared-memory segment: one copy, and the queue then passes only
+    its handle to the other process."""
+    out = torch.empty(t.shape, dtype=t.dtype).share_memory_()
+    out.copy_(t)
+    return out
+
+
+class Aborted(RuntimeError):
+    """Another worker failed; this one stops waiting."""
+
+
+class Mailbox:
+    """Messages for this worker, by key; filled by a thread that drains the inbox queue."""
+
+    def __init__(self, inbox: Any, aborted: Callable[[], bool]) -> None:
+        self._inbox = inbox
+        self._aborted = aborted
+        self._items: dict[Hashable, Any] = {}
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._drain, name="harmony-p2p-recv", daemon=True)
+        self._thread.start()
+
+    def _drain(self) -> None:
+        while not self._stop:
+            try:
+                item = self._inbox.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            except (EOFError, OSError):
+                return
+            if item is None:
+                return
+            key, payload = item
+            with self._cond:
+                self._items[key] = payload
+                self._cond.notify_all()
+
+    def put_local(self, key: Hashable, payload: Any) -> None:
+        with self._cond:
+            self._items[key] = payload
+            self._cond.notify_all()
+
+    def take(self, key: Hashable, what: str, timeout: float) -> Any:
+        """The message under ``key``, waiting for it; raises ``Aborted`` if the run was aborted and
+        ``TimeoutError`` naming ``what`` if nothing came for ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while key not in self._items:
+                if self._aborted():
+                    raise Aborted("the run was aborted by another worker's failure")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"waited {timeout:.0f} s for {what}; its sender never sent it")
+                self._cond.wait(min(left, 0.2))
+            return self._items.pop(key)
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._items)
+
+    def close(self) -> None:
+        self._stop = True
+        try:
+            self._inbox.put(None)
+        except (ValueError, OSError, AssertionError):
+            pass
+        self._thread.join(timeout=2)

@@ -1,0 +1,746 @@
+"""The per-device executor (§4.4): one worker's tasks of one iteration, in plan order.
+
+The compute thread runs FWD, BWD and UPD tasks; four stream threads beside it move data (see
+``streams.py``): swap-in (host -> device, prefetching the next task's weights and the next
+microbatch's inputs while the current one computes), swap-out (device -> host: updated weights and
+optimizer state, buffers, gradients, stashes), p2p-in (receiving activations and gradients from
+other devices) and p2p-out (sending them).
+
+Semantics, each matching one-process eager training (``reference.py``):
+
+- **FWD**: the pack's forward for each microbatch of its group, without autograd; the inputs of
+  the layers a later recompute starts from are stashed to host memory with the random-generator
+  state they had (``rng.py``); buffers (BatchNorm statistics) are updated and written back once.
+- **BWD**: per microbatch, the recompute from the stash (buffers on throwaway copies, so running
+  statistics are not updated twice; the generator state restored, so dropout masks repeat), then
+  the backward with the gradient arriving from the next pack. The pack's gradient buffer stays on
+  the device across its microbatches (input-batch grouping). A ``loss`` task runs the last pack's
+  forward, the loss scaled by u/D and the backward together.
+- **Updates**: jit-update on the device right after a pack's last backward (``update="device"``),
+  or the gradient is left in a host slot for an update elsewhere (an offloaded host update, the
+  baselines' UPD tasks, or the owner of a tied weight). A parameter is stepped exactly once per
+  iteration, by the task that owns it, with the sum of every gradient of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch.func import functional_call
+from torch.utils import _pytree as pytree
+
+from harmony.decomposer.layer_graph import LayerGraph
+from harmony.errors import DeviceOutOfMemoryError
+from harmony.runtime import rng
+from harmony.runtime.channels import Aborted, Counters, Mailbox, shared_copy, tensor_bytes
+from harmony.runtime.device import Device
+from harmony.runtime.hoststore import HostStore
+from harmony.runtime.routes import OutStream, Routes, pieces, ranges, stash_layers
+from harmony.runtime.streams import Stream
+from harmony.scheduler.tasks import HOST, Channel, Kind, Task
+
+log = logging.getLogger(__name__)
+
+Values = list  # a boundary: tensors and plain objects, in the layer graph's value order
+
+
+@dataclass
+class Shared:
+    """Cross-process flags in shared memory: which tasks finished this iteration, which replicas
+    of an update read their inputs, and whether the run was aborted."""
+
+    done: torch.Tensor  # int64 [tasks]: iteration + 1 once the task and all its outputs finished
+    reads: torch.Tensor  # int64 [tasks]: iteration + 1 once a replicated UPD read its inputs
+    abort: torch.Tensor  # int64 [1]: nonzero once any worker failed
+
+    @classmethod
+    def create(cls, tasks: int) -> "Shared":
+        return cls(torch.zeros(max(tasks, 1), dtype=torch.int64).share_memory_(),
+                   torch.zeros(max(tasks, 1), dtype=torch.int64).share_memory_(),
+                   torch.zeros(1, dtype=torch.int64).share_memory_())
+
+    def aborted(self) -> bool:
+        return bool(self.abort[0])
+
+    def wait_done(self, task_ids: list[int], iteration: int, what: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        pending = list(task_ids)
+        while pending:
+            pending = [t for t in pending if int(self.done[t]) != iteration + 1]
+            if not pending:
+                return
+            if self.aborted():
+                raise Aborted("the run was aborted by another worker's failure")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"waited {timeout:.0f} s for task(s) {pending} before {what}")
+            time.sleep(0.0005)
+
+
+@dataclass
+class Batch:
+    """One minibatch in host memory: the model's inputs and the loss target, batch first."""
+
+    inputs: list[Any]
+    target: Any
+    size: int
+
+
+@dataclass
+class IterationResult:
+    loss: float  # this worker's share of the minibatch's mean loss (sum over workers = the loss)
+    seconds: float
+    peak: int
+    bytes_by_channel: dict[str, int] = field(default_factory=dict)
+    bytes_by_tensor: dict[str, int] = field(default_factory=dict)
+    task_seconds: dict[int, float] = field(default_factory=dict)
+
+
+class Executor:
+    """Runs one device's share of every iteration; see the module docs."""
+
+    def __init__(self, rank: int, device: Device, layers: LayerGraph, routes: Routes, store: HostStore,
+                 shared: Shared, mailbox: Mailbox, peers: list[Any], loss_fn: Callable,
+                 build_optimizer: Callable, seed: int, timeout: float = 600.0) -> None:
+        self.rank = rank
+        self.device = device
+        self.layers = layers
+        self.modules = layers.modules
+        self.routes = routes
+        self.store = store
+        self.shared = shared
+        self.mailbox = mailbox
+        self.peers = peers
+        self.loss_fn = loss_fn
+        self.build_optimizer = build_optimizer
+        self.seed = seed
+        self.timeout = timeout
+        self.tasks = [t for t in routes.graph.tasks if t.device == rank]
+        self.counters = Counters()
+        self.minibatch = routes.graph.minibatch
+        self.local: dict[Any, Any] = {}  # LOCAL outputs waiting on the device for their consumer
+        self.resident: dict[int, dict[str, torch.Tensor]] = {}  # task -> pack state kept for a later task
+        self._prefetched: dict[int, Future] = {}
+        self._waiting = False
+        threads = torch.get_num_threads()
+        scope = device.memory_scope
+
+        def setup() -> None:
+            torch.set_num_threads(threads)
+
+        self.swap_in = Stream(f"dev{rank}-swap-in", scope, setup)
+        self.swap_out = Stream(f"dev{rank}-swap-out", scope, setup)
+        self.p2p_in = Stream(f"dev{rank}-p2p-in", scope, setup)
+        self.p2p_out = Stream(f"dev{rank}-p2p-out", scope, setup)
+        self._batch_dims = self._batch_value_masks()
+        self._out_spec = layers.out_spec()
+
+    def close(self) -> None:
+        for stream in (self.swap_in, self.swap_out, self.p2p_in, self.p2p_out):
+            stream.close()
+
+    # ================================================================ iteration
+    def run_iteration(self, iteration: int, batch: Batch) -> IterationResult:
+        self.iteration = iteration
+        self.batch = batch
+        self.counters.reset()
+        self.device.reset_peak()
+        loss = 0.0
+        task_seconds = {}
+        start = time.perf_counter()
+        with self.device.memory_scope():
+            for i, task in enumerate(self.tasks):
+                if i + 1 < len(self.tasks):
+                    self._prefetch_state(self.tasks[i + 1])
+                t0 = time.perf_counter()
+                loss += self._run_task(task)
+                task_seconds[task.id] = time.perf_counter() - t0
+            self._drain()
+        self.device.synchronize()
+        seconds = time.perf_counter() - start
+        by_channel, by_tensor = self.counters.snapshot()
+        leftover = [k for k in self.local]
+        if leftover:
+            raise RuntimeError(f"dev{self.rank}: LOCAL values nobody read: {leftover[:3]}")
+        self.resident.clear()
+        return IterationResult(loss=loss, seconds=seconds, peak=self.device.peak(), bytes_by_channel=by_channel,
+                               bytes_by_tensor=by_tensor, task_seconds=task_seconds)
+
+    def _drain(self) -> None:
+        for stream in (self.swap_out, self.p2p_out, self.swap_in, self.p2p_in):
+            self._wait(stream.submit(lambda: None))
+
+    def _wait(self, future: Future) -> Any:
+        """Block the compute thread on a stream's job; while blocked, a prefetch that is short of
+        memory knows nothing else can free it."""
+        self._waiting = True
+        try:
+            while True:
+                try:
+                    return future.result(timeout=0.2)
+                except TimeoutError:
+                    if self.shared.aborted():
+                        raise Aborted("the run was aborted by another worker's failure") from None
+        finally:
+            self._waiting = False
+
+    def _run_task(self, task: Task) -> float:
+        log.debug("dev%d runs %s", self.rank, task)
+        if task.kind == Kind.FWD:
+            self._forward(task)
+            loss = 0.0
+        elif task.kind == Kind.BWD:
+            loss = self._backward(task)
+        else:
+            self._update_task(task)
+            loss = 0.0
+        self._finish(task)
+        return loss
+
+    def _finish(self, task: Task) -> None:
+        """Mark the task done once every output it queued has left (stream order guarantees it)."""
+        sent = self.p2p_out.submit(lambda: None)
+
+        def mark() -> None:
+            sent.result()
+            self.shared.done[task.id] = self.iteration + 1
+
+        self.swap_out.submit(mark)
+
+    # ================================================================ copies
+    def _to_device(self, t: torch.Tensor, channel: str, tensor: str) -> torch.Tensor:
+        """A counted copy into device memory that waits while memory is short and work that can
+        free it is still running; gives up (out of memory) once the compute thread is blocked on
+        it and nothing was freed for a second."""
+        stalled_since = None
+        while True:
+            try:
+                out = self.device.to_device(t)
+                break
+            except DeviceOutOfMemoryError:
+                if self.shared.aborted():
+                    raise Aborted("the run was aborted by another worker's failure") from None
+                if self._waiting or _on_compute_thread():
+                    now = time.monotonic()
+                    stalled_since = stalled_since or now
+                    if now - stalled_since > 1.0:
+                        raise
+                else:
+                    stalled_since = None
+                time.sleep(0.001)
+        self.counters.add(channel, "in", tensor, t.numel() * t.element_size())
+        return out
+
+    def _values_to_device(self, values: Values, channel: str, tensor: str) -> Values:
+        return [self._to_device(v, channel, tensor) if isinstance(v, torch.Tensor) else v for v in values]
+
+    def _to_host_into(self, dst: torch.Tensor, src: torch.Tensor, tensor: str) -> None:
+        with torch.no_grad():
+            dst.copy_(src.detach())
+        self.counters.add("SWAP", "out", tensor, src.numel() * src.element_size())
+
+    # ================================================================ pack state
+    def _state_names(self, task: Task) -> list[str]:
+        names: list[str] = []
+        for layer in range(task.first, task.last + 1):
+            for name in self.layers.layers[layer].state:
+                if name not in names:
+                    names.append(name)
+        return names
+
+    def _prefetch_state(self, task: Task) -> None:
+        if task.kind == Kind.UPD or any(t.tensor == "W" and t.channel == Channel.LOCAL for t in task.inputs):
+            return
+        self._prefetched[task.id] = self.swap_in.submit(self._load_state, task)
+
+    def _load_state(self, task: Task) -> dict[str, torch.Tensor]:
+        """The pack's parameters and buffers on the device, by original name (a tied parameter's
+        names share one copy)."""
+        local = next((t for t in task.inputs if t.tensor == "W" and t.channel == Channel.LOCAL), None)
+        if local is not None:
+            return self.resident.pop(local.task)
+        state: dict[str, torch.Tensor] = {}
+        copies: dict[str, torch.Tensor] = {}
+        for name in self._state_names(task):
+            spec = self.layers.state[name]
+            if spec.kind == "parameter":
+                canon = self.layers.canonical(name)
+                if canon not in copies:
+                    copies[canon] = self._to_device(self.store.weight(canon), "SWAP", "W")
+                state[name] = copies[canon]
+            else:
+                state[name] = self._to_device(self.store.view(f"B/{name}"), "SWAP", "B")
+        return state
+
+    def _pack_state(self, task: Task) -> dict[str, torch.Tensor]:
+        future = self._prefetched.pop(task.id, None)
+        state = self._wait(future) if future is not None else self._load_state(task)
+        if any(t.task == task.id and t.tensor == "W" and t.channel == Channel.LOCAL
+               for later in self.tasks for t in later.inputs):
+            self.resident[task.id] = state
+        return state
+
+    def _params(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Canonical name -> device tensor of the trainable parameters in a pack state."""
+        out = {}
+        for name, t in state.items():
+            spec = self.layers.state[name]
+            if spec.kind == "parameter" and spec.requires_grad:
+                out.setdefault(self.layers.canonical(name), t)
+        return out
+
+    def _write_buffers(self, task: Task, state: dict[str, torch.Tensor]) -> None:
+        """B -> SWAP: buffers changed by the forward (running statistics) go back to the host."""
+        if not any(t.tensor == "B" for t in task.outputs):
+            return
+        buffers = {name: t for name, t in state.items() if self.layers.state[name].kind != "parameter"}
+
+        def write() -> None:
+            for name, t in buffers.items():
+                self._to_host_into(self.store.view(f"B/{name}"), t, "B")
+
+        self.swap_out.submit(write)
+
+    # ================================================================ running layers
+    def _run_layer(self, index: int, state: dict[str, torch.Tensor], values: Values) -> Values:
+        names = self.layers.layers[index].state
+        return list(functional_call(self.modules[index], {n: state[n] for n in names}, tuple(values)))
+
+    def _run_pack(self, task: Task, state: dict[str, torch.Tensor], values: Values) -> Values:
+        for layer in range(task.first, task.last + 1):
+            values = self._run_layer(layer, state, values)
+        return values
+
+    # ================================================================ streams of activations
+    def _batch_value_masks(self) -> dict[int, list[bool]]:
+        """Per layer boundary, which values carry the batch on dim 0 (from the shapes the graph
+        recorded at its example batch size), for cutting and joining microbatches."""
+        first = self.layers.values[self.layers.inputs[0]]
+        example = first.shape[0] if first.shape else 1
+        masks = {}
+        for spec in self.layers.layers:
+            masks[spec.index] = [
+                self.layers.values[n].kind == "tensor" and bool(self.layers.values[n].shape)
+                and self.layers.values[n].shape[0] == example for n in spec.inputs
+            ]
+        return masks
+
+    def _cut(self, values: Values, boundary: int, start: int, stop: int) -> Values:
+        mask = self._batch_dims.get(boundary, [])
+        return [v[start:stop] if (i < len(mask) and mask[i] and isinstance(v, torch.Tensor)) else v
+                for i, v in enumerate(values)]
+
+    def _join(self, parts: list[Values], boundary: int) -> Values:
+        if len(parts) == 1:
+            return parts[0]
+        mask = self._batch_dims.get(boundary, [])
+        out = []
+        for i, first in enumerate(parts[0]):
+            if i < len(mask) and mask[i] and isinstance(first, torch.Tensor):
+                out.append(torch.cat([p[i] for p in parts], dim=0))
+            else:
+                out.append(first)
+        return out
+
+    def _key(self, consumer: int, stream: str, start: int) -> tuple:
+        return (self.iteration, consumer, stream, start)
+
+    def _send(self, task: Task, mb: int, outs: list[OutStream], values: Values, state: torch.Tensor | None) -> None:
+        """Hand microbatch ``mb`` of a boundary to each consumer stream, cut to the consumer's
+        microbatches."""
+        mb_start, mb_size = ranges(task)[mb]
+        for out in outs:
+            consumer = self.routes.by_id[out.consumer]
+            for piece in pieces(task, consumer):
+                if piece.src != mb:
+                    continue
+                part = values
+                if (piece.start, piece.stop) != (mb_start, mb_start + mb_size):
+                    part = self._cut(values, out.layer, piece.start - mb_start, piece.stop - mb_start)
+                key = self._key(consumer.id, out.name, piece.start)
+                tensor = {"X": "Y", "dY": "dX"}.get(out.name, "Xs")
+                self._route(key, consumer, out.channel, part, state, tensor)
+
+    def _route(self, key: tuple, consumer: Task, channel: Channel, values: Values, state, tensor: str) -> None:
+        if channel == Channel.LOCAL:
+            self.local[key] = (values, state)
+            return
+        if channel == Channel.P2P:
+            target = self.peers[consumer.device]
+
+            def send() -> None:
+                target.put((key, ([shared_copy(v) if isinstance(v, torch.Tensor) else v for v in values], state)))
+
+            self.p2p_out.submit(send)
+            return
+        # SWAP / MSG: park in host memory; a consumer in another worker gets the handle
+        same = consumer.device == self.rank
+
+        def park() -> None:
+            host = [shared_copy(v) if isinstance(v, torch.Tensor) else v for v in values] if not same else \
+                [self.device.to_host(v) if isinstance(v, torch.Tensor) else v for v in values]
+            self.counters.add(channel.value, "out", tensor, tensor_bytes(values))
+            if same:
+                self.mailbox.put_local(key, (host, state))
+            else:
+                self.peers[consumer.device].put((key, (host, state)))
+
+        self.swap_out.submit(park)
+
+    def _fetch(self, task: Task, stream: str, mb: int) -> tuple[Values, torch.Tensor | None]:
+        """Microbatch ``mb`` of an input stream on the device, with its generator state."""
+        source = self.routes.inputs[task.id].get(stream)
+        start, size = ranges(task)[mb]
+        if source is None or source.producer is None:  # the minibatch, in host memory
+            values = [self._slice(v, start, size) for v in self.batch.inputs]
+            values = self._values_to_device(values, "SWAP", "X")
+            return values, rng.seeded(self.device.torch_device, rng.microbatch_seed(self.seed, self.iteration, start))
+        producer = self.routes.by_id[source.producer]
+        boundary = {"X": task.first, "dY": task.last + 1}.get(stream, int(stream[2:]) if stream.startswith("Xs") else task.first)
+        parts, state = [], None
+        for piece in pieces(producer, task):
+            if piece.dst != mb:
+                continue
+            key = self._key(task.id, stream, piece.start)
+            what = f"{stream} of task {task.id} (samples {piece.start}-{piece.stop}) from task {producer.id} on dev{producer.device}"
+            if source.channel == Channel.LOCAL:
+                values, piece_state = self._take_local(key, what)
+            else:
+                host, piece_state = self.mailbox.take(key, what, self.timeout)
+                label = "P2P" if source.channel == Channel.P2P else source.channel.value
+                tensor = {"X": "X", "dY": "dY"}.get(stream, "Xs")
+                values = self._values_to_device(host, label, tensor)
+                del host
+            state = piece_state if state is None else state
+            parts.append(values)
+        return self._join(parts, boundary), state
+
+    def _take_local(self, key: tuple, what: str):
+        deadline = time.monotonic() + self.timeout
+        while key not in self.local:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} never became resident")
+            time.sleep(0.0005)
+        return self.local.pop(key)
+
+    def _slice(self, v: Any, start: int, size: int) -> Any:
+        return v[start:start + size] if isinstance(v, torch.Tensor) else v
+
+    def _stream_prefetch(self, task: Task, streams: list[str], mb: int) -> dict[str, Future]:
+        out = {}
+        if mb >= len(task.microbatches):
+            return out
+        for name in streams:
+            source = self.routes.inputs[task.id].get(name)
+            if source is not None and source.channel == Channel.LOCAL:
+                continue
+            stream = self.p2p_in if source is not None and source.channel == Channel.P2P else self.swap_in
+            out[name] = stream.submit(self._fetch, task, name, mb)
+        return out
+
+    def _inputs(self, task: Task, streams: list[str], mb: int, ready: dict[str, Future]) -> dict[str, tuple]:
+        got = {}
+        for name in streams:
+            future = ready.get(name)
+            got[name] = self._wait(future) if future is not None else self._fetch(task, name, mb)
+        return got
+
+    # ================================================================ FWD
+    def _forward(self, task: Task) -> None:
+        state = self._pack_state(task)
+        outs = self.routes.outputs[task.id]
+        stash_at: dict[int, list[OutStream]] = {}
+        for o in outs:
+            if o.name.startswith("Xs"):
+                stash_at.setdefault(o.layer, []).append(o)
+        ys = [o for o in outs if o.name == "X"]
+        device = self.device.torch_device
+        ready = self._stream_prefetch(task, ["X"], 0)
+        for mb in range(len(task.microbatches)):
+            got = self._inputs(task, ["X"], mb, ready)
+            ready = self._stream_prefetch(task, ["X"], mb + 1)
+            values, gen = got["X"]
+            if gen is not None:
+                rng.restore(device, gen)
+            with torch.no_grad():
+                for layer in range(task.first, task.last + 1):
+                    if layer in stash_at:
+                        self._send(task, mb, stash_at[layer], values, rng.capture(device))
+                    values = self._run_layer(layer, state, values)
+            self._send(task, mb, ys, values, rng.capture(device))
+            del values, got
+        self._write_buffers(task, state)
+        self._evict_weights(task, state)
+
+    # ================================================================ BWD
+    def _backward(self, task: Task) -> float:
+        state = self._pack_state(task)
+        params = self._params(state)
+        for p in params.values():
+            p.requires_grad_(True)
+        overwrite = self._load_running_gradient(task, params)
+        layers = stash_layers(task)
+        streams = ["X"] if task.loss else ["dY"] + [f"Xs{l}" for l in layers]
+        if task.loss and task.first == 0:
+            streams = ["X"]
+        device = self.device.torch_device
+        loss_total = 0.0
+        ready = self._stream_prefetch(task, streams, 0)
+        for mb, (start, size) in enumerate(ranges(task)):
+            got = self._inputs(task, streams, mb, ready)
+            ready = self._stream_prefetch(task, streams, mb + 1)
+            if task.loss:
+                xs, gen = got["X"]
+                xs = _leaves(xs)
+                if gen is not None:
+                    rng.restore(device, gen)
+                outputs = self._run_pack(task, state, xs)
+                target = self._target(start, size)
+                loss = self.loss_fn(pytree.tree_unflatten(outputs, self._out_spec), target) * (size / self.minibatch)
+                del outputs
+                loss.backward()
+                loss_total += float(loss.detach())
+                del loss, target
+            else:
+                grads = got["dY"][0]
+                scratch = {n: (t.clone() if self.layers.state[n].kind != "parameter" else t) for n, t in state.items()}
+                for layer in reversed(layers):
+                    xs, gen = got[f"Xs{layer}"]
+                    xs = _leaves(xs)
+                    if gen is not None:
+                        rng.restore(device, gen)
+                    stop = task.last if len(layers) == 1 else layer
+                    values = xs
+                    for l in range(layer, stop + 1):
+                        values = self._run_layer(l, scratch, values)
+                    _backward(values, grads)
+                    del values
+                    grads = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in xs]
+                    got[f"Xs{layer}"] = (xs, None)
+                xs = got[f"Xs{layers[0]}"][0]
+                del scratch
+            if task.first > 0:
+                dx = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in xs]
+                self._send(task, mb, [o for o in self.routes.outputs[task.id] if o.name == "dY"], dx, None)
+            del xs, got
+        if task.loss:
+            self._write_buffers(task, state)
+        self._after_backward(task, state, params, overwrite)
+        return loss_total
+
+    def _target(self, start: int, size: int) -> Any:
+        target = self._slice(self.batch.target, start, size)
+        if isinstance(target, torch.Tensor):
+            target = self.device.to_device(target)
+            self.counters.add("TARGET", "in", "T", target.numel() * target.element_size())
+        return target
+
+    def _load_running_gradient(self, task: Task, params: dict[str, torch.Tensor]) -> bool:
+        """dW <- SWAP: the gradient accumulated so far (per-GPU-swap baselines) becomes the
+        starting value of this task's gradient buffer; says whether it did."""
+        if not any(t.tensor == "dW" and t.channel == Channel.SWAP for t in task.inputs):
+            return False
+        for name, p in params.items():
+            if self.store.slot_written(self.rank, name, self.iteration):
+                p.grad = self._to_device(self.store.grad_slot(self.rank, name), "SWAP", "dW")
+        return True
+
+    def _after_backward(self, task: Task, state: dict[str, torch.Tensor], params: dict[str, torch.Tensor],
+                        overwrite: bool) -> None:
+        deposits = self.routes.deposits.get(task.id, [])
+        if deposits:
+            grads = {name: params[name].grad for name in deposits if params[name].grad is not None}
+            self.swap_out.submit(self._deposit, grads, overwrite)
+        if task.id in self.routes.jit:
+            owned = {name: params[name] for name in self.routes.updates.get(task.id, [])}
+            self._step(task, owned, write=True)
+        self._evict_weights(task, state)
+        for p in params.values():
+            p.grad = None
+
+    def _deposit(self, grads: dict[str, torch.Tensor], overwrite: bool) -> None:
+        """dW -> SWAP: leave gradients in this device's host slots (added to what an earlier task
+        of this iteration left there, unless this task started from it)."""
+        for name, g in grads.items():
+            slot = self.store.grad_slot(self.rank, name)
+            if overwrite or not self.store.slot_written(self.rank, name, self.iteration):
+                self._to_host_into(slot, g, "dW")
+            else:
+                host = self.device.to_host(g)
+                self.counters.add("SWAP", "out", "dW", host.numel() * host.element_size())
+                slot.add_(host)
+            self.store.stamp_slot(self.rank, name, self.iteration)
+
+    def _evict_weights(self, task: Task, state: dict[str, torch.Tensor]) -> None:
+        """W -> SWAP without an update (per-GPU-swap baselines evict their weights): the copy is
+        made, as the baseline makes it, into a scratch buffer, since the master is unchanged."""
+        if task.id in self.routes.jit or not any(t.tensor == "W" for t in task.outputs):
+            return
+        params = {self.layers.canonical(n): t for n, t in state.items() if self.layers.state[n].kind == "parameter"}
+
+        def evict() -> None:
+            for t in params.values():
+                host = self.device.to_host(t)
+                self.counters.add("SWAP", "out", "W", host.numel() * host.element_size())
+
+        self.swap_out.submit(evict)
+
+    # ================================================================ updates
+    def _update_task(self, task: Task) -> None:
+        """A UPD task on this device: weights, the summed gradient and the state in, step, out.
+        Replicas of one update (data parallel with per-GPU swap) all compute it; the lowest one
+        writes the master after every replica has read it."""
+        local = next((t for t in task.inputs if t.tensor == "W" and t.channel == Channel.LOCAL), None)
+        state = self.resident.pop(local.task) if local is not None else None
+        owned = self.routes.updates.get(task.id, [])
+        params = {}
+        for name in owned:
+            if state is not None:
+                params[name] = next(t for n, t in state.items() if self.layers.canonical(n) == name)
+            else:
+                params[name] = self._to_device(self.store.weight(name), "SWAP", "W")
+        replicas = self.routes.replicas.get(task.id, [task.id])
+        writer = min(replicas, key=lambda t: self.routes.by_id[t].device)
+        self._step(task, params, write=task.id == writer, replicas=replicas)
+
+    def _gradient(self, name: str, own: torch.Tensor | None) -> torch.Tensor | None:
+        """The full gradient of a parameter: this task's own (on the device) plus every host slot
+        written this iteration, summed on the host and copied in once."""
+        host = None
+        for d in range(self.store.layout.devices):
+            if self.store.slot_written(d, name, self.iteration):
+                slot = self.store.grad_slot(d, name)
+                host = slot.clone() if host is None else host.add_(slot)
+        if host is None:
+            return own
+        g = self._to_device(host, "SWAP", "dW")
+        return g if own is None else own.add_(g)
+
+    def _step(self, task: Task, params: dict[str, torch.Tensor], write: bool, replicas: list[int] | None = None) -> None:
+        if not params:
+            self._write_state(task, {}, {}, write)
+            return
+        sources = sorted({s for name in params for s in self.routes.sources.get(name, []) if s != task.id})
+        self.shared.wait_done(sources, self.iteration, f"updating task {task.id}", self.timeout)
+        leaves = {}
+        for name, p in params.items():
+            leaf = p.detach().requires_grad_(True)
+            leaf.grad = self._gradient(name, p.grad)
+            leaves[name] = leaf
+        opt = self.build_optimizer(list(leaves.values()))
+        for name, leaf in leaves.items():
+            if self.store.state_initialized(name):
+                opt.state[leaf] = {k: (self._to_device(v, "SWAP", "K") if v.dim() > 0 else v.clone())
+                                   for k, v in self.store.state(name).items()}
+            else:  # the first step starts from an empty state; the (zero) slots still come in
+                for v in self.store.state(name).values():
+                    if v.dim() > 0:
+                        self._to_device(v, "SWAP", "K")
+        if replicas and len(replicas) > 1:
+            self.shared.reads[task.id] = self.iteration + 1
+            if write:
+                self._wait_replicas(replicas)
+        opt.step()
+        new_state = {name: dict(opt.state[leaf]) for name, leaf in leaves.items()}
+        weights = {name: leaf.detach() for name, leaf in leaves.items()}
+        for leaf in leaves.values():
+            leaf.grad = None
+        self._write_state(task, weights, new_state, write)
+
+    def _wait_replicas(self, replicas: list[int]) -> None:
+        deadline = time.monotonic() + self.timeout
+        while any(int(self.shared.reads[t]) != self.iteration + 1 for t in replicas):
+            if self.shared.aborted():
+                raise Aborted("the run was aborted by another worker's failure")
+            if time.monotonic() > deadline:
+                raise TimeoutError("replicas of an update never read their inputs")
+            time.sleep(0.0005)
+
+    def _write_state(self, task: Task, weights: dict, states: dict, write: bool) -> None:
+        """W, K -> SWAP after a step: into the master (the writer) or a scratch copy (a replica)."""
+
+        def out() -> None:
+            for name, w in weights.items():
+                if write:
+                    self._to_host_into(self.store.weight(name), w, "W")
+                else:
+                    self.counters.add("SWAP", "out", "W", tensor_bytes(self.device.to_host(w)))
+            for name, values in states.items():
+                slots = self.store.state(name)
+                for key, v in values.items():
+                    if not isinstance(v, torch.Tensor):
+                        continue
+                    if v.dim() == 0:
+                        if write:
+                            slots[key].copy_(v)
+                        continue
+                    if write:
+                        self._to_host_into(slots[key], v, "K")
+                    else:
+                        self.counters.add("SWAP", "out", "K", tensor_bytes(self.device.to_host(v)))
+                if write:
+                    self.store.mark_state_initialized(name)
+
+        self.swap_out.submit(out)
+
+
+def host_update(task: Task, layers: LayerGraph, routes: Routes, store: HostStore, shared: Shared,
+                build_optimizer: Callable, iteration: int, timeout: float) -> None:
+    """A UPD task bound to the host (an offloaded update): the optimizer steps the master weights
+    in shared memory in place, with the gradients the devices left in their slots."""
+    owned = routes.updates.get(task.id, [])
+    shared.wait_done(sorted({s for name in owned for s in routes.sources.get(name, [])}), iteration,
+                     f"the host update of task {task.id}", timeout)
+    leaves = {}
+    for name in owned:
+        grad = None
+        for d in range(store.layout.devices):
+            if store.slot_written(d, name, iteration):
+                slot = store.grad_slot(d, name)
+                grad = slot.clone() if grad is None else grad.add_(slot)
+        if grad is None:
+            continue
+        leaf = torch.nn.Parameter(store.weight(name), requires_grad=True)
+        leaf.grad = grad
+        leaves[name] = leaf
+    if leaves:
+        opt = build_optimizer(list(leaves.values()))
+        for name, leaf in leaves.items():
+            if store.state_initialized(name):
+                opt.state[leaf] = dict(store.state(name))  # in place: the state lives in the slots
+        opt.step()
+        for name, leaf in leaves.items():
+            slots = store.state(name)
+            for key, v in opt.state[leaf].items():
+                if isinstance(v, torch.Tensor) and v.data_ptr() != slots[key].data_ptr():
+                    slots[key].copy_(v)
+            store.mark_state_initialized(name)
+    shared.done[task.id] = iteration + 1
+
+
+def _leaves(values: Values) -> Values:
+    """Inputs of a recompute or a loss task: floating tensors become leaves that collect their
+    gradient (what flows back to the previous pack)."""
+    out = []
+    for v in values:
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            v = v.detach().requires_grad_(True)
+        out.append(v)
+    return out
+
+
+def _backward(outputs: Values, grads: Values) -> None:
+    pairs = [(y, g) for y, g in zip(outputs, grads)
+             if isinstance(y, torch.Tensor) and y.requires_grad and isinstance(g, torch.Tensor)]
+    if pairs:
+        torch.autograd.backward([y for y, _ in pairs], [g for _, g in pairs])
+
+
+def _on_compute_thread() -> bool:
+    import threading
+
+    return not threading.current_thread().name.startswith("harmony-")

@@ -1,0 +1,231 @@
+"""The host store: master weights, buffers, optimizer state and gradient slots, once, in shared memory.
+
+Every worker reads and writes the same bytes (DESIGN.md: "Master weights and optimizer state live
+once, in host shared memory"). The store is one flat shared ``uint8`` tensor and a layout table of
+plain data (name -> offset, shape, dtype), so a worker needs one file descriptor and the layout to
+see all of it, and a checkpoint is the layout plus the bytes.
+
+What lives here, by key:
+
+- ``W/<name>``: a parameter, under its canonical name (a tied parameter once).
+- ``B/<name>``: a buffer or constant (BatchNorm statistics, masks), as the layers hold them.
+- ``K/<name>/<key>``: one tensor of a parameter's optimizer state (``exp_avg``, ``step``...).
+  The layout of the state is found by a dry step on a copy of each parameter; ``initialized``
+  says whether the real state has been written (the first real step runs with an empty state,
+  so optimizers that initialize from the first gradient, such as SGD's momentum, stay exact).
+- ``G/<device>/<name>``: the gradient a device left in host memory for a parameter (dp's
+  reduction, the per-GPU-swap baselines' running gradient, a tied weight's share). ``stamp``
+  marks which iteration wrote a slot, so stale slots read as zero without being cleared.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+
+from harmony.decomposer.layer_graph import LayerGraph, dtype_from_str
+
+log = logging.getLogger(__name__)
+
+ALIGN = 64  # bytes: every tensor starts on a cache line
+
+
+@dataclass
+class Entry:
+    offset: int
+    shape: list[int]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=dtype_from_str(self.dtype)).element_size()
+
+
+@dataclass
+class Layout:
+    """Where each tensor of the store lives in the flat buffer; plain data."""
+
+    entries: dict[str, Entry] = field(default_factory=dict)
+    params: list[str] = field(default_factory=list)  # canonical parameter names, in a fixed order
+    state_keys: dict[str, list[str]] = field(default_factory=dict)  # parameter -> optimizer state keys
+    devices: int = 1
+    size: int = 0
+
+    def add(self, key: str, shape: Iterable[int], dtype: torch.dtype | str) -> None:
+        dtype = str(dtype)
+        entry = Entry(offset=self.size, shape=list(shape), dtype=dtype)
+        self.entries[key] = entry
+        self.size += -(-max(entry.nbytes, 1) // ALIGN) * ALIGN
+
+    def to_dict(self) -> dict:
+        return {
+            "entries": {k: [e.offset, e.shape, e.dtype] for k, e in self.entries.items()},
+            "params": self.params, "state_keys": self.state_keys, "devices": self.devices, "size": self.size,
+        }
+
+    @classmethod
+    def from_dict(cls, body: dict) -> "Layout":
+        return cls(
+            entries={k: Entry(offset=v[0], shape=list(v[1]), dtype=v[2]) for k, v in body["entries"].items()},
+            params=list(body["params"]), state_keys={k: list(v) for k, v in body["state_keys"].items()},
+            devices=body["devices"], size=body["size"],
+        )
+
+
+def state_layout(param: torch.Tensor, build_optimizer: Callable) -> dict[str, tuple[list[int], torch.dtype]]:
+    """The optimizer state one parameter will have: found by one step on a throwaway copy."""
+    copy = torch.nn.Parameter(torch.zeros_like(param, device="cpu"))
+    copy.grad = torch.zeros_like(copy)
+    opt = build_optimizer([copy])
+    opt.step()
+    out = {}
+    for key, value in opt.state[copy].items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"optimizer {type(opt).__name__} keeps {key!r} as a {type(value).__name__}; Harmony keeps "
+                "optimizer state in shared memory and needs every state value to be a tensor"
+            )
+        out[key] = (list(value.shape), value.dtype)
+    return out
+
+
+class HostStore:
+    """The flat shared buffer and its layout; views by key."""
+
+    def __init__(self, layout: Layout, buffer: torch.Tensor, flags: torch.Tensor) -> None:
+        self.layout = layout
+        self.buffer = buffer
+        # flags[0 : P]: optimizer state initialized per parameter; flags[P : P + D*P]: gradient
+        # slot stamps (iteration + 1 that wrote the slot)
+        self.flags = flags
+        self._index = {name: i for i, name in enumerate(layout.params)}
+        self._views: dict[str, torch.Tensor] = {}
+
+    # ------------------------------------------------------------ building
+    @classmethod
+    def create(cls, graph: LayerGraph, devices: int, build_optimizer: Callable,
+               tensors: dict[str, torch.Tensor]) -> "HostStore":
+        """A store for ``graph`` filled from ``tensors`` (original names -> values: parameters,
+        buffers and constants), with optimizer-state and gradient slots for ``devices`` devices."""
+        layout = Layout(devices=devices)
+        for name, spec in graph.state.items():
+            canon = graph.canonical(name)
+            if spec.kind == "parameter":
+                if canon in layout.params:
+                    continue
+                layout.params.append(canon)
+                layout.add(f"W/{canon}", spec.shape, dtype_from_str(spec.dtype))
+            else:
+                layout.add(f"B/{name}", spec.shape, dtype_from_str(spec.dtype))
+        for canon in layout.params:
+            spec = graph.state[canon]
+            sample = torch.empty(spec.shape, dtype=dtype_from_str(spec.dtype))
+            keys = state_layout(sample, build_optimizer) if spec.requires_grad else {}
+            layout.state_keys[canon] = list(keys)
+            for key, (shape, dtype) in keys.items():
+                layout.add(f"K/{canon}/{key}", shape, dtype)
+            if spec.requires_grad:
+                for d in range(devices):
+                    layout.add(f"G/{d}/{canon}", spec.shape, dtype_from_str(spec.dtype))
+        buffer = torch.zeros(max(layout.size, ALIGN), dtype=torch.uint8).share_memory_()
+        flags = torch.zeros(len(layout.params) * (1 + devices), dtype=torch.int64).share_memory_()
+        store = cls(layout, buffer, flags)
+        store.load_tensors(graph, tensors)
+        return store
+
+    def load_tensors(self, graph: LayerGraph, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy parameters and buffers in by original name (any alias of a tied parameter)."""
+        missing = []
+        with torch.no_grad():
+            for name, spec in graph.state.items():
+                key = f"W/{graph.canonical(name)}" if spec.kind == "parameter" else f"B/{name}"
+                source = tensors.get(name)
+                if source is None:
+                    for alias in [graph.canonical(name), *graph.ties.get(graph.canonical(name), [])]:
+                        source = tensors.get(alias, source)
+                if source is None:
+                    if spec.kind == "parameter" or spec.persistent:
+                        missing.append(name)
+                    continue
+                self.view(key).copy_(source.detach().reshape(spec.shape))
+        if missing:
+            raise KeyError(f"no value for {len(missing)} tensor(s) of the model, e.g. {missing[:3]}")
+
+    # ------------------------------------------------------------ access
+    def view(self, key: str) -> torch.Tensor:
+        view = self._views.get(key)
+        if view is None:
+            e = self.layout.entries[key]
+            dtype = dtype_from_str(e.dtype)
+            raw = self.buffer[e.offset:e.offset + e.nbytes]
+            view = raw.view(dtype).view(e.shape) if e.numel else torch.empty(e.shape, dtype=dtype)
+            self._views[key] = view
+        return view
+
+    def weight(self, name: str) -> torch.Tensor:
+        return self.view(f"W/{name}")
+
+    def state(self, name: str) -> dict[str, torch.Tensor]:
+        return {key: self.view(f"K/{name}/{key}") for key in self.layout.state_keys.get(name, [])}
+
+    def state_initialized(self, name: str) -> bool:
+        return bool(self.flags[self._index[name]])
+
+    def mark_state_initialized(self, name: str) -> None:
+        self.flags[self._index[name]] = 1
+
+    def grad_slot(self, device: int, name: str) -> torch.Tensor:
+        return self.view(f"G/{device}/{name}")
+
+    def _stamp_index(self, device: int, name: str) -> int:
+        return len(self.layout.params) * (1 + device) + self._index[name]
+
+    def slot_written(self, device: int, name: str, iteration: int) -> bool:
+        return int(self.flags[self._stamp_index(device, name)]) == iteration + 1
+
+    def stamp_slot(self, device: int, name: str, iteration: int) -> None:
+        self.flags[self._stamp_index(device, name)] = iteration + 1
+
+    def has_grad(self, name: str) -> bool:
+        return f"G/0/{name}" in self.layout.entries
+
+    # ------------------------------------------------------------ whole-model views
+    def state_dict(self, graph: LayerGraph) -> dict[str, torch.Tensor]:
+        """The original model's state_dict names (tied names included) -> copies of the values."""
+        out: dict[str, torch.Tensor] = {}
+        for name, spec in graph.state.items():
+            if spec.kind == "parameter":
+                out[name] = self.weight(graph.canonical(name)).clone()
+            elif spec.kind == "buffer" and spec.persistent:
+                out[name] = self.view(f"B/{name}").clone()
+        for canon, aliases in graph.ties.items():
+            for alias in aliases:
+                if alias not in out and canon in out:
+                    out[alias] = out[canon]
+        return out
+
+    def optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Per parameter (canonical name), its optimizer state; empty before its first step."""
+        return {name: {k: v.clone() for k, v in self.state(name).items()}
+                for name in self.layout.params if self.state_initialized(name)}
+
+    def load_optimizer_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for name in self.layout.params:
+                values = state.get(name)
+                if not values:
+                    self.flags[self._index[name]] = 0
+                    continue
+                for key, view in self.state(name).items():
+                    view.copy_(values[key])
+                self.mark_state_initialized(name)

@@ -1,0 +1,276 @@
+"""The launcher: one worker process per device, the host store they share, and the iteration loop.
+
+``Launcher(plan parts...)`` creates the host store (master weights, buffers, optimizer state and
+gradient slots, once, in shared memory), starts one worker per device and waits until each has
+built its executor. ``step(batch)`` hands every worker the minibatch, runs the plan's host-bound
+tasks (offloaded updates) in this process, and returns when every worker finished the iteration,
+with per-device measurements. Workers on emulated CPU devices are forked (they inherit the layer
+code and the user's loss function); CUDA workers are spawned, since CUDA cannot be forked, and
+rebuild the layer graph from its plain data.
+
+Failure: a worker that raises reports the error and sets the shared abort flag, so that the other
+workers stop waiting for it; a worker that dies without a word is noticed by the launcher. Either
+way ``step`` raises ``WorkerError`` naming the device and the cause, and the launcher shuts every
+worker down.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+
+from harmony.decomposer.layer_graph import LayerGraph
+from harmony.errors import DeviceOutOfMemoryError, HarmonyError
+from harmony.runtime.channels import Aborted, Mailbox
+from harmony.runtime.device import CpuDevice, CudaDevice, Device
+from harmony.runtime.executor import Batch, Executor, IterationResult, Shared, host_update
+from harmony.runtime.hoststore import HostStore
+from harmony.runtime.routes import Routes, build_routes
+from harmony.scheduler.tasks import HOST, TaskGraph
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Launcher", "WorkerError", "StepResult"]
+
+
+class WorkerError(HarmonyError):
+    """A worker failed or died during a run."""
+
+
+@dataclass
+class StepResult:
+    loss: float
+    seconds: float
+    workers: list[IterationResult] = field(default_factory=list)
+
+
+@dataclass
+class _WorkerContext:
+    """What a worker needs; under fork it is inherited as is, under spawn it is pickled (the
+    layer graph then travels as plain data and is rebuilt on the meta device)."""
+
+    rank: int
+    device_type: str
+    capacity: int
+    threads: int
+    seed: int
+    timeout: float
+    graph_data: dict | None
+    graph: LayerGraph | None
+    tasks: TaskGraph
+    store: HostStore
+    shared: Shared
+    inboxes: list[Any]
+    commands: Any
+    results: Any
+    loss_fn: Callable
+    build_optimizer: Callable
+
+
+def _make_device(ctx: _WorkerContext) -> Device:
+    if ctx.device_type == "cuda":
+        return CudaDevice(ctx.rank, ctx.capacity)
+    return CpuDevice(f"cpu{ctx.rank}", ctx.capacity)
+
+
+def _worker_main(ctx: _WorkerContext) -> None:
+    """A worker's life: build the executor, then run iterations until told to stop."""
+    torch.set_num_threads(ctx.threads)
+    mailbox = None
+    executor = None
+    try:
+        graph = ctx.graph
+        if graph is None:
+            graph = LayerGraph.from_dict(ctx.graph_data["graph"])
+            graph.sources = dict(ctx.graph_data["sources"])
+            graph.build_modules(device="meta")
+        routes = build_routes(ctx.tasks, graph)
+        device = _make_device(ctx)
+        mailbox = Mailbox(ctx.inboxes[ctx.rank], ctx.shared.aborted)
+        executor = Executor(ctx.rank, device, graph, routes, ctx.store, ctx.shared, mailbox, ctx.inboxes,
+                            ctx.loss_fn, ctx.build_optimizer, ctx.seed, ctx.timeout)
+        ctx.results.put(("ready", ctx.rank, None))
+        while True:
+            command = ctx.commands.get()
+            if command is None:
+                break
+            iteration, batch = command
+            result = executor.run_iteration(iteration, batch)
+            ctx.results.put(("done", ctx.rank, (iteration, result)))
+    except Aborted:
+        ctx.results.put(("aborted", ctx.rank, None))
+    except BaseException as exc:  # reported to the launcher, which raises it
+        ctx.shared.abort[0] = 1
+        kind = "oom" if isinstance(exc, DeviceOutOfMemoryError) else "error"
+        ctx.results.put((kind, ctx.rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        if executor is not None:
+            executor.close()
+        if mailbox is not None:
+            mailbox.close()
+
+
+class Launcher:
+    """One worker per device running ``tasks``; see the module docs."""
+
+    def __init__(self, graph: LayerGraph, tasks: TaskGraph, store: HostStore, loss_fn: Callable,
+                 build_optimizer: Callable, device_type: str = "cpu", capacity: int | None = None,
+                 seed: int = 0, timeout: float = 600.0, threads: int | None = None) -> None:
+        self.graph = graph
+        self.tasks = tasks
+        self.store = store
+        self.build_optimizer = build_optimizer
+        self.routes: Routes = build_routes(tasks, graph)
+        self.timeout = timeout
+        self.devices = tasks.devices
+        self.shared = Shared.create(len(tasks.tasks))
+        self.iteration = 0
+        self._closed = False
+        method = "fork" if device_type == "cpu" else "spawn"
+        mpctx = mp.get_context(method)
+        self.inboxes = [mpctx.Queue() for _ in range(self.devices)]
+        self.commands = [mpctx.Queue() for _ in range(self.devices)]
+        self.results = mpctx.Queue()
+        threads = threads or max(1, (os.cpu_count() or 1) // self.devices)
+        graph_data = None
+        if method == "spawn":
+            graph_data = {"graph": graph.to_dict(), "sources": dict(graph.sources)}
+        self.processes = []
+        for rank in range(self.devices):
+            ctx = _WorkerContext(
+                rank=rank, device_type=device_type, capacity=capacity, threads=threads, seed=seed, timeout=timeout,
+                graph_data=graph_data, graph=graph if method == "fork" else None, tasks=tasks, store=store,
+                shared=self.shared, inboxes=self.inboxes, commands=self.commands[rank], results=self.results,
+                loss_fn=loss_fn, build_optimizer=build_optimizer,
+            )
+            process = mpctx.Process(target=_worker_main, args=(ctx,), name=f"harmony-dev{rank}", daemon=True)
+            process.start()
+            self.processes.append(process)
+        try:
+            self._collect("ready", timeout=max(60.0, timeout))
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------ running
+    def step(self, batch: Batch) -> StepResult:
+        """One iteration over ``batch`` on every worker; raises ``WorkerError`` if one fails."""
+        if self._closed:
+            raise HarmonyError("this launcher was closed; start a new one")
+        iteration = self.iteration
+        start = time.perf_counter()
+        for q in self.commands:
+            q.put((iteration, batch))
+        host_error: list[BaseException] = []
+        host = threading.Thread(target=self._host_tasks, args=(iteration, host_error), daemon=True)
+        host.start()
+        try:
+            results = self._collect("done", timeout=self.timeout)
+        except BaseException:
+            self.shared.abort[0] = 1
+            host.join(timeout=5)
+            self.close()
+            raise
+        host.join()
+        if host_error:
+            self.close()
+            raise WorkerError(f"the host update failed: {host_error[0]}") from host_error[0]
+        self.iteration += 1
+        ordered = [results[r][1] for r in range(self.devices)]
+        return StepResult(loss=sum(r.loss for r in ordered), seconds=time.perf_counter() - start, workers=ordered)
+
+    def _host_tasks(self, iteration: int, errors: list) -> None:
+        try:
+            for task in self.tasks.tasks:
+                if task.device == HOST:
+                    host_update(task, self.graph, self.routes, self.store, self.shared, self.build_optimizer,
+                                iteration, self.timeout)
+        except Aborted:
+            pass
+        except BaseException as exc:  # handed to step()
+            self.shared.abort[0] = 1
+            errors.append(exc)
+
+    def _collect(self, kind: str, timeout: float) -> dict[int, Any]:
+        """One ``kind`` message from every worker; a failure, a death or silence raises."""
+        got: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        failure: tuple[str, int, str] | None = None
+        aborted: set[int] = set()
+        while len(got) < self.devices:
+            try:
+                msg, rank, payload = self.results.get(timeout=0.5)
+            except queue.Empty:
+                for rank, p in enumerate(self.processes):
+                    if not p.is_alive() and rank not in got:
+                        self.shared.abort[0] = 1
+                        raise WorkerError(
+                            f"the worker of device {rank} died (exit code {p.exitcode}) without reporting; "
+                            "see its output above, or run with fewer devices or more memory"
+                        )
+                if time.monotonic() > deadline:
+                    self.shared.abort[0] = 1
+                    raise WorkerError(f"no word from the workers for {timeout:.0f} s; a device is stalled")
+                continue
+            log.debug("worker %d says %s", rank, msg)
+            if msg == kind:
+                got[rank] = payload
+            elif msg in ("error", "oom"):
+                failure = failure or (msg, rank, payload)
+                break
+            elif msg == "aborted":
+                aborted.add(rank)
+                got[rank] = None
+        if failure is not None:
+            msg, rank, text = failure
+            first = text.splitlines()[0]
+            log.debug("worker %d failed:\n%s", rank, text)
+            if msg == "oom":
+                raise WorkerError(
+                    f"device {rank} ran out of memory: {first.split(': ', 1)[-1]}. The plan's estimate was too "
+                    "optimistic for this run; compile again with less --device-memory than the devices have"
+                )
+            raise WorkerError(f"the worker of device {rank} failed: {first}\n{text}")
+        if aborted:
+            raise WorkerError("a worker stopped because another one failed")
+        return got
+
+    # ------------------------------------------------------------ shutdown
+    def close(self) -> None:
+        """Stop every worker (politely, then by force) and free the queues; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        for q in self.commands:
+            try:
+                q.put(None)
+            except (ValueError, OSError, AssertionError):
+                pass
+        deadline = time.monotonic() + 10
+        for p in self.processes:
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
+        for p in self.processes:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        for q in [*self.inboxes, *self.commands, self.results]:
+            q.close()
+            q.cancel_join_thread()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass

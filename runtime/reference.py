@@ -1,0 +1,55 @@
+"""The outside reference: plain eager PyTorch on one process, with the same microbatches.
+
+It shares no code with the runtime but the seeding rule (``rng.microbatch_seed``): for each
+microbatch, in minibatch order, seed the generator, run the original model, scale the loss by
+u/D, backward; then one optimizer step over the whole model. Tests and benchmarks compare a run's
+losses and final parameters with it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from harmony.runtime.rng import microbatch_seed
+
+
+def microbatches_of(graph_tasks) -> list[tuple[int, int]]:
+    """The microbatches a plan runs the model's first layers on, in minibatch order: the ones
+    whose samples and random streams the reference must reproduce."""
+    first = [t for t in graph_tasks.tasks if t.first == 0 and t.kind.value in ("FWD", "BWD") and
+             (t.kind.value == "FWD" or t.loss)]
+    out = set()
+    for t in first:
+        start = t.offset
+        for size in t.microbatches:
+            out.add((start, size))
+            start += size
+    return sorted(out)
+
+
+def _slice(x: Any, start: int, size: int) -> Any:
+    return x[start:start + size] if isinstance(x, torch.Tensor) else x
+
+
+def reference_train(model: torch.nn.Module, loss_fn: Callable, build_optimizer: Callable,
+                    batches: list[tuple[Any, Any]], microbatches: list[tuple[int, int]], seed: int = 0) -> list[float]:
+    """Train ``model`` in place on ``batches`` ((inputs, target) pairs), one optimizer step each;
+    returns the mean loss of every minibatch."""
+    opt = build_optimizer(model.parameters())
+    losses = []
+    for iteration, (inputs, target) in enumerate(batches):
+        inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+        total = int(next(x for x in inputs if isinstance(x, torch.Tensor)).shape[0])
+        opt.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        for start, size in microbatches:
+            torch.manual_seed(microbatch_seed(seed, iteration, start))
+            out = model(*[_slice(x, start, size) for x in inputs])
+            loss = loss_fn(out, _slice(target, start, size)) * (size / total)
+            loss.backward()
+            loss_sum += float(loss.detach())
+        opt.step()
+        losses.append(loss_sum)
+    return losses

@@ -1,0 +1,168 @@
+"""What the executor needs to know about a task graph beyond each task's own line: sample ranges,
+who sends which activation stream to whom, which layers a backward needs stashed, and which
+tasks update (or contribute a gradient to) each parameter. Pure functions of the plan's data, so
+every worker and the launcher derive the same answers.
+
+Streams: an activation stream is named by what its consumer reads: ``X`` (a pack's input, sent as
+the producer's ``Y``), ``dY`` (a gradient at a pack's output, sent as the producer's ``dX``) and
+``Xs<layer>`` (the stashed input of ``layer`` for a recompute). Microbatches are matched by
+samples, not by index: a consumer's microbatch is assembled from the pieces of the producer's
+microbatches that overlap it, so U_F != U_B streams work without either side holding more than
+one microbatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from harmony.decomposer.layer_graph import LayerGraph
+from harmony.scheduler.tasks import HOST, Channel, Kind, Task, TaskGraph
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Samples [start, stop) (minibatch positions) of producer microbatch ``src`` and consumer
+    microbatch ``dst``."""
+
+    src: int
+    dst: int
+    start: int
+    stop: int
+
+
+def ranges(task: Task) -> list[tuple[int, int]]:
+    """(first sample, size) of each microbatch of the task's group."""
+    out, start = [], task.offset
+    for size in task.microbatches:
+        out.append((start, size))
+        start += size
+    return out
+
+
+def pieces(producer: Task, consumer: Task) -> list[Piece]:
+    """The overlaps of the producer's and the consumer's microbatches, in producer order."""
+    out = []
+    dst = ranges(consumer)
+    for i, (a, n) in enumerate(ranges(producer)):
+        for j, (b, m) in enumerate(dst):
+            lo, hi = max(a, b), min(a + n, b + m)
+            if lo < hi:
+                out.append(Piece(i, j, lo, hi))
+    return out
+
+
+def stash_layers(task: Task) -> list[int]:
+    """Layers whose stashed input a BWD task reads: the pack's first layer (recompute), or every
+    layer of the pack when the plan stashes them all (the no-recompute baselines)."""
+    if task.kind != Kind.BWD or task.loss:
+        return []
+    per_mb = [t for t in task.inputs if t.tensor in ("X", "Xs") and t.microbatch in (0, None) and t.channel == Channel.SWAP]
+    count = len(per_mb)
+    span = task.last - task.first + 1
+    return list(range(task.first, task.last + 1)) if count == span and span > 1 else [task.first]
+
+
+@dataclass
+class InStream:
+    name: str
+    producer: int | None  # None: the minibatch in host memory
+    channel: Channel
+
+
+@dataclass
+class OutStream:
+    name: str
+    consumer: int
+    channel: Channel
+    layer: int  # the boundary it is taken at: Y after the pack's last layer, Xs<l> before l
+
+
+@dataclass
+class Routes:
+    """Everything derived from the graph for execution; see the module docs."""
+
+    graph: TaskGraph
+    by_id: dict[int, Task] = field(default_factory=dict)
+    inputs: dict[int, dict[str, InStream]] = field(default_factory=dict)
+    outputs: dict[int, list[OutStream]] = field(default_factory=dict)
+    owner: dict[str, int] = field(default_factory=dict)  # parameter -> the lowest layer holding it
+    updates: dict[int, list[str]] = field(default_factory=dict)  # task -> parameters it steps
+    deposits: dict[int, list[str]] = field(default_factory=dict)  # task -> parameters whose gradient it leaves in host memory
+    sources: dict[str, list[int]] = field(default_factory=dict)  # parameter -> tasks depositing its gradient
+    replicas: dict[int, list[int]] = field(default_factory=dict)  # UPD task -> all UPD tasks of its pack (replicated update)
+    jit: set[int] = field(default_factory=set)  # BWD tasks that step their pack right after its backward
+
+
+def build_routes(graph: TaskGraph, layers: LayerGraph) -> Routes:
+    r = Routes(graph=graph, by_id={t.id: t for t in graph.tasks})
+    for task in graph.tasks:
+        r.inputs[task.id] = {}
+        r.outputs[task.id] = []
+    for task in graph.tasks:
+        _stream_inputs(r, task)
+    _parameters(r, layers)
+    return r
+
+
+def _stream_inputs(r: Routes, task: Task) -> None:
+    if task.kind == Kind.UPD:
+        return
+    ins = r.inputs[task.id]
+    layers = stash_layers(task)
+    xs_inputs = [t for t in task.inputs if t.tensor in ("X", "Xs") and t.microbatch in (0, None)]
+    for t in task.inputs:
+        if t.microbatch not in (0, None) or t.tensor not in ("X", "Xs", "dY"):
+            continue
+        if t.tensor == "dY":
+            name, layer = "dY", task.last
+        elif task.loss or task.kind == Kind.FWD:
+            name, layer = "X", task.first
+        else:
+            layer = layers[xs_inputs.index(t)] if len(layers) > 1 else task.first
+            name = f"Xs{layer}"
+        if name in ins:
+            continue
+        ins[name] = InStream(name, t.task, t.channel)
+        if t.task is not None:
+            # the boundary the producer takes the value at: its output (X), its input gradient
+            # (dY, at this pack's output boundary) or a stash before a layer
+            at = {"X": task.first, "dY": task.last + 1}.get(name, layer)
+            r.outputs[t.task].append(OutStream(name, task.id, t.channel, at))
+
+
+def _parameters(r: Routes, layers: LayerGraph) -> None:
+    holders: dict[str, list[int]] = {}
+    for spec in layers.layers:
+        for name in spec.state:
+            st = layers.state[name]
+            if st.kind == "parameter" and st.requires_grad:
+                holders.setdefault(layers.canonical(name), []).append(spec.index)
+    r.owner = {p: min(ls) for p, ls in holders.items()}
+
+    def params_in(first: int, last: int) -> list[str]:
+        return [p for p, ls in holders.items() if any(first <= l <= last for l in ls)]
+
+    for task in r.graph.tasks:
+        inside = params_in(task.first, task.last)
+        owned = [p for p in inside if task.first <= r.owner[p] <= task.last]
+        if task.kind == Kind.UPD:
+            r.updates[task.id] = owned
+        elif task.kind == Kind.BWD:
+            # a jit-update brings the optimizer state in; a BWD whose pack is stepped by a separate
+            # UPD task (dp's replicated update) only leaves its gradient
+            if task.update == "device" and any(t.tensor == "K" for t in task.inputs):
+                r.jit.add(task.id)
+                r.updates[task.id] = owned
+                r.deposits[task.id] = [p for p in inside if p not in owned]
+            else:
+                r.deposits[task.id] = inside
+    for tid, params in r.deposits.items():
+        for p in params:
+            r.sources.setdefault(p, []).append(tid)
+    upd: dict[tuple[int, int], list[int]] = {}
+    for task in r.graph.tasks:
+        if task.kind == Kind.UPD and task.device != HOST:
+            upd.setdefault((task.first, task.last), []).append(task.id)
+    for ids in upd.values():
+        for tid in ids:
+            r.replicas[tid] = ids

@@ -1,0 +1,59 @@
+"""Streams: ordered queues of work beside the compute thread (§4.4).
+
+On a GPU each stream is a CUDA stream; work is issued in order and ordered against other streams
+with events. On an emulated CPU device a stream is a thread that runs its jobs one after another,
+so that swaps and p2p transfers overlap compute as they would on a GPU. A job's result (or its
+exception) comes back through a ``Future``; the thread enters the device's memory scope, so what it
+allocates is counted against the device.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+STREAMS = ("compute", "swap-in", "swap-out", "p2p-in", "p2p-out")
+
+
+class Stream:
+    """One in-order queue of jobs run by its own thread."""
+
+    def __init__(self, name: str, scope: Callable[[], AbstractContextManager] = nullcontext,
+                 setup: Callable[[], None] = lambda: None) -> None:
+        self.name = name
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._scope = scope
+        self._setup = setup
+        self._thread = threading.Thread(target=self._run, name=f"harmony-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        future: Future = Future()
+        self._jobs.put((fn, args, future))
+        return future
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        self._setup()
+        with self._scope():
+            while True:
+                item = self._jobs.get()
+                if item is None:
+                    return
+                fn, args, future = item
+                if not future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:  # handed to whoever waits on the future
+                    future.set_exception(exc)
+                del fn, args, future, item
