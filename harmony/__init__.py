@@ -4,7 +4,8 @@ from harmony.api import compile, load_plan  # noqa: A004
 from harmony.decomposer.decompose import decompose
 from harmony.decomposer.layer_graph import LayerGraph
 from harmony.errors import DecomposeError, FormatError, HarmonyError, ModelFileError
+from harmony.trainer import Trainer
 
 __version__ = "0.1.0"
 
-__all__ = ["compile", "load_plan", "decompose", "LayerGraph", "HarmonyError", "DecomposeError", "FormatError", "ModelFileError", "__version__"]
+__all__ = ["compile", "load_plan", "Trainer", "decompose", "LayerGraph", "HarmonyError", "DecomposeError", "FormatError", "ModelFileError", "__version__"]

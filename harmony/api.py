@@ -36,6 +36,7 @@ def compile(  # noqa: A001 - the name DESIGN.md gives the API
     plan.trace = trace
     plan.loss_fn = loss_fn
     plan.get_batch = get_batch
+    plan.build_optimizer = optimizer
     return plan
 
 

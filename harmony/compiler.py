@@ -8,6 +8,7 @@ carries a comparison table next to its choice.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -15,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 from harmony.decomposer.decompose import decompose
-from harmony.decomposer.layer_graph import LayerGraph
+from harmony.decomposer.layer_graph import LayerGraph, dtype_from_str
 from harmony.errors import HarmonyError
 from harmony.plan import Plan
 from harmony.profiling import Profiler, training_footprint
@@ -24,7 +25,7 @@ from harmony.scheduler.analytic import analytic_profile
 from harmony.scheduler.devicespec import load_spec
 from harmony.scheduler.estimator import chrome_trace
 from harmony.scheduler.machine import Machine
-from harmony.scheduler.profiles import Profile
+from harmony.scheduler.profiles import Profile, TiedWeight
 from harmony.scheduler.search import NoFeasibleConfiguration, search
 from harmony.scheduler.taskgraph import MODES
 
@@ -43,6 +44,9 @@ class CompileOptions:
     trials: int = 3
     samples: int = 4
     probe: bool = True
+    # the share of device memory the plan leaves unplanned: the estimate's error and what a run
+    # holds that the model does not (prefetched inputs arriving early, allocator slack)
+    memory_margin: float = 0.1
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -52,6 +56,8 @@ class CompileOptions:
             raise HarmonyError(f"the device count must be a positive integer, got {self.devices!r}")
         if self.mode not in MODES:
             raise HarmonyError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if not 0 <= self.memory_margin < 1:
+            raise HarmonyError(f"the memory margin must be in [0, 1), got {self.memory_margin!r}")
         if self.device_type not in ("cpu", "cuda"):
             raise HarmonyError(f"unknown device type {self.device_type!r}; choose cpu or cuda")
         if self.device_type == "cuda" and not self.analytic:
@@ -92,13 +98,14 @@ def compile_plan(
     _check_smallest_layer(profile, capacity)
     results = {}
     infeasible: list[str] = []
+    planned = int(capacity * (1 - options.memory_margin))
     same_u = batch_coupled(graph)
     if same_u:
         log.info("U_F = U_B: %s", same_u)
     for mode in (MODES if options.compare else (options.mode,)):
         on_progress(f"searching {mode}")
         try:
-            results[mode] = search(profile, machine, mode, options.devices, options.minibatch, capacity=capacity,
+            results[mode] = search(profile, machine, mode, options.devices, options.minibatch, capacity=planned,
                                    same_u=bool(same_u))
         except NoFeasibleConfiguration as exc:
             if mode == options.mode:
@@ -126,7 +133,7 @@ def compile_plan(
         options={
             "minibatch": options.minibatch, "devices": options.devices, "mode": options.mode,
             "device_type": options.device_type, "device_memory": capacity, "analytic": options.analytic,
-            "same_u": same_u, **options.extra,
+            "same_u": same_u, "planned_memory": planned, **options.extra,
         },
         comparison=comparison, model_file=model_file, model_sha256=model_sha256,
         search={"explored": chosen.explored, "pruned": chosen.pruned, "seconds": chosen.seconds},
@@ -192,7 +199,31 @@ def profile_graph(graph, get_batch, build_optimizer, options: CompileOptions, on
             machine = _nominal_machine(options, device.capacity)
     profile.graph_hash = graph.fingerprint()
     profile.machine = machine
+    profile.ties = tied_weights(graph, build_optimizer)
     return profile, machine
+
+
+def tied_weights(graph: LayerGraph, build_optimizer: Callable) -> list[TiedWeight]:
+    """The parameters several layers hold, with their bytes (the optimizer state's from a dry step
+    on a zero copy), so that the task graphs move and update each of them once."""
+    from harmony.runtime.hoststore import state_layout
+
+    ties = []
+    for canon, aliases in graph.ties.items():
+        names = {canon, *aliases}
+        layers = sorted({spec.index for spec in graph.layers if names & set(spec.state)})
+        if len(layers) < 2:
+            continue
+        spec = graph.state[canon]
+        dtype = dtype_from_str(spec.dtype)
+        k = 0
+        if spec.requires_grad:
+            for shape, kdtype in state_layout(torch.empty(spec.shape, dtype=dtype, device="meta"), build_optimizer).values():
+                if shape:
+                    k += math.prod(shape) * torch.empty((), dtype=kdtype).element_size()
+        ties.append(TiedWeight(layers=layers, w_bytes=spec.nbytes, dw_bytes=spec.nbytes if spec.requires_grad else 0,
+                               k_bytes=k))
+    return ties
 
 
 def _nominal_machine(options: CompileOptions, capacity: int) -> Machine:

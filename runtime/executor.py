@@ -88,6 +88,7 @@ class Batch:
     inputs: list[Any]
     target: Any
     size: int
+    seed: int = 0  # the run's seed: microbatch random streams derive from it
 
 
 @dataclass
@@ -98,6 +99,7 @@ class IterationResult:
     bytes_by_channel: dict[str, int] = field(default_factory=dict)
     bytes_by_tensor: dict[str, int] = field(default_factory=dict)
     task_seconds: dict[int, float] = field(default_factory=dict)
+    task_peaks: dict[int, int] = field(default_factory=dict)  # device bytes at most while each task ran
 
 
 class Executor:
@@ -105,7 +107,8 @@ class Executor:
 
     def __init__(self, rank: int, device: Device, layers: LayerGraph, routes: Routes, store: HostStore,
                  shared: Shared, mailbox: Mailbox, peers: list[Any], loss_fn: Callable,
-                 build_optimizer: Callable, seed: int, timeout: float = 600.0) -> None:
+                 build_optimizer: Callable, seed: int, timeout: float = 600.0,
+                 working_memory: dict[int, int] | None = None) -> None:
         self.rank = rank
         self.device = device
         self.layers = layers
@@ -126,6 +129,8 @@ class Executor:
         self.resident: dict[int, dict[str, torch.Tensor]] = {}  # task -> pack state kept for a later task
         self._prefetched: dict[int, Future] = {}
         self._waiting = False
+        self._headroom = 0  # bytes the running task may still allocate beyond its state (planned)
+        self.working_memory = working_memory or {}
         threads = torch.get_num_threads()
         scope = device.memory_scope
 
@@ -150,15 +155,20 @@ class Executor:
         self.counters.reset()
         self.device.reset_peak()
         loss = 0.0
-        task_seconds = {}
+        task_seconds: dict[int, float] = {}
+        task_peaks: dict[int, int] = {}
         start = time.perf_counter()
         with self.device.memory_scope():
             for i, task in enumerate(self.tasks):
                 if i + 1 < len(self.tasks):
                     self._prefetch_state(self.tasks[i + 1])
                 t0 = time.perf_counter()
+                self._headroom = self.working_memory.get(task.id, 0)
+                self.device.reset_peak()
                 loss += self._run_task(task)
+                self._headroom = 0
                 task_seconds[task.id] = time.perf_counter() - t0
+                task_peaks[task.id] = self.device.peak()
             self._drain()
         self.device.synchronize()
         seconds = time.perf_counter() - start
@@ -167,8 +177,9 @@ class Executor:
         if leftover:
             raise RuntimeError(f"dev{self.rank}: LOCAL values nobody read: {leftover[:3]}")
         self.resident.clear()
-        return IterationResult(loss=loss, seconds=seconds, peak=self.device.peak(), bytes_by_channel=by_channel,
-                               bytes_by_tensor=by_tensor, task_seconds=task_seconds)
+        peak = max([self.device.peak(), *task_peaks.values()])
+        return IterationResult(loss=loss, seconds=seconds, peak=peak, bytes_by_channel=by_channel,
+                               bytes_by_tensor=by_tensor, task_seconds=task_seconds, task_peaks=task_peaks)
 
     def _drain(self) -> None:
         for stream in (self.swap_out, self.p2p_out, self.swap_in, self.p2p_in):
@@ -217,8 +228,13 @@ class Executor:
         free it is still running; gives up (out of memory) once the compute thread is blocked on
         it and nothing was freed for a second."""
         stalled_since = None
+        nbytes = t.numel() * t.element_size()
         while True:
             try:
+                urgent = self._waiting or _on_compute_thread()
+                if not urgent and self.device.allocated() + nbytes + self._headroom > self.device.capacity:
+                    # a prefetch leaves room for what the running task still allocates
+                    raise DeviceOutOfMemoryError(self.device.name, nbytes, self.device.allocated(), self.device.capacity)
                 out = self.device.to_device(t)
                 break
             except DeviceOutOfMemoryError:
@@ -395,10 +411,12 @@ class Executor:
         """Microbatch ``mb`` of an input stream on the device, with its generator state."""
         source = self.routes.inputs[task.id].get(stream)
         start, size = ranges(task)[mb]
+        if source is None and stream not in ("X", "Xs0"):
+            raise RuntimeError(f"task {task.id} ({task}) has no input for {stream}; the plan is incomplete")
         if source is None or source.producer is None:  # the minibatch, in host memory
             values = [self._slice(v, start, size) for v in self.batch.inputs]
             values = self._values_to_device(values, "SWAP", "X")
-            return values, rng.seeded(self.device.torch_device, rng.microbatch_seed(self.seed, self.iteration, start))
+            return values, rng.seeded(self.device.torch_device, rng.microbatch_seed(self.batch.seed, self.iteration, start))
         producer = self.routes.by_id[source.producer]
         boundary = {"X": task.first, "dY": task.last + 1}.get(stream, int(stream[2:]) if stream.startswith("Xs") else task.first)
         parts, state = [], None
@@ -542,8 +560,10 @@ class Executor:
     def _load_running_gradient(self, task: Task, params: dict[str, torch.Tensor]) -> bool:
         """dW <- SWAP: the gradient accumulated so far (per-GPU-swap baselines) becomes the
         starting value of this task's gradient buffer; says whether it did."""
+        producers = [t.task for t in task.inputs if t.tensor == "dW" and t.channel == Channel.SWAP and t.task is not None]
         if not any(t.tensor == "dW" and t.channel == Channel.SWAP for t in task.inputs):
             return False
+        self.shared.wait_done(producers, self.iteration, f"task {task.id} reads the gradient so far", self.timeout)
         for name, p in params.items():
             if self.store.slot_written(self.rank, name, self.iteration):
                 p.grad = self._to_device(self.store.grad_slot(self.rank, name), "SWAP", "dW")

@@ -35,7 +35,8 @@ from harmony.runtime.device import CpuDevice, CudaDevice, Device
 from harmony.runtime.executor import Batch, Executor, IterationResult, Shared, host_update
 from harmony.runtime.hoststore import HostStore
 from harmony.runtime.routes import Routes, build_routes
-from harmony.scheduler.tasks import HOST, TaskGraph
+from harmony.scheduler.profiles import Profile
+from harmony.scheduler.tasks import HOST, Kind, TaskGraph
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,24 @@ class _WorkerContext:
     results: Any
     loss_fn: Callable
     build_optimizer: Callable
+    working_memory: dict[int, int]
+
+
+def working_memory(tasks: TaskGraph, profile: Profile | None) -> dict[int, int]:
+    """Per task, the planned bytes it allocates beyond its weights, buffers and gradients (one
+    microbatch's activations and inputs): the room a prefetch must leave while it runs."""
+    if profile is None:
+        return {}
+    out = {}
+    for task in tasks.tasks:
+        layers = profile.layers[task.first:task.last + 1]
+        state = sum(l.w_bytes + l.b_bytes for l in layers)
+        if task.kind == Kind.FWD:
+            out[task.id] = max(0, profile.pack_fwd_memory(task.first, task.last, task.u) - state)
+        elif task.kind == Kind.BWD:
+            state += sum(l.dw_bytes for l in layers)
+            out[task.id] = max(0, profile.pack_bwd_memory(task.first, task.last, task.u) - state)
+    return out
 
 
 def _make_device(ctx: _WorkerContext) -> Device:
@@ -97,7 +116,7 @@ def _worker_main(ctx: _WorkerContext) -> None:
         device = _make_device(ctx)
         mailbox = Mailbox(ctx.inboxes[ctx.rank], ctx.shared.aborted)
         executor = Executor(ctx.rank, device, graph, routes, ctx.store, ctx.shared, mailbox, ctx.inboxes,
-                            ctx.loss_fn, ctx.build_optimizer, ctx.seed, ctx.timeout)
+                            ctx.loss_fn, ctx.build_optimizer, ctx.seed, ctx.timeout, ctx.working_memory)
         ctx.results.put(("ready", ctx.rank, None))
         while True:
             command = ctx.commands.get()
@@ -124,7 +143,8 @@ class Launcher:
 
     def __init__(self, graph: LayerGraph, tasks: TaskGraph, store: HostStore, loss_fn: Callable,
                  build_optimizer: Callable, device_type: str = "cpu", capacity: int | None = None,
-                 seed: int = 0, timeout: float = 600.0, threads: int | None = None) -> None:
+                 seed: int = 0, timeout: float = 600.0, threads: int | None = None,
+                 profile: Profile | None = None) -> None:
         self.graph = graph
         self.tasks = tasks
         self.store = store
@@ -150,7 +170,7 @@ class Launcher:
                 rank=rank, device_type=device_type, capacity=capacity, threads=threads, seed=seed, timeout=timeout,
                 graph_data=graph_data, graph=graph if method == "fork" else None, tasks=tasks, store=store,
                 shared=self.shared, inboxes=self.inboxes, commands=self.commands[rank], results=self.results,
-                loss_fn=loss_fn, build_optimizer=build_optimizer,
+                loss_fn=loss_fn, build_optimizer=build_optimizer, working_memory=working_memory(tasks, profile),
             )
             process = mpctx.Process(target=_worker_main, args=(ctx,), name=f"harmony-dev{rank}", daemon=True)
             process.start()

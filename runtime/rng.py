@@ -35,7 +35,6 @@ def restore(device: torch.device, state: torch.Tensor) -> None:
 
 
 def seeded(device: torch.device, seed: int) -> torch.Tensor:
-    """The state right after ``manual_seed(seed)``, without disturbing the current one."""
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed)
-        return capture(device)
+    """The state right after ``manual_seed(seed)``, made on a generator of its own: stream threads
+    call this while the compute thread draws from the default generator."""
+    return torch.Generator(device=device).manual_seed(seed).get_state()

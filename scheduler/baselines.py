@@ -51,7 +51,7 @@ import bisect
 from typing import Callable
 
 from harmony.scheduler.profiles import Profile
-from harmony.scheduler.taskgraph import _buffer_out, _check, _connect, _Sizes, _state_inputs, dp_swap
+from harmony.scheduler.taskgraph import _buffer_out, _check, _connect, _Sizes, _state_inputs, _update_inputs, dp_swap
 from harmony.scheduler.tasks import Channel, Configuration, Kind, Task, TaskGraph, Transfer, microbatch_sizes
 
 __all__ = ["BASELINES", "gpipe_swap", "one_f_one_b_swap", "stages", "schedule"]
@@ -210,10 +210,8 @@ def _pipeline_swap(kind: str, mode: str, profile: Profile, config: Configuration
         if task.kind == Kind.UPD:
             pack = (task.first, task.last)
             assert stage_of[pack] == task.device
-            task.inputs = [Transfer("W", Channel.SWAP, sz.w(*pack)),
-                           Transfer("dW", Channel.SWAP, sz.dw(*pack), task=bwd[(pack, m - 1)].id),
-                           Transfer("K", Channel.SWAP, sz.k(*pack))]
-            task.outputs = [Transfer("W", Channel.SWAP, sz.w(*pack)), Transfer("K", Channel.SWAP, sz.k(*pack))]
+            task.inputs = _update_inputs(sz, *pack, bwd[(pack, m - 1)].id)
+            task.outputs = [Transfer("W", Channel.SWAP, sz.owned_w(*pack)), Transfer("K", Channel.SWAP, sz.owned_k(*pack))]
     return TaskGraph(mode=mode, devices=devices, minibatch=minibatch, config=config, tasks=_interleave(tasks, devices))
 
 

@@ -154,6 +154,18 @@ class LayerProfile:
 
 
 @dataclass
+class TiedWeight:
+    """A parameter held by several layers (e.g. GPT-2's embedding and output projection): its
+    bytes, and the layers holding it. A pack moves it once; the pack holding its lowest layer
+    owns its update, the others hand their gradient over."""
+
+    layers: list[int]
+    w_bytes: int
+    dw_bytes: int
+    k_bytes: int
+
+
+@dataclass
 class Profile:
     """Per-layer profiles of one model on one kind of device, with the sweep's maxima."""
 
@@ -166,6 +178,7 @@ class Profile:
     graph_hash: str = ""  # ties the profile to the layer graph it was made from
     notes: dict[str, str] = field(default_factory=dict)
     machine: Machine | None = None  # devices and link bandwidths, probed or from a spec
+    ties: list[TiedWeight] = field(default_factory=list)
 
     def fit_errors(self) -> dict[str, float]:
         """The worst relative fit error per quantity over all layers (reported, not hidden)."""
@@ -242,7 +255,9 @@ class Profile:
                 for layer in body["layers"]
             ]
             machine = Machine.from_dict(body["machine"]) if body.get("machine") else None
-            return cls(**{k: v for k, v in body.items() if k not in ("layers", "machine")}, layers=layers, machine=machine)
+            ties = [TiedWeight(**t) for t in body.get("ties", [])]
+            return cls(**{k: v for k, v in body.items() if k not in ("layers", "machine", "ties")}, layers=layers,
+                       machine=machine, ties=ties)
         except (KeyError, TypeError) as exc:
             raise FormatError(f"profile is malformed ({type(exc).__name__}: {exc})") from exc
 

@@ -27,21 +27,66 @@ MODES = ("pp", "dp", "dp-swap", "dp-swap-r", "gpipe-swap", "gpipe-swap-r", "1f1b
 
 @dataclass
 class _Sizes:
-    """Byte sizes of a pack's tensors, from the profile."""
+    """Byte sizes of a pack's tensors, from the profile.
+
+    A tied weight held by several layers of one pack moves once (``w``, ``dw``, ``k``). Its update
+    belongs to the pack of its lowest layer: ``owned_*`` leave out the tied weights another pack
+    owns, ``handed_dw`` is the gradient a pack hands to the owner, ``received_dw`` what the
+    owner receives.
+    """
 
     profile: Profile
 
+    def _layer_sum(self, attr: str, first: int, last: int) -> int:
+        return sum(getattr(layer, attr) for layer in self.profile.layers[first:last + 1])
+
+    def _dedup(self, attr: str, first: int, last: int) -> int:
+        total = self._layer_sum(attr, first, last)
+        for tie in self.profile.ties:
+            inside = sum(1 for l in tie.layers if first <= l <= last)
+            if inside > 1:
+                total -= (inside - 1) * getattr(tie, attr)
+        return total
+
+    def _foreign(self, attr: str, first: int, last: int) -> int:
+        """Bytes of the tied weights in the pack whose update another pack owns."""
+        return sum(getattr(tie, attr) for tie in self.profile.ties
+                   if any(first <= l <= last for l in tie.layers) and not first <= min(tie.layers) <= last)
+
     def w(self, first: int, last: int) -> int:
-        return sum(layer.w_bytes for layer in self.profile.layers[first:last + 1])
+        return self._dedup("w_bytes", first, last)
 
     def b(self, first: int, last: int) -> int:
         return sum(layer.b_bytes for layer in self.profile.layers[first:last + 1])
 
     def dw(self, first: int, last: int) -> int:
-        return sum(layer.dw_bytes for layer in self.profile.layers[first:last + 1])
+        return self._dedup("dw_bytes", first, last)
 
     def k(self, first: int, last: int) -> int:
-        return sum(layer.k_bytes for layer in self.profile.layers[first:last + 1])
+        return self._dedup("k_bytes", first, last)
+
+    def owned_w(self, first: int, last: int) -> int:
+        return self.w(first, last) - self._foreign("w_bytes", first, last)
+
+    def owned_dw(self, first: int, last: int) -> int:
+        return self.dw(first, last) - self._foreign("dw_bytes", first, last)
+
+    def owned_k(self, first: int, last: int) -> int:
+        return self.k(first, last) - self._foreign("k_bytes", first, last)
+
+    def handed_dw(self, first: int, last: int) -> int:
+        return self._foreign("dw_bytes", first, last)
+
+    def received(self, first: int, last: int) -> list[tuple[int, list[int]]]:
+        """(gradient bytes, the other layers holding it) of each tied weight this pack owns and
+        other packs also hold."""
+        out = []
+        for tie in self.profile.ties:
+            if first <= min(tie.layers) <= last:
+                others = [l for l in tie.layers if not first <= l <= last]
+                if others:
+                    out.append((tie.dw_bytes, others))
+        return out
 
     def x(self, layer: int, u: int) -> int:
         return int(round(self.profile.layers[layer].at("x_bytes", u)))
@@ -76,12 +121,23 @@ def _buffer_out(sz: _Sizes, first: int, last: int) -> list[Transfer]:
     return [Transfer("B", Channel.SWAP, sz.b(first, last))] if sz.b(first, last) else []
 
 
-def _device_update(sz: _Sizes, task: Task) -> None:
-    """jit-update on the device right after the pack's last backward: state in, new state out."""
+def _device_update(sz: _Sizes, task: Task, earlier: list[Task] = ()) -> None:
+    """jit-update on the device right after the pack's last backward: state in, new state out.
+    A tied weight is stepped by the pack of its lowest layer, which runs last in the backward:
+    the other packs hand their gradient of it over through host memory (``earlier``: the tasks
+    before this one, to find them)."""
+    first, last = task.first, task.last
     task.update = "device"
-    task.inputs.append(Transfer("K", Channel.SWAP, sz.k(task.first, task.last)))
-    task.outputs.append(Transfer("W", Channel.SWAP, sz.w(task.first, task.last)))
-    task.outputs.append(Transfer("K", Channel.SWAP, sz.k(task.first, task.last)))
+    for nbytes, layers in sz.received(first, last):
+        for other in earlier:
+            if other.kind == Kind.BWD and any(other.first <= l <= other.last for l in layers):
+                task.inputs.append(Transfer("dW", Channel.SWAP, nbytes, task=other.id))
+                break
+    task.inputs.append(Transfer("K", Channel.SWAP, sz.owned_k(first, last)))
+    task.outputs.append(Transfer("W", Channel.SWAP, sz.owned_w(first, last)))
+    task.outputs.append(Transfer("K", Channel.SWAP, sz.owned_k(first, last)))
+    if sz.handed_dw(first, last):
+        task.outputs.append(Transfer("dW", Channel.SWAP, sz.handed_dw(first, last)))
 
 
 def _check(config: Configuration, layers: int) -> None:
@@ -186,7 +242,7 @@ def wrap_around_pipeline(profile: Profile, config: Configuration, devices: int, 
 
 def _finish_update(b: _Builder, sz: _Sizes, task: Task, update: str) -> None:
     if update == "device":
-        _device_update(sz, task)
+        _device_update(sz, task, b.tasks[:-1])
     elif update == "host":
         task.update = "host"
         task.outputs.append(Transfer("dW", Channel.SWAP, sz.dw(task.first, task.last)))
@@ -247,10 +303,11 @@ def harmony_dp(profile: Profile, config: Configuration, devices: int, minibatch:
             for t in sources:  # replicated update: every device refreshes its own copy (§3's Harmony DP)
                 b.add(device=t.device, kind=Kind.UPD, first=first, last=last, microbatches=[],
                       inputs=[Transfer("W", Channel.LOCAL, 0, task=t.id),
-                              Transfer("dW", Channel.SWAP, sz.dw(first, last), task=sources[0].id)]
+                              Transfer("dW", Channel.SWAP, sz.owned_dw(first, last), task=sources[0].id)]
                       + [Transfer("dW", Channel.SHM, 0, task=s.id) for s in sources[1:]]
-                      + [Transfer("K", Channel.SWAP, sz.k(first, last))],
-                      outputs=[Transfer("W", Channel.SWAP, sz.w(first, last)), Transfer("K", Channel.SWAP, sz.k(first, last))])
+                      + [Transfer("K", Channel.SWAP, sz.owned_k(first, last))],
+                      outputs=[Transfer("W", Channel.SWAP, sz.owned_w(first, last)),
+                               Transfer("K", Channel.SWAP, sz.owned_k(first, last))])
         else:
             raise ValueError(f"update must be 'device' or 'host', got {update!r}")
     return TaskGraph(mode="dp", devices=devices, minibatch=minibatch, config=config, tasks=_ordered(b.tasks))
@@ -321,6 +378,9 @@ def dp_swap(profile: Profile, config: Configuration, devices: int, minibatch: in
                             task.inputs.append(Transfer("Xs", Channel.SWAP, sz.x(s, size), task=producer.id))
                         else:
                             task.inputs.append(Transfer("X", Channel.SWAP, sz.x(0, size)))
+                    # the gradient at the pack's output stays on the device from the previous backward
+                    task.inputs.append(Transfer("dY", Channel.LOCAL, 0, task=prev.id, microbatch=0))
+                    prev.outputs.append(Transfer("dX", Channel.LOCAL, 0, task=task.id, microbatch=0))
                 if (first, last) in last_bwd:
                     task.inputs.append(Transfer("dW", Channel.SWAP, sz.dw(first, last), task=last_bwd[(first, last)].id))
                 task.outputs.append(Transfer("W", Channel.SWAP, sz.w(first, last)))
@@ -329,11 +389,17 @@ def dp_swap(profile: Profile, config: Configuration, devices: int, minibatch: in
                 prev = task
         for first, last in packs:
             b.add(device=d, kind=Kind.UPD, first=first, last=last, microbatches=[],
-                  inputs=[Transfer("W", Channel.SWAP, sz.w(first, last)),
-                          Transfer("dW", Channel.SWAP, sz.dw(first, last), task=last_bwd[(first, last)].id),
-                          Transfer("K", Channel.SWAP, sz.k(first, last))],
-                  outputs=[Transfer("W", Channel.SWAP, sz.w(first, last)), Transfer("K", Channel.SWAP, sz.k(first, last))])
+                  inputs=_update_inputs(sz, first, last, last_bwd[(first, last)].id),
+                  outputs=[Transfer("W", Channel.SWAP, sz.owned_w(first, last)),
+                           Transfer("K", Channel.SWAP, sz.owned_k(first, last))])
     return TaskGraph(mode="dp-swap", devices=devices, minibatch=minibatch, config=config, tasks=b.tasks)
+
+
+def _update_inputs(sz: _Sizes, first: int, last: int, gradient_from: int) -> list[Transfer]:
+    """A UPD task's inputs: the weights it steps, their summed gradient, their optimizer state."""
+    return [Transfer("W", Channel.SWAP, sz.owned_w(first, last)),
+            Transfer("dW", Channel.SWAP, sz.owned_dw(first, last), task=gradient_from),
+            Transfer("K", Channel.SWAP, sz.owned_k(first, last))]
 
 
 def generate(mode: str, profile: Profile, config: Configuration, devices: int, minibatch: int, **options) -> TaskGraph:
