@@ -149,6 +149,120 @@ def _cmd_compile(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_run(ns: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from harmony.modelfile import load_model_file, parse_options
+    from harmony.plan import Plan
+    from harmony.running import run_report, train, write_report
+    from harmony.trainer import Trainer
+
+    if ns.iters < 1:
+        raise HarmonyError(f"--iters must be at least 1, got {ns.iters}")
+    plan, mf = _plan_for_run(ns)
+    model = mf.build_model()
+    if any(p.is_meta for p in model.parameters()):
+        raise HarmonyError(f"{mf.path}: build_model() made a model on the meta device; training needs real weights")
+    with Trainer(plan, optimizer=mf.build_optimizer, loss_fn=mf.loss_fn, state_dict=model.state_dict(),
+                 seed=ns.seed, timeout=ns.timeout) as trainer:
+        del model
+        columns = (TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
+                   TimeElapsedColumn())
+        with Progress(*columns, console=console, transient=False) as bar:
+            job = bar.add_task("train", total=ns.iters, stats="")
+
+            def on_step(step: int, loss: float, seconds: float) -> None:
+                bar.update(job, advance=1, stats=f"loss {loss:.4f}  {plan.tasks.minibatch / seconds:,.1f} samples/s")
+
+            train(trainer, mf.get_batch, ns.iters, on_step)
+        report = run_report(plan, trainer.history)
+        if ns.checkpoint:
+            trainer.save_checkpoint(ns.checkpoint)
+    report_path = ns.report or Path(ns.plan_dir) / "run.json"
+    write_report(report_path, report)
+    _print_run(report)
+    console.print(f"wrote {report_path}" + (f" and {ns.checkpoint}" if ns.checkpoint else ""))
+    return 0
+
+
+def _plan_for_run(ns: argparse.Namespace):
+    """The plan to run: --plan DIR as given, or the cached plan for these options, compiled when
+    missing or stale."""
+    from harmony.compiler import CompileOptions, compile_plan
+    from harmony.modelfile import load_model_file, parse_options
+    from harmony.plan import Plan, StalePlanError
+    from harmony.running import cache_dir
+
+    if ns.plan:
+        manifest = _read_manifest(ns.plan)
+        model_file = ns.model_file or Path(manifest.get("model_file", ""))
+        if not model_file or not Path(model_file).is_file():
+            raise HarmonyError(f"the plan in {ns.plan} names model file {str(model_file)!r}, which is not there; "
+                               "give the model file: harmony run MODEL_FILE --plan DIR")
+        args = ns.args or (manifest.get("options", {}).get("args") or [])
+        mf = load_model_file(model_file, parse_options(args))
+        plan = Plan.load(ns.plan, model_file=model_file, device="meta")
+        ns.plan_dir = ns.plan
+        return plan, mf
+    if ns.model_file is None:
+        raise HarmonyError("give a model file (harmony run MODEL_FILE ...) or a plan (harmony run --plan DIR)")
+    mf = load_model_file(ns.model_file, parse_options(ns.args))
+    options = CompileOptions(
+        minibatch=ns.minibatch, devices=ns.devices, device_memory=ns.device_memory, mode=ns.mode,
+        device_type=ns.device, compare=False, trials=ns.trials, probe=not ns.no_probe, extra={"args": ns.args},
+    )
+    options.validate()
+    key = {k: getattr(options, k) for k in ("minibatch", "devices", "device_memory", "mode", "device_type", "probe")}
+    key.update(args=sorted(ns.args), depth=ns.depth, modules=ns.modules, opaque=ns.opaque, method=ns.method)
+    directory = ns.out or cache_dir(mf.source_hash, key)
+    ns.plan_dir = directory
+    if (Path(directory) / "manifest.json").is_file():
+        try:
+            plan = Plan.load(directory, model_file=ns.model_file, device="meta")
+            console.print(f"reusing the plan in {directory} (nothing changed since it was compiled)")
+            return plan, mf
+        except (StalePlanError, HarmonyError) as exc:
+            console.print(f"compiling again: {exc}")
+    _, model, graph = _load_and_decompose(ns, meta=False)
+    with _progress("compiling") as report:
+        plan, trace = compile_plan(model, mf.get_batch, mf.build_optimizer, options, model_file=str(ns.model_file),
+                                   model_sha256=mf.source_hash, graph=graph, on_progress=report)
+    plan.save(directory, trace=trace)
+    console.print(f"compiled {plan.tasks.mode} {plan.tasks.config} into {directory}")
+    return plan, mf
+
+
+def _read_manifest(directory: Path) -> dict:
+    import json
+
+    path = Path(directory) / "manifest.json"
+    if not path.is_file():
+        raise HarmonyError(f"{directory} is not a complete plan (no manifest.json); compile it again")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise HarmonyError(f"{path} is corrupt ({exc}); compile the plan again") from exc
+
+
+def _print_run(report: dict) -> None:
+    table = Table(title=f"{report['mode']} on {report['devices']} device(s): measured vs estimated")
+    for col in ("device", "peak memory", "estimated peak", "capacity", "bytes moved", "planned bytes"):
+        table.add_column(col, justify="right")
+    for d in report["per_device"]:
+        moved = sum(v for k, v in d["bytes_by_channel"].items() if not k.startswith("TARGET"))
+        table.add_row(str(d["device"]), _human_bytes(d["peak_memory"]),
+                      _human_bytes(d["estimated_peak_memory"]) if d["estimated_peak_memory"] else "-",
+                      _human_bytes(d["capacity"]) if d["capacity"] else "-", _human_bytes(moved),
+                      _human_bytes(sum(d["planned_bytes_by_channel"].values())))
+    console.print(table)
+    est = report["estimated_iteration_seconds"]
+    console.print(
+        f"iteration: {report['mean_iteration_seconds'] * 1e3:.1f} ms measured"
+        + (f", {est * 1e3:.1f} ms estimated ({report['relative_error']:+.1%})" if est else "")
+        + f"; {report['samples_per_second']:,.1f} samples/s; final loss {report['iterations'][-1]['loss']:.6f}"
+    )
+
+
 def _print_comparison(plan) -> None:
     table = Table(title=f"Modes on {plan.tasks.devices} device(s), minibatch {plan.tasks.minibatch} (estimated)")
     for col in ("mode", "iteration ms", "samples/s", "swap volume", "peak memory", "configuration"):
@@ -295,6 +409,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gantt", action="store_true", help="also draw the simulated timeline as gantt.png (needs matplotlib)")
     p.add_argument("--out", type=Path, required=True, help="plan directory to write")
     p.set_defaults(func=_cmd_compile)
+
+    p = sub.add_parser(
+        "run", help="train: compile (or reuse) a plan and run it on the devices",
+        description=(
+            "Train the model of MODEL_FILE for --iters minibatches with one worker process per device, "
+            "following a plan: the one given with --plan, or one compiled from the options below (cached "
+            "under .harmony/plans and reused while the model file and options are unchanged). Shows a "
+            "progress bar with the loss and samples/s and writes a run report (JSON) with per-iteration "
+            "times, bytes per channel and peak memory per device, beside the plan's estimates."
+        ),
+    )
+    p.add_argument("model_file", type=Path, nargs="?", help="Python file defining build_model, loss_fn, get_batch")
+    p.add_argument("--arg", dest="args", action="append", default=[], metavar="KEY=VALUE",
+                   help="option passed to the model file's functions, e.g. --arg preset=tiny (repeatable)")
+    p.add_argument("--plan", type=Path, help="run this plan directory instead of compiling one")
+    _add_granularity_args(p)
+    p.add_argument("--minibatch", type=int, default=64, help="minibatch size D (default 64)")
+    _add_device_args(p)
+    p.add_argument("--mode", choices=MODES, default="pp",
+                   help="pp (wrap-around pipeline), dp (Harmony DP), or a per-GPU-swap baseline (default pp)")
+    p.add_argument("--iters", type=int, default=10, help="minibatches to train (default 10)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random streams (dropout) (default 0)")
+    p.add_argument("--trials", type=int, default=3, help="timed repetitions per profile measurement (default 3)")
+    p.add_argument("--no-probe", action="store_true", help="do not measure link bandwidths (nominal values)")
+    p.add_argument("--batch-size", type=int, default=2, help="batch size of the example inputs used for tracing")
+    p.add_argument("--out", type=Path, help="plan directory to compile into (default: the cache)")
+    p.add_argument("--report", type=Path, help="run report to write (default: run.json in the plan directory)")
+    p.add_argument("--checkpoint", type=Path, help="save a checkpoint here after the last iteration")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds a worker may wait for another before the run is declared stalled (default 600)")
+    p.set_defaults(func=_cmd_run)
 
     p = sub.add_parser("show", help="print a plan's tasks per device and its mode comparison",
                        description="Print the tasks of a plan directory, one line each, grouped by device.")

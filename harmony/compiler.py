@@ -186,7 +186,9 @@ def profile_graph(graph, get_batch, build_optimizer, options: CompileOptions, on
             on_progress("measuring the training footprint")
             capacity = max(1, training_footprint(graph, get_batch, options.minibatch) // 4)
         device = make_devices(options.device_type, 1, capacity)[0]
-        threads = max(1, (os.cpu_count() or 1) // options.devices) if options.device_type == "cpu" else None
+        # an emulated device computes on one thread, as the runtime's forked workers do (OpenMP
+        # cannot run a parallel region in a process forked from one that used it)
+        threads = 1 if options.device_type == "cpu" else None
         profiler = Profiler(graph, get_batch, build_optimizer, device, trials=options.trials,
                             threads=threads, on_progress=on_progress)
         profile = profiler.profile(u_cap=options.minibatch, samples=options.samples)

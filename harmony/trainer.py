@@ -51,9 +51,6 @@ class Trainer:
             if graph.modules is None:
                 raise HarmonyError("this plan has no weights; pass state_dict= (e.g. model.state_dict())")
             state_dict = graph.state_dict()
-            for name, spec in graph.state.items():  # constants and non-persistent buffers travel too
-                if name not in state_dict and spec.kind != "parameter":
-                    state_dict[name] = _module_tensor(graph, name)
         self.store = HostStore.create(graph, plan.tasks.devices, self.build_optimizer, state_dict)
         device_type = plan.options.get("device_type", "cpu")
         capacity = plan.options.get("device_memory") or plan.profile.capacity
@@ -136,11 +133,3 @@ def _shared(x: Any) -> Any:
     out.copy_(x.detach().cpu())
     return out
 
-
-def _module_tensor(graph, name: str) -> torch.Tensor:
-    for module in graph.modules:
-        try:
-            return module.get_buffer(name)
-        except AttributeError:
-            continue
-    raise KeyError(name)

@@ -279,6 +279,10 @@ class Executor:
         local = next((t for t in task.inputs if t.tensor == "W" and t.channel == Channel.LOCAL), None)
         if local is not None:
             return self.resident.pop(local.task)
+        before = self.routes.buffers_after.get(task.id)
+        if before is not None:
+            self.shared.wait_done([before], self.iteration, f"task {task.id} reads the buffers task {before} updates",
+                                  self.timeout)
         state: dict[str, torch.Tensor] = {}
         copies: dict[str, torch.Tensor] = {}
         for name in self._state_names(task):
@@ -560,10 +564,11 @@ class Executor:
     def _load_running_gradient(self, task: Task, params: dict[str, torch.Tensor]) -> bool:
         """dW <- SWAP: the gradient accumulated so far (per-GPU-swap baselines) becomes the
         starting value of this task's gradient buffer; says whether it did."""
-        producers = [t.task for t in task.inputs if t.tensor == "dW" and t.channel == Channel.SWAP and t.task is not None]
         if not any(t.tensor == "dW" and t.channel == Channel.SWAP for t in task.inputs):
             return False
-        self.shared.wait_done(producers, self.iteration, f"task {task.id} reads the gradient so far", self.timeout)
+        # every earlier deposit into this device's slots (a tied weight's slot takes two packs'
+        # deposits) is queued on this device's swap-out stream: wait until it has drained
+        self._wait(self.swap_out.submit(lambda: None))
         for name, p in params.items():
             if self.store.slot_written(self.rank, name, self.iteration):
                 p.grad = self._to_device(self.store.grad_slot(self.rank, name), "SWAP", "dW")

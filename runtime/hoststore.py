@@ -153,6 +153,8 @@ class HostStore:
                 if source is None:
                     for alias in [graph.canonical(name), *graph.ties.get(graph.canonical(name), [])]:
                         source = tensors.get(alias, source)
+                if source is None and name in graph.constants:  # constants and non-persistent buffers
+                    source = _constant(graph, name)
                 if source is None:
                     if spec.kind == "parameter" or spec.persistent:
                         missing.append(name)
@@ -229,3 +231,12 @@ class HostStore:
                 for key, view in self.state(name).items():
                     view.copy_(values[key])
                 self.mark_state_initialized(name)
+
+
+def _constant(graph: LayerGraph, name: str) -> torch.Tensor:
+    """A constant's value from the bytes the layer graph keeps of it."""
+    import numpy as np
+
+    spec = graph.state[name]
+    array = np.frombuffer(graph.constants[name], dtype=np.uint8).copy()
+    return torch.from_numpy(array).view(dtype_from_str(spec.dtype)).reshape(spec.shape)

@@ -160,7 +160,9 @@ class Launcher:
         self.inboxes = [mpctx.Queue() for _ in range(self.devices)]
         self.commands = [mpctx.Queue() for _ in range(self.devices)]
         self.results = mpctx.Queue()
-        threads = threads or max(1, (os.cpu_count() or 1) // self.devices)
+        # a forked worker must not enter an OpenMP parallel region if this process ever did (it
+        # would hang): emulated devices compute on one thread each, as the profiler measured them
+        threads = threads or (1 if method == "fork" else max(1, (os.cpu_count() or 1) // self.devices))
         graph_data = None
         if method == "spawn":
             graph_data = {"graph": graph.to_dict(), "sources": dict(graph.sources)}

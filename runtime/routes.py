@@ -91,6 +91,7 @@ class Routes:
     sources: dict[str, list[int]] = field(default_factory=dict)  # parameter -> tasks depositing its gradient
     replicas: dict[int, list[int]] = field(default_factory=dict)  # UPD task -> all UPD tasks of its pack (replicated update)
     jit: set[int] = field(default_factory=set)  # BWD tasks that step their pack right after its backward
+    buffers_after: dict[int, int] = field(default_factory=dict)  # task -> the earlier task whose buffers it continues
 
 
 def build_routes(graph: TaskGraph, layers: LayerGraph) -> Routes:
@@ -101,7 +102,23 @@ def build_routes(graph: TaskGraph, layers: LayerGraph) -> Routes:
     for task in graph.tasks:
         _stream_inputs(r, task)
     _parameters(r, layers)
+    _buffer_chain(r)
     return r
+
+
+def _buffer_chain(r: Routes) -> None:
+    """Tasks whose forward updates buffers (BatchNorm statistics) update them in the plan's order,
+    which lists microbatches in minibatch order, as the reference does: each waits for the
+    previous writer of any of its layers' buffers (on any device) to have written them back."""
+    writers: list[Task] = []
+    for task in r.graph.tasks:
+        if not any(t.tensor == "B" for t in task.outputs):
+            continue
+        for earlier in reversed(writers):
+            if earlier.first <= task.last and task.first <= earlier.last:
+                r.buffers_after[task.id] = earlier.id
+                break
+        writers.append(task)
 
 
 def _stream_inputs(r: Routes, task: Task) -> None:

@@ -238,6 +238,10 @@ class Profile:
             own_resident = layer.w_bytes + layer.b_bytes + layer.dw_bytes + layer.at("x_bytes", u) + acts[k]
             extra = max(0.0, layer.at("bwd_peak", u) - own_resident)
             worst = max(worst, sum(acts[: k + 1]) + extra + (held if k < len(layers) - 1 else 0.0))
+        if last == len(self.layers) - 1:
+            # the loss task: the loss function's working memory on the model's output (a log-softmax
+            # as large as the logits, and the logits' gradient), which the layer profile lacks
+            worst += 2 * layers[-1].at("y_bytes", u)
         return int(round(resident + x_first + worst))
 
     def to_dict(self) -> dict:

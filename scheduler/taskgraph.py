@@ -355,6 +355,7 @@ def dp_swap(profile: Profile, config: Configuration, devices: int, minibatch: in
                 task.inputs.append(Transfer("X", Channel.SWAP if prev is None else Channel.LOCAL,
                                             sz.x(first, size) if prev is None else 0, task=prev.id if prev else None))
                 task.outputs.append(Transfer("W", Channel.SWAP, sz.w(first, last)))  # evicted
+                task.outputs += _buffer_out(sz, first, last)
                 stashed = [first] if recompute else list(range(first, last + 1))
                 for s in stashed:
                     if s > 0:
@@ -369,6 +370,7 @@ def dp_swap(profile: Profile, config: Configuration, devices: int, minibatch: in
                 if k == 0:
                     task.inputs.append(Transfer("X", Channel.SWAP if prev is None else Channel.LOCAL,
                                                 sz.x(first, size) if prev is None else 0, task=prev.id if prev else None))
+                    task.outputs += _buffer_out(sz, first, last)
                 else:
                     stashed = [first] if recompute else list(range(first, last + 1))
                     for s in stashed:

@@ -1,0 +1,92 @@
+"""`harmony run`: train a model file on a plan (compiled now, or reused) and report what happened.
+
+The run report (JSON) has, per iteration, the loss and the wall time; per device, the bytes moved
+per channel and the peak memory; and beside each measurement the plan's estimate of it, so that a
+run shows at a glance how far the estimator was off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import statistics
+from pathlib import Path
+from typing import Any, Callable
+
+from harmony.plan import Plan
+from harmony.runtime.launcher import StepResult
+
+log = logging.getLogger(__name__)
+
+CACHE_DIR = Path(".harmony") / "plans"
+
+
+def cache_dir(model_sha256: str, options: dict[str, Any], root: Path = CACHE_DIR) -> Path:
+    """Where the plan for this model source and these compile options is cached."""
+    key = json.dumps({"model": model_sha256, "options": options}, sort_keys=True, default=str)
+    return root / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def run_report(plan: Plan, history: list[StepResult], warmup: int = 1) -> dict[str, Any]:
+    """Measured figures beside the plan's estimates; the first ``warmup`` iterations (process and
+    allocator start-up) are left out of the mean time."""
+    est = plan.estimate or {}
+    steady = history[warmup:] or history
+    mean = statistics.fmean(r.seconds for r in steady) if steady else float("nan")
+    planned = plan.tasks.bytes_by_channel()
+    devices = []
+    for rank in range(plan.tasks.devices):
+        counted: dict[str, int] = {}
+        for key, value in history[-1].workers[rank].bytes_by_channel.items():
+            counted[key] = value
+        devices.append({
+            "device": rank,
+            "bytes_by_channel": counted,
+            "planned_bytes_by_channel": _device_bytes(plan, rank),
+            "peak_memory": max(step.workers[rank].peak for step in history),
+            "estimated_peak_memory": (est.get("peak_memory") or {}).get(str(rank)),
+            "capacity": plan.options.get("device_memory"),
+            "busy_seconds": statistics.fmean(sum(step.workers[rank].task_seconds.values()) for step in steady),
+        })
+    total: dict[str, int] = {}
+    for d in devices:
+        for key, value in d["bytes_by_channel"].items():
+            if not key.startswith("TARGET"):
+                total[key] = total.get(key, 0) + value
+    estimated = est.get("iteration_time")
+    return {
+        "mode": plan.tasks.mode, "devices": plan.tasks.devices, "minibatch": plan.tasks.minibatch,
+        "configuration": str(plan.tasks.config),
+        "iterations": [{"iteration": i, "loss": r.loss, "seconds": r.seconds} for i, r in enumerate(history)],
+        "mean_iteration_seconds": mean, "estimated_iteration_seconds": estimated,
+        "relative_error": (estimated - mean) / mean if estimated and mean else None,
+        "samples_per_second": plan.tasks.minibatch / mean if mean else None,
+        "bytes_by_channel": total, "planned_bytes_by_channel": {k: v for k, v in planned.items() if v},
+        "per_device": devices,
+    }
+
+
+def _device_bytes(plan: Plan, rank: int) -> dict[str, int]:
+    """The plan's bytes per channel for one device's tasks (as counted at that device)."""
+    from harmony.scheduler.tasks import TaskGraph
+
+    own = TaskGraph(mode=plan.tasks.mode, devices=plan.tasks.devices, minibatch=plan.tasks.minibatch,
+                    config=plan.tasks.config, tasks=[t for t in plan.tasks.tasks if t.device == rank])
+    return {k: v for k, v in own.bytes_by_channel().items() if v}
+
+
+def write_report(path: Path, report: dict[str, Any]) -> None:
+    from harmony import serialization
+
+    serialization.atomic_write_bytes(path, json.dumps(report, indent=2, default=str).encode())
+
+
+def train(trainer, get_batch: Callable[[int, int], tuple], iterations: int, on_step: Callable[[int, float, float], None]) -> None:
+    """``iterations`` steps on the model file's batches, from the trainer's current iteration."""
+    minibatch = trainer.plan.tasks.minibatch
+    for _ in range(iterations):
+        step = trainer.iteration
+        inputs, target = get_batch(minibatch, step)
+        loss = trainer.step(inputs, target)
+        on_step(step, loss, trainer.history[-1].seconds)

@@ -1,0 +1,140 @@
+"""Training through the runtime equals eager training on one process (issue 5, "Checked by").
+
+Every model of ``models/`` (tiny presets, dropout on), every mode, 1, 2 and 4 emulated devices
+whose capacity is below a third of the model's training footprint: the losses of 5 iterations
+and every parameter and buffer afterwards equal the single-process eager reference with the same
+microbatches (float64: relative error <= 1e-9), the bytes counted per channel equal the plan's,
+and no device's measured peak exceeds its capacity.
+
+One profile per model serves every (mode, device count): the search and the run are what vary.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+
+import harmony
+from harmony.compiler import CompileOptions, _nominal_machine
+from harmony.models import bert, gpt2, resnet, vgg
+from harmony.plan import Plan
+from harmony.profiling import training_footprint
+from harmony.runtime.reference import microbatches_of, reference_train
+from harmony.scheduler.search import search
+from harmony.scheduler.taskgraph import MODES
+
+MODELS = {"gpt2": gpt2, "bert": bert, "vgg": vgg, "resnet": resnet}
+MINIBATCH = 8
+ITERATIONS = 5
+CAPACITY_SHARE = 0.3  # of the model's training footprint at the minibatch: below a third
+
+
+def adam(params):
+    # eps well above float64 noise: BERT's attention key bias has an exactly-zero gradient, whose
+    # rounding noise Adam's normalization would otherwise blow up to steps of size lr
+    return torch.optim.Adam(params, lr=1e-3, eps=1e-6)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled(name: str, dtype: str = "float64"):
+    """The model (at its initial weights) and a plan whose profile the tests reuse."""
+    torch.manual_seed(0)
+    module = MODELS[name]
+    model = module.build_model("tiny", dtype=dtype)
+    get_batch = functools.partial(module.get_batch, preset="tiny", dtype=dtype)
+    graph = harmony.decompose(model, get_batch(2, 0)[0])
+    capacity = int(CAPACITY_SHARE * training_footprint(graph, get_batch, MINIBATCH))
+    plan = harmony.compile(model, module.loss_fn, get_batch, minibatch_size=MINIBATCH, devices=1,
+                           device_memory=capacity, build_optimizer=adam, probe=False)
+    return model, get_batch, plan
+
+
+def plan_for(name: str, mode: str, devices: int, dtype: str = "float64") -> tuple[torch.nn.Module, object, Plan]:
+    model, get_batch, base = compiled(name, dtype)
+    machine = _nominal_machine(CompileOptions(minibatch=MINIBATCH, devices=devices), base.profile.capacity)
+    result = search(base.profile, machine, mode, devices, MINIBATCH, capacity=base.options["planned_memory"],
+                    same_u=bool(base.options["same_u"]))
+    plan = Plan(graph=base.graph, profile=base.profile, tasks=result.graph, estimate={},
+                options={**base.options, "devices": devices, "mode": mode})
+    plan.loss_fn = MODELS[name].loss_fn
+    plan.build_optimizer = adam
+    return model, get_batch, plan
+
+
+def train_both(name: str, mode: str, devices: int, dtype: str = "float64", iterations: int = ITERATIONS):
+    """(runtime losses, reference losses, runtime state, reference state, trainer history, plan)."""
+    model, get_batch, plan = plan_for(name, mode, devices, dtype)
+    reference = copy.deepcopy(model)
+    batches = [get_batch(MINIBATCH, step) for step in range(iterations)]
+    with harmony.Trainer(plan, optimizer=adam, timeout=60) as trainer:
+        losses = [trainer.step(inputs, target) for inputs, target in batches]
+        state = trainer.state_dict()
+        history = trainer.history
+    expected = reference_train(reference, plan.loss_fn, adam, batches, microbatches_of(plan.tasks))
+    return losses, expected, state, reference.state_dict(), history, plan
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference relative to the tensor's scale, floored at 1e-3: a tensor that stays
+    near zero (a bias whose gradient is exactly zero, moved only by rounding noise) is compared
+    absolutely."""
+    a, b = a.double(), b.double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-3)) if b.numel() else 0.0
+
+
+def assert_same_training(losses, expected, state, reference, tolerance: float) -> None:
+    for i, (got, want) in enumerate(zip(losses, expected)):
+        assert abs(got - want) <= tolerance * abs(want), f"iteration {i}: loss {got!r} != reference {want!r}"
+    for name, want in reference.items():
+        if not want.is_floating_point():
+            assert torch.equal(state[name], want), name
+            continue
+        err = relative_error(state[name], want)
+        assert err <= tolerance, f"{name}: relative error {err:.3g} > {tolerance:g}"
+
+
+def counted_bytes(history) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for worker in history[-1].workers:
+        for key, value in worker.bytes_by_channel.items():
+            if not key.startswith("TARGET"):
+                total[key] = total.get(key, 0) + value
+    return total
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_test_capacity_is_below_a_third_of_the_training_footprint(name):
+    _, get_batch, plan = compiled(name)
+    footprint = training_footprint(plan.graph, get_batch, MINIBATCH)
+    assert plan.options["device_memory"] * 3 < footprint
+
+
+@pytest.mark.parametrize("devices", [1, 2, 4])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_training_equals_eager_reference_and_moves_the_planned_bytes(name, mode, devices):
+    losses, expected, state, reference, history, plan = train_both(name, mode, devices)
+    assert_same_training(losses, expected, state, reference, tolerance=1e-9)
+    assert counted_bytes(history) == {k: v for k, v in plan.tasks.bytes_by_channel().items() if v}
+    capacity = plan.options["device_memory"]
+    for step in history:
+        for rank, worker in enumerate(step.workers):
+            assert 0 < worker.peak <= capacity, f"dev{rank} peaked at {worker.peak} of {capacity} bytes"
+
+
+def test_float32_training_matches_to_float32_rounding():
+    losses, expected, state, reference, _, _ = train_both("gpt2", "pp", 2, dtype="float32", iterations=3)
+    assert_same_training(losses, expected, state, reference, tolerance=1e-5)
+
+
+def test_dropout_masks_differ_between_microbatches_yet_replay_in_the_recompute():
+    """The reference itself is sensitive to the seeding rule: with another seed the losses change,
+    so the equality above is not an accident of dropout being inert."""
+    model, get_batch, plan = plan_for("gpt2", "pp", 2)
+    batches = [get_batch(MINIBATCH, 0)]
+    a = reference_train(copy.deepcopy(model), plan.loss_fn, adam, batches, microbatches_of(plan.tasks), seed=0)
+    b = reference_train(copy.deepcopy(model), plan.loss_fn, adam, batches, microbatches_of(plan.tasks), seed=1)
+    assert a != b
