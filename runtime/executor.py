@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -58,6 +59,35 @@ class Shared:
     reads: torch.Tensor  # int64 [tasks]: iteration + 1 once a replicated UPD read its inputs
     abort: torch.Tensor  # int64 [1]: nonzero once any worker failed
 
+    def __post_init__(self) -> None:
+        # numpy views of the same shared memory: polled from threads inside a device's memory scope,
+        # they must not go through torch's dispatcher (and its tracking mode) thousands of times
+        self._done = self.done.numpy()
+        self._reads = self.reads.numpy()
+        self._abort = self.abort.numpy()
+
+    def __getstate__(self) -> dict:
+        return {"done": self.done, "reads": self.reads, "abort": self.abort}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.__post_init__()
+
+    def is_done(self, task: int, iteration: int) -> bool:
+        return int(self._done[task]) == iteration + 1
+
+    def mark_done(self, task: int, iteration: int) -> None:
+        self._done[task] = iteration + 1
+
+    def mark_read(self, task: int, iteration: int) -> None:
+        self._reads[task] = iteration + 1
+
+    def has_read(self, task: int, iteration: int) -> bool:
+        return int(self._reads[task]) == iteration + 1
+
+    def set_abort(self) -> None:
+        self._abort[0] = 1
+
     @classmethod
     def create(cls, tasks: int) -> "Shared":
         return cls(torch.zeros(max(tasks, 1), dtype=torch.int64).share_memory_(),
@@ -65,13 +95,13 @@ class Shared:
                    torch.zeros(1, dtype=torch.int64).share_memory_())
 
     def aborted(self) -> bool:
-        return bool(self.abort[0])
+        return bool(self._abort[0])
 
     def wait_done(self, task_ids: list[int], iteration: int, what: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         pending = list(task_ids)
         while pending:
-            pending = [t for t in pending if int(self.done[t]) != iteration + 1]
+            pending = [t for t in pending if not self.is_done(t, iteration)]
             if not pending:
                 return
             if self.aborted():
@@ -100,6 +130,10 @@ class IterationResult:
     bytes_by_tensor: dict[str, int] = field(default_factory=dict)
     task_seconds: dict[int, float] = field(default_factory=dict)
     task_peaks: dict[int, int] = field(default_factory=dict)  # device bytes at most while each task ran
+
+
+class _NoRoom(Exception):
+    """A prefetch that would not fit now (and was told not to wait)."""
 
 
 class Executor:
@@ -142,6 +176,9 @@ class Executor:
         self.p2p_in = Stream(f"dev{rank}-p2p-in", scope, setup)
         self.p2p_out = Stream(f"dev{rank}-p2p-out", scope, setup)
         self._batch_dims = self._batch_value_masks()
+        tracker = getattr(device, "tracker", None)
+        if tracker is not None:
+            tracker.reclaim = self._reclaim
         self._out_spec = layers.out_spec()
 
     def close(self) -> None:
@@ -190,14 +227,25 @@ class Executor:
         memory knows nothing else can free it."""
         self._waiting = True
         try:
-            while True:
-                try:
-                    return future.result(timeout=0.2)
-                except TimeoutError:
-                    if self.shared.aborted():
-                        raise Aborted("the run was aborted by another worker's failure") from None
+            while not future.done():
+                futures_wait([future], timeout=0.2)
+                if self.shared.aborted():
+                    raise Aborted("the run was aborted by another worker's failure")
+            return future.result()
         finally:
             self._waiting = False
+
+    def _reclaim(self) -> bool:
+        """The memory manager's last resort before out-of-memory on the compute thread: outputs
+        still on their way to the host (and the device tensors they hold) are waited for."""
+        if not _on_compute_thread():
+            return False
+        for stream in (self.p2p_out, self.swap_out):
+            try:
+                stream.submit(lambda: None).result(timeout=self.timeout)
+            except Exception:  # noqa: BLE001 - a failed job reports itself where it is awaited
+                return False
+        return True
 
     def _run_task(self, task: Task) -> float:
         log.debug("dev%d runs %s", self.rank, task)
@@ -218,12 +266,12 @@ class Executor:
 
         def mark() -> None:
             sent.result()
-            self.shared.done[task.id] = self.iteration + 1
+            self.shared.mark_done(task.id, self.iteration)
 
         self.swap_out.submit(mark)
 
     # ================================================================ copies
-    def _to_device(self, t: torch.Tensor, channel: str, tensor: str) -> torch.Tensor:
+    def _to_device(self, t: torch.Tensor, channel: str, tensor: str, wait: bool = True, count: bool = True) -> torch.Tensor:
         """A counted copy into device memory that waits while memory is short and work that can
         free it is still running; gives up (out of memory) once the compute thread is blocked on
         it and nothing was freed for a second."""
@@ -238,6 +286,8 @@ class Executor:
                 out = self.device.to_device(t)
                 break
             except DeviceOutOfMemoryError:
+                if not wait:
+                    raise _NoRoom from None
                 if self.shared.aborted():
                     raise Aborted("the run was aborted by another worker's failure") from None
                 if self._waiting or _on_compute_thread():
@@ -248,7 +298,8 @@ class Executor:
                 else:
                     stalled_since = None
                 time.sleep(0.001)
-        self.counters.add(channel, "in", tensor, t.numel() * t.element_size())
+        if count:
+            self.counters.add(channel, "in", tensor, t.numel() * t.element_size())
         return out
 
     def _values_to_device(self, values: Values, channel: str, tensor: str) -> Values:
@@ -271,9 +322,23 @@ class Executor:
     def _prefetch_state(self, task: Task) -> None:
         if task.kind == Kind.UPD or any(t.tensor == "W" and t.channel == Channel.LOCAL for t in task.inputs):
             return
-        self._prefetched[task.id] = self.swap_in.submit(self._load_state, task)
+        before = self.routes.buffers_after.get(task.id)
+        if before is not None and not self.shared.is_done(before, self.iteration):
+            # its buffers are still being updated (maybe by the task running now): a prefetch would
+            # hold the swap-in stream, and the running task's inputs queued behind it, until then
+            return
+        self._prefetched[task.id] = self.swap_in.submit(self._try_load_state, task)
 
-    def _load_state(self, task: Task) -> dict[str, torch.Tensor]:
+    def _try_load_state(self, task: Task) -> dict[str, torch.Tensor] | None:
+        """A prefetch of the next task's state that gives up, rather than wait, when it does not
+        fit beside the running task: waiting would hold the swap-in stream, and the running task's
+        inputs behind it. The task then loads its state when it starts."""
+        try:
+            return self._load_state(task, wait=False)
+        except _NoRoom:
+            return None
+
+    def _load_state(self, task: Task, wait: bool = True) -> dict[str, torch.Tensor]:
         """The pack's parameters and buffers on the device, by original name (a tied parameter's
         names share one copy)."""
         local = next((t for t in task.inputs if t.tensor == "W" and t.channel == Channel.LOCAL), None)
@@ -290,15 +355,23 @@ class Executor:
             if spec.kind == "parameter":
                 canon = self.layers.canonical(name)
                 if canon not in copies:
-                    copies[canon] = self._to_device(self.store.weight(canon), "SWAP", "W")
+                    copies[canon] = self._to_device(self.store.weight(canon), "SWAP", "W", wait, count=False)
                 state[name] = copies[canon]
             else:
-                state[name] = self._to_device(self.store.view(f"B/{name}"), "SWAP", "B")
+                state[name] = self._to_device(self.store.view(f"B/{name}"), "SWAP", "B", wait, count=False)
+        # counted once the whole state is in (an abandoned prefetch moved nothing the plan counts)
+        for name, t in state.items():
+            if self.layers.state[name].kind != "parameter":
+                self.counters.add("SWAP", "in", "B", t.numel() * t.element_size())
+        for t in copies.values():
+            self.counters.add("SWAP", "in", "W", t.numel() * t.element_size())
         return state
 
     def _pack_state(self, task: Task) -> dict[str, torch.Tensor]:
         future = self._prefetched.pop(task.id, None)
-        state = self._wait(future) if future is not None else self._load_state(task)
+        state = self._wait(future) if future is not None else None
+        if state is None:
+            state = self._load_state(task)
         if any(t.task == task.id and t.tensor == "W" and t.channel == Channel.LOCAL
                for later in self.tasks for t in later.inputs):
             self.resident[task.id] = state
@@ -666,7 +739,7 @@ class Executor:
                     if v.dim() > 0:
                         self._to_device(v, "SWAP", "K")
         if replicas and len(replicas) > 1:
-            self.shared.reads[task.id] = self.iteration + 1
+            self.shared.mark_read(task.id, self.iteration)
             if write:
                 self._wait_replicas(replicas)
         opt.step()
@@ -678,7 +751,7 @@ class Executor:
 
     def _wait_replicas(self, replicas: list[int]) -> None:
         deadline = time.monotonic() + self.timeout
-        while any(int(self.shared.reads[t]) != self.iteration + 1 for t in replicas):
+        while not all(self.shared.has_read(t, self.iteration) for t in replicas):
             if self.shared.aborted():
                 raise Aborted("the run was aborted by another worker's failure")
             if time.monotonic() > deadline:
@@ -744,7 +817,7 @@ def host_update(task: Task, layers: LayerGraph, routes: Routes, store: HostStore
                 if isinstance(v, torch.Tensor) and v.data_ptr() != slots[key].data_ptr():
                     slots[key].copy_(v)
             store.mark_state_initialized(name)
-    shared.done[task.id] = iteration + 1
+    shared.mark_done(task.id, iteration)
 
 
 def _leaves(values: Values) -> Values:

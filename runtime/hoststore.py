@@ -108,8 +108,15 @@ class HostStore:
         # flags[0 : P]: optimizer state initialized per parameter; flags[P : P + D*P]: gradient
         # slot stamps (iteration + 1 that wrote the slot)
         self.flags = flags
+        self._flags = flags.numpy()  # polled by stream threads: kept out of torch's dispatcher
         self._index = {name: i for i, name in enumerate(layout.params)}
         self._views: dict[str, torch.Tensor] = {}
+
+    def __getstate__(self) -> dict:
+        return {"layout": self.layout, "buffer": self.buffer, "flags": self.flags}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["layout"], state["buffer"], state["flags"])
 
     # ------------------------------------------------------------ building
     @classmethod
@@ -181,10 +188,10 @@ class HostStore:
         return {key: self.view(f"K/{name}/{key}") for key in self.layout.state_keys.get(name, [])}
 
     def state_initialized(self, name: str) -> bool:
-        return bool(self.flags[self._index[name]])
+        return bool(self._flags[self._index[name]])
 
     def mark_state_initialized(self, name: str) -> None:
-        self.flags[self._index[name]] = 1
+        self._flags[self._index[name]] = 1
 
     def grad_slot(self, device: int, name: str) -> torch.Tensor:
         return self.view(f"G/{device}/{name}")
@@ -193,10 +200,10 @@ class HostStore:
         return len(self.layout.params) * (1 + device) + self._index[name]
 
     def slot_written(self, device: int, name: str, iteration: int) -> bool:
-        return int(self.flags[self._stamp_index(device, name)]) == iteration + 1
+        return int(self._flags[self._stamp_index(device, name)]) == iteration + 1
 
     def stamp_slot(self, device: int, name: str, iteration: int) -> None:
-        self.flags[self._stamp_index(device, name)] = iteration + 1
+        self._flags[self._stamp_index(device, name)] = iteration + 1
 
     def has_grad(self, name: str) -> bool:
         return f"G/0/{name}" in self.layout.entries
@@ -226,7 +233,7 @@ class HostStore:
             for name in self.layout.params:
                 values = state.get(name)
                 if not values:
-                    self.flags[self._index[name]] = 0
+                    self._flags[self._index[name]] = 0
                     continue
                 for key, view in self.state(name).items():
                     view.copy_(values[key])

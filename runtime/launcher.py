@@ -16,8 +16,11 @@ worker down.
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import logging
 import os
+import signal
 import queue
 import threading
 import time
@@ -104,6 +107,8 @@ def _make_device(ctx: _WorkerContext) -> Device:
 def _worker_main(ctx: _WorkerContext) -> None:
     """A worker's life: build the executor, then run iterations until told to stop."""
     torch.set_num_threads(ctx.threads)
+    stacks = open(_stacks_path(os.getpid()), "w")  # noqa: SIM115 - open for the worker's life
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)  # the launcher asks for them on a stall
     mailbox = None
     executor = None
     try:
@@ -128,7 +133,7 @@ def _worker_main(ctx: _WorkerContext) -> None:
     except Aborted:
         ctx.results.put(("aborted", ctx.rank, None))
     except BaseException as exc:  # reported to the launcher, which raises it
-        ctx.shared.abort[0] = 1
+        ctx.shared.set_abort()
         kind = "oom" if isinstance(exc, DeviceOutOfMemoryError) else "error"
         ctx.results.put((kind, ctx.rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
@@ -136,6 +141,12 @@ def _worker_main(ctx: _WorkerContext) -> None:
             executor.close()
         if mailbox is not None:
             mailbox.close()
+
+
+def _stacks_path(pid: int) -> str:
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), f"harmony-worker-{pid}-stacks.txt")
 
 
 class Launcher:
@@ -198,7 +209,7 @@ class Launcher:
         try:
             results = self._collect("done", timeout=self.timeout)
         except BaseException:
-            self.shared.abort[0] = 1
+            self.shared.set_abort()
             host.join(timeout=5)
             self.close()
             raise
@@ -219,7 +230,7 @@ class Launcher:
         except Aborted:
             pass
         except BaseException as exc:  # handed to step()
-            self.shared.abort[0] = 1
+            self.shared.set_abort()
             errors.append(exc)
 
     def _collect(self, kind: str, timeout: float) -> dict[int, Any]:
@@ -234,14 +245,17 @@ class Launcher:
             except queue.Empty:
                 for rank, p in enumerate(self.processes):
                     if not p.is_alive() and rank not in got:
-                        self.shared.abort[0] = 1
+                        self.shared.set_abort()
                         raise WorkerError(
                             f"the worker of device {rank} died (exit code {p.exitcode}) without reporting; "
                             "see its output above, or run with fewer devices or more memory"
                         )
                 if time.monotonic() > deadline:
-                    self.shared.abort[0] = 1
-                    raise WorkerError(f"no word from the workers for {timeout:.0f} s; a device is stalled")
+                    self._dump_stacks()
+                    self.shared.set_abort()
+                    paths = ", ".join(_stacks_path(p.pid) for p in self.processes if p.pid)
+                    raise WorkerError(f"no word from the workers for {timeout:.0f} s; a device is stalled "
+                                      f"(the workers' thread stacks are in {paths})")
                 continue
             log.debug("worker %d says %s", rank, msg)
             if msg == kind:
@@ -265,6 +279,15 @@ class Launcher:
         if aborted:
             raise WorkerError("a worker stopped because another one failed")
         return got
+
+    def _dump_stacks(self) -> None:
+        """Have every live worker print its threads' stacks (to its stderr): what a stall waits on."""
+        for _ in range(2):  # twice, a second apart: what stays the same is what is stuck
+            for p in self.processes:
+                if p.is_alive() and p.pid:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(p.pid, signal.SIGUSR1)
+            time.sleep(1.0)
 
     # ------------------------------------------------------------ shutdown
     def close(self) -> None:

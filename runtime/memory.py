@@ -38,7 +38,7 @@ import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -130,6 +130,9 @@ class MemoryTracker:
         self._current = 0
         self._peak = 0
         self._local = threading.local()  # per thread: stack of entered modes, pause depth
+        # called (without the lock) when an allocation does not fit: returns True after waiting for
+        # memory that other threads were about to free, so the allocation is tried once more
+        self.reclaim: Callable[[], bool] | None = None
 
     # ----------------------------------------------------------------- totals
     @property
@@ -220,7 +223,16 @@ class MemoryTracker:
 
     def _account(self, storages: list[torch.UntypedStorage], exclude: set[int], op: str) -> None:
         """Count the new storages among ``storages`` (not counted yet, not in ``exclude``) and the
-        growth of counted ones, all or nothing."""
+        growth of counted ones, all or nothing. Past capacity, ``reclaim`` (if set) may first wait
+        for memory that is about to be freed (copies in flight on other threads), once."""
+        try:
+            self._account_once(storages, exclude, op)
+        except DeviceOutOfMemoryError:
+            if self.reclaim is None or not self.reclaim():
+                raise
+            self._account_once(storages, exclude, op)
+
+    def _account_once(self, storages: list[torch.UntypedStorage], exclude: set[int], op: str) -> None:
         with self._lock:
             new: dict[int, tuple[torch.UntypedStorage, int]] = {}
             grown: list[tuple[_Entry, int]] = []

@@ -69,7 +69,7 @@ def train_both(name: str, mode: str, devices: int, dtype: str = "float64", itera
     model, get_batch, plan = plan_for(name, mode, devices, dtype)
     reference = copy.deepcopy(model)
     batches = [get_batch(MINIBATCH, step) for step in range(iterations)]
-    with harmony.Trainer(plan, optimizer=adam, timeout=60) as trainer:
+    with harmony.Trainer(plan, optimizer=adam, timeout=20) as trainer:
         losses = [trainer.step(inputs, target) for inputs, target in batches]
         state = trainer.state_dict()
         history = trainer.history
