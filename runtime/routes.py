@@ -135,7 +135,8 @@ def _stream_inputs(r: Routes, task: Task) -> None:
         elif task.loss or task.kind == Kind.FWD:
             name, layer = "X", task.first
         else:
-            layer = layers[xs_inputs.index(t)] if len(layers) > 1 else task.first
+            position = next(i for i, x in enumerate(xs_inputs) if x is t)  # identity: equal transfers repeat
+            layer = layers[position] if len(layers) > 1 else task.first
             name = f"Xs{layer}"
         if name in ins:
             continue
