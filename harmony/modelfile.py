@@ -68,6 +68,11 @@ class ModelFile:
     source_hash: str
     module: Any = field(repr=False)
 
+    def __reduce__(self):
+        """Pickled as its path and options (re-imported on the other side): spawned CUDA workers
+        receive the model file's loss and optimizer this way."""
+        return (load_model_file, (str(self.path), dict(self.options)))
+
     def _call(self, name: str, *args):
         fn = getattr(self.module, name)
         kwargs = {k: v for k, v in self.options.items() if _accepts(fn, k)}

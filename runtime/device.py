@@ -128,6 +128,19 @@ class Device(ABC):
     def empty_cache(self) -> None:
         """Give cached, unused memory back (between profiling runs)."""
 
+    def stream_setup(self) -> None:
+        """Called once on each stream thread: give the thread a stream of its own (CUDA)."""
+
+    def stream_sync(self) -> None:
+        """Called at the end of each stream job: its copies are complete before its result is used."""
+
+    def mark(self) -> object | None:
+        """An event on the calling thread's stream (CUDA), for another stream to wait on."""
+        return None
+
+    def wait(self, event: object | None) -> None:
+        """Make the calling thread's stream wait for ``event`` (work issued before ``mark``)."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, capacity={self.capacity})"
 
@@ -261,6 +274,22 @@ class CudaDevice(Device):
 
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
+
+    def stream_setup(self) -> None:
+        torch.cuda.set_device(self.torch_device)
+        torch.cuda.set_stream(torch.cuda.Stream(self.torch_device))
+
+    def stream_sync(self) -> None:
+        torch.cuda.current_stream(self.torch_device).synchronize()
+
+    def mark(self) -> object | None:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.torch_device))
+        return event
+
+    def wait(self, event: object | None) -> None:
+        if event is not None:
+            torch.cuda.current_stream(self.torch_device).wait_event(event)
 
 
 def make_devices(kind: str, count: int, capacity: int | None) -> list[Device]:

@@ -170,11 +170,12 @@ class Executor:
 
         def setup() -> None:
             torch.set_num_threads(threads)
+            device.stream_setup()
 
-        self.swap_in = Stream(f"dev{rank}-swap-in", scope, setup)
-        self.swap_out = Stream(f"dev{rank}-swap-out", scope, setup)
-        self.p2p_in = Stream(f"dev{rank}-p2p-in", scope, setup)
-        self.p2p_out = Stream(f"dev{rank}-p2p-out", scope, setup)
+        self.swap_in = Stream(f"dev{rank}-swap-in", scope, setup, device.stream_sync)
+        self.swap_out = Stream(f"dev{rank}-swap-out", scope, setup, device.stream_sync)
+        self.p2p_in = Stream(f"dev{rank}-p2p-in", scope, setup, device.stream_sync)
+        self.p2p_out = Stream(f"dev{rank}-p2p-out", scope, setup, device.stream_sync)
         self._batch_dims = self._batch_value_masks()
         tracker = getattr(device, "tracker", None)
         if tracker is not None:
@@ -231,9 +232,29 @@ class Executor:
                 futures_wait([future], timeout=0.2)
                 if self.shared.aborted():
                     raise Aborted("the run was aborted by another worker's failure")
-            return future.result()
+            return self._adopt(future.result())
         finally:
             self._waiting = False
+
+    def _after_compute(self, stream: Stream, fn: Callable, *args: Any) -> Future:
+        """Queue ``fn`` on an outbound stream, ordered after the compute work issued so far (on a GPU
+        the copy must not read a tensor the compute stream is still writing)."""
+        event = self.device.mark()
+
+        def job() -> Any:
+            self.device.wait(event)
+            return fn(*args)
+
+        return stream.submit(job)
+
+    def _adopt(self, value: Any) -> Any:
+        """Tensors a side stream made, now used by the compute stream: on a GPU their memory must
+        not be reused before the compute stream is done with them."""
+        if self.device.kind == "cuda":
+            for leaf in pytree.tree_leaves(value):
+                if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
+                    leaf.record_stream(torch.cuda.current_stream(self.device.torch_device))
+        return value
 
     def _reclaim(self) -> bool:
         """The memory manager's last resort before out-of-memory on the compute thread: outputs
@@ -396,7 +417,7 @@ class Executor:
             for name, t in buffers.items():
                 self._to_host_into(self.store.view(f"B/{name}"), t, "B")
 
-        self.swap_out.submit(write)
+        self._after_compute(self.swap_out, write)
 
     # ================================================================ running layers
     def _run_layer(self, index: int, state: dict[str, torch.Tensor], values: Values) -> Values:
@@ -468,7 +489,7 @@ class Executor:
             def send() -> None:
                 target.put((key, ([shared_copy(v) if isinstance(v, torch.Tensor) else v for v in values], state)))
 
-            self.p2p_out.submit(send)
+            self._after_compute(self.p2p_out, send)
             return
         # SWAP / MSG: park in host memory; a consumer in another worker gets the handle
         same = consumer.device == self.rank
@@ -482,7 +503,7 @@ class Executor:
             else:
                 self.peers[consumer.device].put((key, (host, state)))
 
-        self.swap_out.submit(park)
+        self._after_compute(self.swap_out, park)
 
     def _fetch(self, task: Task, stream: str, mb: int) -> tuple[Values, torch.Tensor | None]:
         """Microbatch ``mb`` of an input stream on the device, with its generator state."""
@@ -655,7 +676,7 @@ class Executor:
         deposits = self.routes.deposits.get(task.id, [])
         if deposits:
             grads = {name: params[name].grad for name in deposits if params[name].grad is not None}
-            self.swap_out.submit(self._deposit, grads, overwrite)
+            self._after_compute(self.swap_out, self._deposit, grads, overwrite)
         if task.id in self.routes.jit:
             owned = {name: params[name] for name in self.routes.updates.get(task.id, [])}
             self._step(task, owned, write=True)
@@ -688,7 +709,7 @@ class Executor:
                 host = self.device.to_host(t)
                 self.counters.add("SWAP", "out", "W", host.numel() * host.element_size())
 
-        self.swap_out.submit(evict)
+        self._after_compute(self.swap_out, evict)
 
     # ================================================================ updates
     def _update_task(self, task: Task) -> None:
@@ -786,7 +807,7 @@ class Executor:
                 if write:
                     self.store.mark_state_initialized(name)
 
-        self.swap_out.submit(out)
+        self._after_compute(self.swap_out, out)
 
 
 def host_update(task: Task, layers: LayerGraph, routes: Routes, store: HostStore, shared: Shared,

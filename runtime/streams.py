@@ -25,8 +25,9 @@ class Stream:
     """One in-order queue of jobs run by its own thread."""
 
     def __init__(self, name: str, scope: Callable[[], AbstractContextManager] = nullcontext,
-                 setup: Callable[[], None] = lambda: None) -> None:
+                 setup: Callable[[], None] = lambda: None, sync: Callable[[], None] = lambda: None) -> None:
         self.name = name
+        self._sync = sync
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._scope = scope
         self._setup = setup
@@ -53,7 +54,10 @@ class Stream:
                 if not future.set_running_or_notify_cancel():
                     continue
                 try:
-                    future.set_result(fn(*args))
+                    result = fn(*args)
+                    self._sync()  # its copies are complete (CUDA) before anyone uses the result
+                    future.set_result(result)
                 except BaseException as exc:  # handed to whoever waits on the future
                     future.set_exception(exc)
+                result = None
                 del fn, args, future, item
