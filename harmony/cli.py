@@ -8,6 +8,7 @@ without a traceback (``-v`` shows it) and exit with status 2.
 from __future__ import annotations
 
 import argparse
+import json
 import contextlib
 import logging
 import sys
@@ -160,6 +161,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     if ns.iters < 1:
         raise HarmonyError(f"--iters must be at least 1, got {ns.iters}")
     plan, mf = _plan_for_run(ns)
+    torch.manual_seed(ns.seed)  # the initial weights too: two identical runs train identically
     model = mf.build_model()
     if any(p.is_meta for p in model.parameters()):
         raise HarmonyError(f"{mf.path}: build_model() made a model on the meta device; training needs real weights")
@@ -207,18 +209,22 @@ def _plan_for_run(ns: argparse.Namespace):
     if ns.model_file is None:
         raise HarmonyError("give a model file (harmony run MODEL_FILE ...) or a plan (harmony run --plan DIR)")
     mf = load_model_file(ns.model_file, parse_options(ns.args))
+    key = {"minibatch": ns.minibatch, "devices": ns.devices, "device_memory": ns.device_memory, "mode": ns.mode,
+           "device_type": ns.device, "probe": not ns.no_probe, "args": sorted(ns.args), "depth": ns.depth,
+           "modules": ns.modules, "opaque": sorted(ns.opaque), "method": ns.method}
     options = CompileOptions(
         minibatch=ns.minibatch, devices=ns.devices, device_memory=ns.device_memory, mode=ns.mode,
-        device_type=ns.device, compare=False, trials=ns.trials, probe=not ns.no_probe, extra={"args": ns.args},
+        device_type=ns.device, compare=False, trials=ns.trials, probe=not ns.no_probe,
+        extra={"args": ns.args, "run_options": key},
     )
     options.validate()
-    key = {k: getattr(options, k) for k in ("minibatch", "devices", "device_memory", "mode", "device_type", "probe")}
-    key.update(args=sorted(ns.args), depth=ns.depth, modules=ns.modules, opaque=ns.opaque, method=ns.method)
     directory = ns.out or cache_dir(mf.source_hash, key)
     ns.plan_dir = directory
     if (Path(directory) / "manifest.json").is_file():
         try:
             plan = Plan.load(directory, model_file=ns.model_file, device="meta")
+            if plan.options.get("run_options") != json.loads(json.dumps(key)):
+                raise StalePlanError(f"the plan in {directory} was compiled with other options")
             console.print(f"reusing the plan in {directory} (nothing changed since it was compiled)")
             return plan, mf
         except (StalePlanError, HarmonyError) as exc:
@@ -423,14 +429,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model_file", type=Path, nargs="?", help="Python file defining build_model, loss_fn, get_batch")
     p.add_argument("--arg", dest="args", action="append", default=[], metavar="KEY=VALUE",
                    help="option passed to the model file's functions, e.g. --arg preset=tiny (repeatable)")
-    p.add_argument("--plan", type=Path, help="run this plan directory instead of compiling one")
+    p.add_argument("--plan", type=Path, help="run this plan directory instead of compiling one (its own minibatch, "
+                   "devices and mode apply; the compile options below are ignored)")
     _add_granularity_args(p)
     p.add_argument("--minibatch", type=int, default=64, help="minibatch size D (default 64)")
     _add_device_args(p)
     p.add_argument("--mode", choices=MODES, default="pp",
                    help="pp (wrap-around pipeline), dp (Harmony DP), or a per-GPU-swap baseline (default pp)")
     p.add_argument("--iters", type=int, default=10, help="minibatches to train (default 10)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random streams (dropout) (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the random streams (dropout) "
+                   "(default 0)")
     p.add_argument("--trials", type=int, default=3, help="timed repetitions per profile measurement (default 3)")
     p.add_argument("--no-probe", action="store_true", help="do not measure link bandwidths (nominal values)")
     p.add_argument("--batch-size", type=int, default=2, help="batch size of the example inputs used for tracing")

@@ -67,6 +67,9 @@ class Trainer:
         if size != self.plan.tasks.minibatch:
             raise HarmonyError(f"the plan is for minibatches of {self.plan.tasks.minibatch} samples, got {size}; "
                                "compile a plan for this size")
+        if isinstance(target, torch.Tensor) and (target.dim() == 0 or target.shape[0] != size):
+            raise HarmonyError(f"the target has {tuple(target.shape)[:1] or 'no'} samples but the inputs have {size}; "
+                               "give the target of the same minibatch, batch first")
         batch = Batch(inputs=[_shared(x) for x in inputs], target=_shared(target), size=size, seed=self.seed)
         result = self.launcher.step(batch)
         self.history.append(result)
@@ -92,10 +95,14 @@ class Trainer:
             "version": CHECKPOINT_VERSION, "graph": self.plan.graph.fingerprint(), "iteration": self.iteration,
             "seed": self.seed, "model": self.state_dict(), "optimizer": self.store.optimizer_state(),
         }
+        if not path.parent.is_dir():
+            raise HarmonyError(f"cannot save a checkpoint to {path}: the folder {path.parent} does not exist")
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         try:
             torch.save(body, tmp)
             os.replace(tmp, path)
+        except OSError as exc:
+            raise HarmonyError(f"cannot save a checkpoint to {path}: {exc}") from exc
         finally:
             tmp.unlink(missing_ok=True)
         return path

@@ -141,6 +141,10 @@ def _worker_main(ctx: _WorkerContext) -> None:
             executor.close()
         if mailbox is not None:
             mailbox.close()
+        faulthandler.unregister(signal.SIGUSR1)
+        stacks.close()
+        if os.path.getsize(stacks.name) == 0:  # kept only when it holds a stall's stacks
+            os.unlink(stacks.name)
 
 
 def _stacks_path(pid: int) -> str:
@@ -310,6 +314,10 @@ class Launcher:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        for p in self.processes:  # a worker killed before its clean-up leaves an empty stacks file
+            path = _stacks_path(p.pid) if p.pid else None
+            if path and os.path.exists(path) and os.path.getsize(path) == 0:
+                os.unlink(path)
         for q in [*self.inboxes, *self.commands, self.results]:
             q.close()
             q.cancel_join_thread()

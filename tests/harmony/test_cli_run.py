@@ -164,10 +164,6 @@ def test_run_without_model_file_or_plan_exits_2_with_a_message(monkeypatch, tmp_
     assert "give a model file" in flat(capsys.readouterr().out)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug: with --out DIR, _plan_for_run reuses any plan in DIR whose model file is unchanged "
-    "and ignores the compile options (--minibatch, --devices, --mode, --device-memory, --arg): it prints "
-    "'reusing the plan ... (nothing changed since it was compiled)' and trains the old plan"))
 def test_run_out_dir_with_a_plan_for_other_options_does_not_reuse_it(first_run, monkeypatch, tmp_path, capsys):
     directory, rc, out, _ = first_run
     assert rc == 0, out

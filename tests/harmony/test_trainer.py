@@ -179,10 +179,6 @@ def test_leaving_the_with_block_stops_every_worker_and_step_after_close_raises(c
     trainer.close()  # closing twice is harmless
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug: every worker opens $TMPDIR/harmony-worker-PID-stacks.txt (runtime/launcher.py "
-    "_worker_main, for stall reports) and nothing ever removes it, so each Trainer leaves one empty "
-    "file per device in the temporary directory even after a clean close()"))
 def test_a_clean_close_leaves_no_worker_files_in_the_temporary_directory(compiled):
     initial, _, plan = compiled
     with harmony.Trainer(plan, optimizer=adam, state_dict=initial, timeout=60) as trainer:
