@@ -211,6 +211,7 @@ def pack_memory_matrix(profile: Profile, u: int, pass_: Pass) -> np.ndarray:
             base = acts[:R, None]
             worst = np.maximum(before_last + 2.0 * a["y"][None, :], g[None, :]) - base
             memory = span + x_first + np.maximum(worst, 0.0)
+            memory[:, R - 1] += profile.loss_memory(u)  # the last pack runs with the loss
     return np.where(upper, memory, np.inf)
 
 

@@ -239,10 +239,14 @@ class Profile:
             extra = max(0.0, layer.at("bwd_peak", u) - own_resident)
             worst = max(worst, sum(acts[: k + 1]) + extra + (held if k < len(layers) - 1 else 0.0))
         if last == len(self.layers) - 1:
-            # the loss task: the loss function's working memory on the model's output (a log-softmax
-            # as large as the logits, and the logits' gradient), which the layer profile lacks
-            worst += 2 * layers[-1].at("y_bytes", u)
+            worst += self.loss_memory(u)
         return int(round(resident + x_first + worst))
+
+    def loss_memory(self, u: int) -> float:
+        """The loss function's working memory in the loss task, which the layer profiles lack (they
+        are measured with a given output gradient): a log-softmax as large as the model's output,
+        and the output's gradient. Every mode runs the pack of the last layer with the loss."""
+        return 2 * self.layers[-1].at("y_bytes", u)
 
     def to_dict(self) -> dict:
         return asdict(self)
