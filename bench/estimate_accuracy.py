@@ -1,0 +1,350 @@
+"""Estimated vs measured iteration time for a sample of configurations (the paper's Fig. 15).
+
+Each model is compiled once on 2 emulated CPU devices with the default capacity (a quarter of the
+training footprint) and probed links (``probe=True``): that gives the plan of mode pp; dp and a
+per-device-swap baseline are searched on the same profile and the same probed machine. Every plan
+is then trained for K iterations; the first (process and allocator warm-up) is left out and the
+median of the rest is the measured iteration time, compared with the scheduler's estimate (the
+event-driven simulation) as a ratio taken within the run. The spread of the measured iterations,
+(max - min) / median, is printed beside each row as the machine's noise, and so is its CPU
+contention: a fixed single-threaded matmul loop run in two forked processes at once around the
+training, over the same loop run in one process just before the profile was taken (the profile
+times one device computing alone; the run has both devices computing at once on the same cores,
+with whatever else the machine runs). On a machine with a free core per device it is about 1.
+
+``--breakdown`` prints, per device task, the estimate's compute (``task_compute_seconds``), the
+estimate's span (from the end of the device's previous task to the end of this one, waits for
+inputs included) and the measured span (``IterationResult.task_seconds``, median over the kept
+iterations), then per device the estimated and measured busy time, the launcher's overhead
+(iteration time minus the slowest worker's), and a least-squares fit over the device tasks of
+measured span = a * estimated compute + b: ``a`` is the compute slowdown, ``b`` the fixed cost per
+task that the profile does not see. Last, one P2P message on the CPU runtime's own path (a copy
+into shared memory, a ``torch.multiprocessing`` queue to another process, a copy in) is timed at
+a few sizes beside the time the estimator gives it (the probed latency plus bytes over ``d2d``).
+
+    python -m bench.estimate_accuracy [--quick] [--breakdown] [--iterations K] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import multiprocessing
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+import harmony
+from harmony.errors import HarmonyError
+from harmony.models import gpt2, resnet, vgg
+from harmony.models.common import token_sequences
+from harmony.models.gpt2 import GPT, GPTConfig
+from harmony.plan import Plan
+from harmony.scheduler.estimator import Estimate, estimate, task_compute_seconds
+from harmony.scheduler.search import NoFeasibleConfiguration, search
+from harmony.scheduler.tasks import HOST
+
+console = Console(width=160)
+
+BASELINE = "dp-swap"  # the per-device-swap data parallelism the paper compares with (Fig. 11)
+# a GPT-2 whose iterations take tens to hundreds of milliseconds on two emulated devices
+SMALL_GPT = GPTConfig(n_layer=4, n_head=4, n_embd=128, vocab_size=512, block_size=64)
+
+
+def _small_gpt_batch(batch_size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = token_sequences(batch_size, SMALL_GPT.block_size + 1, SMALL_GPT.vocab_size, step)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+@dataclass(frozen=True)
+class Case:
+    """A model with its loss, batches, optimizer and minibatch size."""
+
+    name: str
+    build: Callable[[], torch.nn.Module]
+    loss_fn: Callable
+    get_batch: Callable[[int, int], tuple]
+    build_optimizer: Callable
+    minibatch: int
+
+
+CASES = {
+    "gpt2-tiny": Case("gpt2-tiny", functools.partial(gpt2.build_model, "tiny"), gpt2.loss_fn,
+                      functools.partial(gpt2.get_batch, preset="tiny"), gpt2.build_optimizer, 8),
+    "gpt2-small": Case("gpt2-small", functools.partial(GPT, SMALL_GPT), gpt2.loss_fn, _small_gpt_batch,
+                       gpt2.build_optimizer, 16),
+    "vgg-tiny": Case("vgg-tiny", functools.partial(vgg.build_model, "tiny"), vgg.loss_fn,
+                     functools.partial(vgg.get_batch, preset="tiny"), vgg.build_optimizer, 16),
+    "resnet-tiny": Case("resnet-tiny", functools.partial(resnet.build_model, "tiny"), resnet.loss_fn,
+                        functools.partial(resnet.get_batch, preset="tiny"), resnet.build_optimizer, 16),
+}
+QUICK = [("gpt2-tiny", ("pp", "dp", BASELINE)), ("gpt2-small", ("pp",))]
+FULL = [("gpt2-tiny", ("pp", "dp", BASELINE)), ("gpt2-small", ("pp", "dp", BASELINE)),
+        ("vgg-tiny", ("pp", "dp", BASELINE)), ("resnet-tiny", ("pp", "dp"))]
+
+
+def _cpu_loop(out=None) -> float:
+    torch.set_num_threads(1)
+    a = torch.randn(192, 192, generator=torch.Generator().manual_seed(0))
+    t0 = time.perf_counter()
+    for _ in range(150):
+        a @ a
+    seconds = time.perf_counter() - t0
+    if out is not None:
+        out.put(seconds)
+    return seconds
+
+
+def cpu_seconds(processes: int) -> float:
+    """Median seconds of the fixed loop in ``processes`` forked processes running at once (forked,
+    one thread each, as the runtime's emulated devices are)."""
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_cpu_loop, args=(out,), daemon=True) for _ in range(processes)]
+    for p in procs:
+        p.start()
+    times = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join()
+    return statistics.median(times)
+
+
+def _p2p_receiver(inbox, out) -> None:
+    torch.set_num_threads(1)
+    while (item := inbox.get()) is not None:
+        sent, values = item
+        values[0].clone()
+        out.put(time.perf_counter() - sent)
+
+
+def p2p_seconds(sizes: tuple[int, ...], repeats: int = 15) -> dict[int, float]:
+    """Median seconds of one message on the CPU runtime's P2P path (``shared_copy`` into a fresh
+    shared-memory segment, a ``torch.multiprocessing`` queue to another process, a copy in), per
+    size in bytes; ``perf_counter`` is one clock across processes on Linux."""
+    import torch.multiprocessing as tmp
+
+    from harmony.runtime.channels import shared_copy
+
+    ctx = tmp.get_context("fork")
+    inbox, out = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_p2p_receiver, args=(inbox, out), daemon=True)
+    proc.start()
+    try:
+        result = {}
+        for size in sizes:
+            t = torch.zeros(max(1, size // 4))
+            times = []
+            for _ in range(repeats):
+                inbox.put((time.perf_counter(), [shared_copy(t)]))
+                times.append(out.get(timeout=60))
+            result[size] = statistics.median(times[repeats // 3:])
+        return result
+    finally:
+        inbox.put(None)
+        proc.join(timeout=10)
+
+
+def plans_for(case: Case, modes: tuple[str, ...]) -> list[tuple[str, Plan | None, Estimate | None, float]]:
+    """(mode, plan or None if it does not fit, its estimate, compile seconds) for every mode; one
+    compile (profile + link probe) serves them all. The plans carry ``cpu_alone``: the fixed loop's
+    seconds in one process just before the profile."""
+    torch.manual_seed(0)
+    model = case.build()
+    alone = cpu_seconds(1)
+    t0 = time.perf_counter()
+    base = harmony.compile(model, case.loss_fn, case.get_batch, minibatch_size=case.minibatch, devices=2,
+                           mode="pp", build_optimizer=case.build_optimizer, probe=True, compare=False)
+    compile_seconds = time.perf_counter() - t0
+    machine = base.profile.machine
+    out = []
+    for mode in modes:
+        if mode == base.options["mode"]:  # the compiled plan itself; re-simulated for its timeline
+            est = estimate(base.tasks, base.profile, machine, capacity=base.options["planned_memory"])
+            est.iteration_time = base.estimate["iteration_time"]
+            base.cpu_alone = alone
+            out.append((mode, base, est, compile_seconds))
+            continue
+        try:
+            result = search(base.profile, machine, mode, 2, case.minibatch, capacity=base.options["planned_memory"],
+                            same_u=bool(base.options["same_u"]))
+        except NoFeasibleConfiguration:
+            out.append((mode, None, None, compile_seconds))
+            continue
+        plan = Plan(graph=base.graph, profile=base.profile, tasks=result.graph,
+                    estimate={"iteration_time": result.estimate.iteration_time,
+                              "busy": {str(d): dict(s) for d, s in result.estimate.busy.items()}},
+                    options={**base.options, "mode": mode})
+        plan.loss_fn, plan.build_optimizer = case.loss_fn, case.build_optimizer
+        plan.cpu_alone = alone
+        out.append((mode, plan, result.estimate, compile_seconds))
+    return out
+
+
+def train(plan: Plan, case: Case, iterations: int) -> list:
+    """The trainer's history over ``iterations`` steps."""
+    with harmony.Trainer(plan, optimizer=case.build_optimizer, timeout=120) as trainer:
+        for step in range(iterations):
+            trainer.step(*case.get_batch(case.minibatch, step))
+        return list(trainer.history)
+
+
+def breakdown(plan: Plan, est: Estimate, steady: list) -> dict[str, Any]:
+    """Per device task: estimated compute and span vs the measured span; per device totals."""
+    ends: dict[int, float] = {}
+    for ev in est.events:
+        if ev.stream == "compute":
+            ends[ev.task] = max(ends.get(ev.task, 0.0), ev.end)
+    tasks, devices = [], []
+    for rank in range(plan.tasks.devices):
+        own = [t for t in plan.tasks.tasks if t.device == rank]
+        previous = 0.0
+        for task in own:
+            end = ends.get(task.id, previous)
+            measured = statistics.median(step.workers[rank].task_seconds.get(task.id, 0.0) for step in steady)
+            tasks.append({"device": rank, "task": str(task), "id": task.id,
+                          "estimated_compute": task_compute_seconds(task, plan.profile),
+                          "estimated_span": end - previous, "measured_span": measured})
+            previous = end
+        devices.append({"device": rank, "estimated_compute": sum(task_compute_seconds(t, plan.profile) for t in own),
+                        "estimated_finish": previous,
+                        "measured_tasks": statistics.median(sum(s.workers[rank].task_seconds.values()) for s in steady),
+                        "measured_worker": statistics.median(s.workers[rank].seconds for s in steady)})
+    host = [t for t in plan.tasks.tasks if t.device == HOST]
+    overhead = statistics.median(s.seconds - max(w.seconds for w in s.workers) for s in steady)
+    fit = None
+    xs, ys = [t["estimated_compute"] for t in tasks], [t["measured_span"] for t in tasks]
+    if len(set(xs)) > 1:
+        slope, intercept = statistics.linear_regression(xs, ys)
+        fit = {"slowdown": slope, "per_task_seconds": intercept}
+    return {"tasks": tasks, "devices": devices, "host_tasks": len(host), "fit": fit,
+            "host_compute": sum(task_compute_seconds(t, plan.profile) for t in host), "launcher_overhead": overhead}
+
+
+def print_breakdown(row: dict) -> None:
+    b = row["breakdown"]
+    table = Table(title=f"{row['model']} {row['mode']}: per task (ms; measured = median span over kept iterations)")
+    for col in ("task", "est compute", "est span", "measured", "measured / est span"):
+        table.add_column(col, justify="left" if col == "task" else "right", overflow="fold")
+    for t in b["tasks"]:
+        text = t["task"] if len(t["task"]) <= 90 else t["task"][:87] + "..."
+        ratio = t["measured_span"] / t["estimated_span"] if t["estimated_span"] > 0 else float("nan")
+        table.add_row(text, f"{t['estimated_compute'] * 1e3:.2f}", f"{t['estimated_span'] * 1e3:.2f}",
+                      f"{t['measured_span'] * 1e3:.2f}", f"{ratio:.2f}")
+    for d in b["devices"]:
+        ratio = d["measured_tasks"] / d["estimated_finish"] if d["estimated_finish"] > 0 else float("nan")
+        table.add_row(f"[bold]dev{d['device']} total[/bold] (measured worker: {d['measured_worker'] * 1e3:.2f})",
+                      f"{d['estimated_compute'] * 1e3:.2f}", f"{d['estimated_finish'] * 1e3:.2f}",
+                      f"{d['measured_tasks'] * 1e3:.2f}", f"{ratio:.2f}")
+    console.print(table)
+    console.print(f"  host tasks: {b['host_tasks']} (estimated compute {b['host_compute'] * 1e3:.2f} ms); "
+                  f"launcher overhead (iteration - slowest worker): {b['launcher_overhead'] * 1e3:.2f} ms")
+    if b["fit"]:
+        console.print(f"  fit over the device tasks: measured span = {b['fit']['slowdown']:.2f} x estimated compute "
+                      f"+ {b['fit']['per_task_seconds'] * 1e3:.2f} ms")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="GPT-2 tiny (pp, dp, baseline) and the small GPT-2 (pp)")
+    parser.add_argument("--iterations", type=int, default=6, help="iterations per configuration, the first discarded")
+    parser.add_argument("--breakdown", action="store_true", help="per-task estimated vs measured seconds")
+    parser.add_argument("--json", type=Path, help="write the rows here")
+    ns = parser.parse_args()
+    if ns.iterations < 2:
+        parser.error("--iterations must be at least 2 (the first is discarded)")
+    logging.basicConfig(level=logging.WARNING)
+    sample = QUICK if ns.quick else FULL
+    started = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    last_machine = None
+    for name, modes in sample:
+        case = CASES[name]
+        with console.status(f"compiling {name} (profile + link probe)"):
+            plans = plans_for(case, modes)
+        last_machine = next((p.profile.machine for _, p, _, _ in plans if p is not None), last_machine)
+        for mode, plan, est, compile_seconds in plans:
+            row: dict[str, Any] = {"model": name, "mode": mode, "minibatch": case.minibatch, "devices": 2,
+                                   "compile_seconds": compile_seconds}
+            if plan is None:
+                rows.append({**row, "configuration": "does not fit"})
+                continue
+            row.update({"configuration": str(plan.tasks.config), "capacity": plan.options["device_memory"],
+                        "estimated_seconds": est.iteration_time})
+            with console.status(f"training {name} {mode}"):
+                pair = cpu_seconds(2)
+                try:
+                    history = train(plan, case, ns.iterations)
+                except HarmonyError as exc:  # a run that fails is a finding of its own: report it, go on
+                    console.print(f"[red]{name} {mode} ({plan.tasks.config}) failed:[/red] {exc}")
+                    rows.append({**row, "failed": f"{type(exc).__name__}: {exc}"})
+                    continue
+                pair = (pair + cpu_seconds(2)) / 2
+            seconds = [h.seconds for h in history]
+            steady = history[1:]
+            measured = statistics.median(seconds[1:])
+            estimated = est.iteration_time
+            row.update({
+                "measured_seconds": measured,
+                "relative_error": (estimated - measured) / measured,
+                "iteration_seconds": seconds, "spread": (max(seconds[1:]) - min(seconds[1:])) / measured,
+                "contention": pair / plan.cpu_alone, "load_average": os.getloadavg()[0],
+                "machine": {"h2d": plan.profile.machine.h2d, "d2h": plan.profile.machine.d2h,
+                            "d2d": plan.profile.machine.d2d, "latency": plan.profile.machine.latency},
+            })
+            if ns.breakdown:
+                row["breakdown"] = breakdown(plan, est, steady)
+            rows.append(row)
+
+    table = Table(title=f"Estimated vs measured iteration time, 2 emulated CPU devices, capacity 1/4 of the "
+                        f"training footprint, median of {ns.iterations - 1} iterations after one warm-up")
+    for col in ("model", "mode", "configuration", "estimated ms", "measured ms", "rel. error", "noise (spread)",
+                "contention"):
+        table.add_column(col, justify="left" if col in ("model", "mode", "configuration") else "right",
+                         overflow="fold")
+    for r in rows:
+        if "measured_seconds" not in r:
+            estimated = f"{r['estimated_seconds'] * 1e3:.1f}" if "estimated_seconds" in r else "-"
+            measured = "run failed" if "failed" in r else "-"
+            table.add_row(r["model"], r["mode"], r["configuration"], estimated, measured, "-", "-", "-")
+            continue
+        table.add_row(r["model"], r["mode"], r["configuration"], f"{r['estimated_seconds'] * 1e3:.1f}",
+                      f"{r['measured_seconds'] * 1e3:.1f}", f"{r['relative_error']:+.1%}", f"{r['spread']:.1%}",
+                      f"{r['contention']:.2f}x")
+    console.print(table)
+    measured_rows = [r for r in rows if "relative_error" in r]
+    if measured_rows:
+        mare = statistics.fmean(abs(r["relative_error"]) for r in measured_rows)
+        noise = statistics.median(r["spread"] for r in measured_rows)
+        contention = statistics.median(r["contention"] for r in measured_rows)
+        console.print(f"mean absolute relative error: {mare:.1%} over {len(measured_rows)} configurations; "
+                      f"machine noise (median spread of the measured iterations): {noise:.1%}; "
+                      f"CPU contention (median, 1.00x = a free core per device): {contention:.2f}x; "
+                      f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; "
+                      f"wall time {time.perf_counter() - started:.0f} s")
+    if ns.breakdown:
+        for r in measured_rows:
+            print_breakdown(r)
+        if last_machine is not None:
+            sizes = (4 << 10, 256 << 10, 4 << 20)
+            real = p2p_seconds(sizes)
+            console.print("P2P, one message, ms: " + "; ".join(
+                f"{size >> 10} KiB runtime path {real[size] * 1e3:.3f} vs modelled "
+                f"{last_machine.transfer_time(size, 'd2d') * 1e3:.3f}" for size in sizes)
+                + f" (modelled: probed latency {last_machine.latency * 1e6:.0f} us + bytes / d2d "
+                f"{last_machine.d2d / 1e9:.2f} GB/s, the probe timing gloo send/recv)")
+    if ns.json:
+        ns.json.write_text(json.dumps(rows, indent=2, default=str))
+        console.print(f"rows written to {ns.json}")
+
+
+if __name__ == "__main__":
+    main()
