@@ -15,19 +15,20 @@ split evenly between the device workers (``cpu_count // devices`` torch threads 
   ``size`` bytes; aggregate = ``devices * size`` over the overlap window, from the earliest start to
   the latest end. Start and end stamps are ``time.perf_counter``, which is the system-wide monotonic
   clock on Linux and macOS, so stamps of different processes compare;
-- ``d2d`` and ``msg``: workers 0 and 1 send ``size`` bytes with ``torch.distributed`` gloo send/recv
-  over loopback (``tcp://127.0.0.1``), timed at the receiver after a gloo barrier. This is the p2p
-  path of the CPU runtime, and on CPU device memory is host memory, so the two are the same
-  number: ``d2d == msg``. Two workers are started for it even when ``devices == 1``;
-- ``latency``: the median of tiny (1 KiB) ``to_device`` copies, the fixed cost of a swap. The fixed
-  cost of a gloo message (half a 1 KiB round trip) is far larger and recorded in
-  ``notes["msg_latency"]``; ``host_link_shared`` is True: one memory bus serves every worker.
+- ``d2d`` and ``msg``: workers 0 and 1 time the runtime's own p2p path (``runtime/channels.py``:
+  a copy into a fresh shared-memory segment, its handle through a ``torch.multiprocessing`` queue,
+  a copy into the receiver's device), ``size`` bytes one way. On CPU device memory is host memory,
+  so the two are the same number: ``d2d == msg``. Two workers are started for it even when
+  ``devices == 1``;
+- ``latency``: the median of tiny (1 KiB) ``to_device`` copies, the fixed cost of a swap;
+  ``p2p_latency``: half a tiny round trip on the p2p path, the fixed cost of one message, which is
+  far larger; ``host_link_shared`` is True: one memory bus serves every worker.
 
 ``cuda``: in this process, with pinned host buffers: ``h2d``/``d2h`` on device 0 alone;
 ``h2d_all``/``d2h_all`` issue one non-blocking copy per device back to back and wait for all;
 ``d2d`` is ``tensor.to(other_device)`` from device 0 to 1 (with one device it is not measurable and
-set to the host-staged rate ``1 / (1/d2h + 1/h2d)``, said in ``notes``); ``msg`` is the gloo path
-above between two CPU worker processes; ``latency`` the median of 1 KiB pinned ``h2d`` copies.
+set to the host-staged rate ``1 / (1/d2h + 1/h2d)``, said in ``notes``); ``msg`` and
+``p2p_latency`` come from the queue path above between two CPU worker processes; ``latency`` the median of 1 KiB pinned ``h2d`` copies.
 ``host_link_shared`` is True by default: whether GPUs share a PCIe switch is not visible from
 PyTorch, and the measured ``h2d_all`` already says how much they contend (for separate links it is
 about ``devices * h2d``, and ``min(h2d, h2d_all / k)`` then equals ``h2d``).
@@ -44,11 +45,9 @@ import math
 import os
 import platform
 import queue as queue_module
-import socket
 import statistics
 import time
 import traceback
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -70,7 +69,7 @@ _TINY_REPEATS = 21
 
 # What a worker is doing, by index in a shared array, so a hang can be named.
 _STEPS = ("starting (importing torch)", "allocating buffers", "timing one device alone",
-          "timing all devices at once", "joining the gloo group", "timing gloo send/recv", "done")
+          "timing all devices at once", "timing p2p through shared memory", "done")
 
 
 class ProbeError(HarmonyError):
@@ -85,12 +84,6 @@ def _median(values: list[float]) -> float:
 def _rate(nbytes: float, seconds: float) -> float:
     """Bytes per second, never infinite: a copy too quick for the clock counts as one clock tick."""
     return nbytes / max(seconds, 1e-9)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _host_buffer(nbytes: int, pin: bool = False) -> torch.Tensor:
@@ -118,9 +111,9 @@ def _cpu_name() -> str:
 
 # ------------------------------------------------------------------ worker process
 def _worker(rank: int, nprocs: int, copiers: int, size: int, capacity: int | None, repeats: int,
-            port: int, timeout: float, barrier: Any, steps: Any, results: Any) -> None:
+            links: Any, timeout: float, barrier: Any, steps: Any, results: Any) -> None:
     """One probe worker. Ranks below ``copiers`` emulate devices and time copies; ranks 0 and 1 then
-    time gloo send/recv. Puts ``(rank, "ok", dict)`` or ``(rank, "error", traceback)`` on ``results``."""
+    time the p2p path. Puts ``(rank, "ok", dict)`` or ``(rank, "error", traceback)`` on ``results``."""
     def step(name: str) -> None:
         steps[rank] = _STEPS.index(name)
 
@@ -177,57 +170,65 @@ def _worker(rank: int, nprocs: int, copiers: int, size: int, capacity: int | Non
             del resident, host
 
         if rank < 2:
-            out.update(_gloo_pair(rank, size, repeats, port, timeout, step))
+            out.update(_queue_pair(rank, size, repeats, timeout, links, step))
         step("done")
         results.put((rank, "ok", out))
     except BaseException:  # report, then let the process end; the parent raises
         results.put((rank, "error", traceback.format_exc()))
 
 
-def _gloo_pair(rank: int, size: int, repeats: int, port: int, timeout: float, step: Any) -> dict[str, Any]:
-    """Ranks 0 and 1: ``size`` bytes from 0 to 1 (timed at the receiver after a barrier) and tiny
-    round trips for the fixed cost of one message."""
-    import torch.distributed as dist
+def _queue_pair(rank: int, size: int, repeats: int, timeout: float, links: Any, step: Any) -> dict[str, Any]:
+    """Ranks 0 and 1 time the CPU runtime's own p2p path (``runtime/channels.py``): the sender copies
+    a device tensor into a fresh shared-memory segment and puts its handle on the receiver's queue,
+    the receiver copies it into its device memory and acknowledges. ``size`` bytes one way (minus
+    half a tiny round trip), and tiny round trips for the fixed cost of one message."""
+    from harmony.runtime.channels import shared_copy
 
-    if platform.system() == "Linux":
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback: the link between workers
-    step("joining the gloo group")
-    dist.init_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=timedelta(seconds=timeout))
-    try:
-        step("timing gloo send/recv")
-        buf = _host_buffer(size)
-        tiny = _host_buffer(TINY)
-        peer = 1 - rank
+    step("timing p2p through shared memory")
+    dev = CpuDevice(f"p2p{rank}", None)
+    outbox, inbox = (links[0], links[1]) if rank == 0 else (links[1], links[0])
 
-        def transfer(t: torch.Tensor) -> None:
-            if rank == 0:
-                dist.send(t, dst=peer)
-            else:
-                dist.recv(t, src=peer)
+    def send(t: torch.Tensor) -> None:
+        outbox.put(shared_copy(t))
 
-        transfer(buf)  # warm-up: connection set-up and first touch of the receive path
-        times = []
-        for _ in range(repeats):
-            dist.barrier()
-            t0 = time.perf_counter()
-            transfer(buf)
-            times.append(time.perf_counter() - t0)
-        dist.barrier()
-        round_trips = []
-        for _ in range(_TINY_REPEATS):
-            t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(tiny, dst=peer)
-                dist.recv(tiny, src=peer)
-            else:
-                dist.recv(tiny, src=peer)
-                dist.send(tiny, dst=peer)
-            round_trips.append(time.perf_counter() - t0)
-        dist.barrier()
-        return {"gloo": times, "gloo_round_trip": round_trips} if rank == 1 else {}
-    finally:
-        dist.destroy_process_group()
+    def receive() -> None:
+        got = inbox.get(timeout=timeout)
+        dev.to_device(got)
+
+    def round_trip(t: torch.Tensor) -> float:
+        t0 = time.perf_counter()
+        if rank == 0:
+            send(t)
+            receive()
+        else:
+            receive()
+            send(t)
+        return time.perf_counter() - t0
+
+    big = dev.to_device(_host_buffer(size))
+    tiny = dev.to_device(_host_buffer(TINY))
+    round_trip(tiny)  # warm-up: queue feeder threads, first shared-memory segments
+    tiny_trips = [round_trip(tiny) for _ in range(_TINY_REPEATS)]
+    one_way = []
+    for _ in range(repeats):  # the big message one way, the tiny one back: subtract half a round trip
+        t0 = time.perf_counter()
+        if rank == 0:
+            send(big)
+            receive()
+        else:
+            receive()
+            send(tiny)
+        one_way.append(time.perf_counter() - t0)
+    # the receiver fetches each segment's file descriptor from the sender's process: rank 1 must
+    # not exit before rank 0 has taken its last message
+    if rank == 0:
+        outbox.put(None)
+    else:
+        inbox.get(timeout=timeout)
+    half = _median(tiny_trips) / 2
+    if rank == 0:
+        return {"p2p": [max(t - half, 1e-9) for t in one_way], "p2p_latency": half}
+    return {}
 
 
 def _run_workers(copiers: int, size: int, capacity: int | None, repeats: int, timeout: float) -> dict[int, dict]:
@@ -241,10 +242,10 @@ def _run_workers(copiers: int, size: int, capacity: int | None, repeats: int, ti
     barrier = ctx.Barrier(nprocs)
     steps = ctx.Array("i", nprocs)
     results = ctx.Queue()
-    port = _free_port()
+    links = (ctx.Queue(), ctx.Queue())  # rank 0 -> 1 and 1 -> 0: the runtime's p2p path
     procs = [
         ctx.Process(target=_worker, name=f"harmony-probe-{rank}", daemon=True,
-                    args=(rank, nprocs, copiers, size, capacity, repeats, port, timeout, barrier, steps, results))
+                    args=(rank, nprocs, copiers, size, capacity, repeats, links, timeout, barrier, steps, results))
         for rank in range(nprocs)
     ]
     out: dict[int, dict] = {}
@@ -277,7 +278,7 @@ def _run_workers(copiers: int, size: int, capacity: int | None, repeats: int, ti
                     where = ", ".join(f"worker {r} {_STEPS[steps[r]]}" for r in stuck)
                     raise ProbeError(
                         f"bandwidth probe hung for {timeout:g} s with no progress ({where}); "
-                        "another process may hold the CPUs or loopback networking (gloo) may be blocked"
+                        "another process may hold the CPUs"
                     )
                 continue
             _accept((rank, status, body), out)
@@ -323,7 +324,7 @@ def _probe_cpu(devices: int, capacity: int | None, size: int, repeats: int, time
         raise ProbeError(f"device capacity {cap} bytes is too small to time copies; give at least {2 * TINY} bytes")
     res = _run_workers(devices, size, capacity, repeats, timeout)
     w0, w1 = res[0], res[1]
-    gloo = _rate(size, _median(w1["gloo"]))
+    p2p = _rate(size, _median(w0["p2p"]))
     nprocs = max(devices, 2)
     return Machine(
         kind="cpu",
@@ -332,20 +333,22 @@ def _probe_cpu(devices: int, capacity: int | None, size: int, repeats: int, time
         capacity=cap,
         h2d=_rate(size, _median(w0["h2d"])),
         d2h=_rate(size, _median(w0["d2h"])),
-        d2d=gloo,
+        d2d=p2p,
         host_link_shared=True,
         h2d_all=_aggregate([res[r]["h2d_spans"] for r in range(devices)], size),
         d2h_all=_aggregate([res[r]["d2h_spans"] for r in range(devices)], size),
-        msg=gloo,
+        msg=p2p,
         latency=_median(w0["latency"]),
+        p2p_latency=w0["p2p_latency"],
         source="measured",
         notes={
             "size": f"{size} bytes per transfer, median of {repeats}",
             "workers": f"{nprocs} spawned processes; {devices} device worker(s) with {_threads(devices)} torch thread(s) each",
             "h2d_all": f"{devices} workers copying at once, released by a barrier; bytes over the overlap window",
-            "d2d": "gloo send/recv between two worker processes on loopback (the CPU runtime's p2p); same as msg",
+            "d2d": "the CPU runtime's p2p path between two worker processes (a shared-memory copy handed over a "
+                   "queue, copied into the receiver's device); same as msg",
             "latency": f"median of {_TINY_REPEATS} {TINY}-byte to_device copies",
-            "msg_latency": f"{_median(w1['gloo_round_trip']) / 2:.3g} s (half a {TINY}-byte gloo round trip)",
+            "p2p_latency": f"half the median of {_TINY_REPEATS} {TINY}-byte round trips on the p2p path",
             "host_link_shared": "one memory bus serves every emulated device",
         },
     )
@@ -412,9 +415,9 @@ def _probe_cuda(devices: int, capacity: int | None, size: int, repeats: int, tim
         d.empty_cache()
 
     res = _run_workers(0, size, None, repeats, timeout)
-    msg = _rate(size, _median(res[1]["gloo"]))
-    notes["msg"] = "gloo send/recv between two CPU worker processes on loopback"
-    notes["msg_latency"] = f"{_median(res[1]['gloo_round_trip']) / 2:.3g} s (half a {TINY}-byte gloo round trip)"
+    msg = _rate(size, _median(res[0]["p2p"]))
+    notes["msg"] = "a shared-memory copy handed over a queue between two CPU worker processes"
+    notes["p2p_latency"] = f"half the median of {_TINY_REPEATS} {TINY}-byte round trips on that path"
     return Machine(
         kind="cuda",
         device_name=torch.cuda.get_device_name(dev0.torch_device),
@@ -428,6 +431,7 @@ def _probe_cuda(devices: int, capacity: int | None, size: int, repeats: int, tim
         d2h_all=d2h_all,
         msg=msg,
         latency=_median(lat),
+        p2p_latency=res[0]["p2p_latency"],
         source="measured",
         notes=notes,
     )

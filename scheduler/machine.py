@@ -83,6 +83,7 @@ class Machine:
     msg: float  # B/s, host memory of one worker to another's
     latency: float  # s, fixed cost of one transfer
     source: str = "given"  # "measured" | "analytic" | "given"
+    p2p_latency: float | None = None  # s, fixed cost of one d2d/msg transfer when it differs (None: latency)
     notes: dict[str, str] = field(default_factory=dict)  # how the numbers were obtained
 
     def __post_init__(self) -> None:
@@ -106,6 +107,11 @@ class Machine:
             or self.latency < 0
         ):
             problems.append(f"latency must be a finite number of seconds >= 0, got {self.latency!r}")
+        if self.p2p_latency is not None and (
+            isinstance(self.p2p_latency, bool) or not isinstance(self.p2p_latency, (int, float))
+            or not math.isfinite(self.p2p_latency) or self.p2p_latency < 0
+        ):
+            problems.append(f"p2p_latency must be a finite number of seconds >= 0 or null, got {self.p2p_latency!r}")
         if not isinstance(self.host_link_shared, bool):
             problems.append(f"host_link_shared must be true or false, got {self.host_link_shared!r}")
         if self.source not in _SOURCES:
@@ -145,7 +151,8 @@ class Machine:
         bandwidth = self.bandwidth(channel, concurrent)
         if nbytes == 0:
             return 0.0
-        return self.latency + nbytes / bandwidth
+        fixed = self.p2p_latency if channel in ("d2d", "msg") and self.p2p_latency is not None else self.latency
+        return fixed + nbytes / bandwidth
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -224,7 +231,8 @@ class Machine:
             f"  h2d {self.h2d / gb:.2f} GB/s, d2h {self.d2h / gb:.2f} GB/s (one device)",
             f"  h2d {self.h2d_all / gb:.2f} GB/s, d2h {self.d2h_all / gb:.2f} GB/s (all devices at once, "
             f"host link {'shared' if self.host_link_shared else 'per device'})",
-            f"  d2d {self.d2d / gb:.2f} GB/s, msg {self.msg / gb:.2f} GB/s, latency {self.latency * 1e6:.1f} us",
+            f"  d2d {self.d2d / gb:.2f} GB/s, msg {self.msg / gb:.2f} GB/s, latency {self.latency * 1e6:.1f} us"
+            + (f" (p2p message {self.p2p_latency * 1e6:.0f} us)" if self.p2p_latency is not None else ""),
         ]
         return "\n".join(lines)
 
