@@ -85,7 +85,9 @@ _E_UNIT, _E_XFER, _E_JOIN, _E_LINK = range(4)
 # Input tensors that a task's memory peak already includes (absorbed when the unit starts).
 _COVERED = {
     Kind.FWD: frozenset(("X", "W", "B")),
-    Kind.BWD: frozenset(("X", "Xs", "dY", "W", "B", "dW")),
+    # not dW: a gradient brought in (the per-GPU-swap baselines' running gradient, a tied weight's
+    # share) is what the backward then accumulates into, on top of the task's own peak
+    Kind.BWD: frozenset(("X", "Xs", "dY", "W", "B")),
     Kind.UPD: frozenset(),
 }
 # (produced as, read as) pairs that are the same tensor seen from the two ends of a transfer
