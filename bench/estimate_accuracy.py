@@ -20,7 +20,7 @@ iterations), then per device the estimated and measured busy time, the launcher'
 measured span = a * estimated compute + b: ``a`` is the compute slowdown, ``b`` the fixed cost per
 task that the profile does not see. Last, one P2P message on the CPU runtime's own path (a copy
 into shared memory, a ``torch.multiprocessing`` queue to another process, a copy in) is timed at
-a few sizes beside the time the estimator gives it (the probed latency plus bytes over ``d2d``).
+a few sizes beside the time the estimator gives it (the probed per-message cost plus bytes over ``d2d``).
 
     python -m bench.estimate_accuracy [--quick] [--breakdown] [--iterations K] [--json PATH]
 """
@@ -298,7 +298,8 @@ def main() -> None:
                 "iteration_seconds": seconds, "spread": (max(seconds[1:]) - min(seconds[1:])) / measured,
                 "contention": pair / plan.cpu_alone, "load_average": os.getloadavg()[0],
                 "machine": {"h2d": plan.profile.machine.h2d, "d2h": plan.profile.machine.d2h,
-                            "d2d": plan.profile.machine.d2d, "latency": plan.profile.machine.latency},
+                            "d2d": plan.profile.machine.d2d, "latency": plan.profile.machine.latency,
+                            "p2p_latency": plan.profile.machine.p2p_latency},
             })
             if ns.breakdown:
                 row["breakdown"] = breakdown(plan, est, steady)
@@ -339,8 +340,8 @@ def main() -> None:
             console.print("P2P, one message, ms: " + "; ".join(
                 f"{size >> 10} KiB runtime path {real[size] * 1e3:.3f} vs modelled "
                 f"{last_machine.transfer_time(size, 'd2d') * 1e3:.3f}" for size in sizes)
-                + f" (modelled: probed latency {last_machine.latency * 1e6:.0f} us + bytes / d2d "
-                f"{last_machine.d2d / 1e9:.2f} GB/s, the probe timing gloo send/recv)")
+                + f" (modelled: probed message cost {(last_machine.p2p_latency or last_machine.latency) * 1e6:.0f} us "
+                f"+ bytes / d2d {last_machine.d2d / 1e9:.2f} GB/s, both probed on the runtime's p2p path)")
     if ns.json:
         ns.json.write_text(json.dumps(rows, indent=2, default=str))
         console.print(f"rows written to {ns.json}")
