@@ -129,3 +129,91 @@ class Mailbox:
         except (ValueError, OSError, AssertionError):
             pass
         self._thread.join(timeout=2)
+
+
+_ALIGN = 64
+
+
+class Slabs:
+    """Shared-memory regions, one per (sender, receiver) pair of workers, that carry the tensors of
+    the messages between them.
+
+    Made once, before the workers start, and sized from the plan's bytes per iteration on that pair
+    (with room to spare), so a message is a copy into the slab plus a few numbers through the queue:
+    no shared-memory segment to create and no file descriptor to hand over per message. A sender
+    fills its slab from the start every iteration; the launcher starts an iteration only once every
+    worker finished the last one, so every message of the last one was read. A message that does not
+    fit (the plan's sizes are interpolated) travels in a segment of its own.
+    """
+
+    def __init__(self, sizes: dict[tuple[int, int], int]) -> None:
+        self.buffers = {pair: torch.empty(max(int(n), _ALIGN), dtype=torch.uint8).share_memory_()
+                        for pair, n in sizes.items() if n > 0}
+        self._used: dict[tuple[int, int], int] = {}
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        return {"buffers": self.buffers}  # (spawned workers) each process keeps its own counts
+
+    def __setstate__(self, state: dict) -> None:
+        self.buffers = state["buffers"]
+        self._used = {}
+        self._lock = threading.Lock()
+
+    def reset(self) -> None:
+        """A new iteration: the sender's slabs are free again."""
+        with self._lock:
+            self._used.clear()
+
+    def _claim(self, pair: tuple[int, int], nbytes: int) -> int | None:
+        buffer = self.buffers.get(pair)
+        if buffer is None:
+            return None
+        with self._lock:
+            offset = self._used.get(pair, 0)
+            end = offset + -(-nbytes // _ALIGN) * _ALIGN
+            if end > buffer.numel():
+                return None
+            self._used[pair] = end
+            return offset
+
+    def encode(self, values: list, src: int, dst: int) -> list:
+        """The message items for ``values``: tensors copied into the slab of (src, dst)."""
+        items = []
+        for v in values:
+            if not isinstance(v, torch.Tensor):
+                items.append(("obj", v))
+                continue
+            nbytes = v.numel() * v.element_size()
+            offset = self._claim((src, dst), nbytes)
+            if offset is None:
+                items.append(("tensor", shared_copy(v)))
+                continue
+            view = self.buffers[(src, dst)][offset:offset + nbytes].view(v.dtype).view(v.shape)
+            with torch.no_grad():
+                view.copy_(v.detach())
+            items.append(("slab", offset, tuple(v.shape), v.dtype))
+        return items
+
+    def decode(self, items: list, src: int, dst: int) -> list:
+        """Host tensors (views of the slab; copy them out before the next iteration) and objects."""
+        out = []
+        for item in items:
+            if item[0] == "slab":
+                _, offset, shape, dtype = item
+                n = torch.empty((), dtype=dtype).element_size()
+                for s in shape:
+                    n *= s
+                out.append(self.buffers[(src, dst)][offset:offset + n].view(dtype).view(shape))
+            else:
+                out.append(item[1])
+        return out
+
+
+def state_bytes(state: torch.Tensor | None) -> bytes | None:
+    """A generator state as bytes, for a message."""
+    return None if state is None else state.numpy().tobytes()
+
+
+def state_tensor(data: bytes | None) -> torch.Tensor | None:
+    return None if data is None else torch.frombuffer(bytearray(data), dtype=torch.uint8)

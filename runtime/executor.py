@@ -38,7 +38,8 @@ from torch.utils import _pytree as pytree
 from harmony.decomposer.layer_graph import LayerGraph
 from harmony.errors import DeviceOutOfMemoryError
 from harmony.runtime import rng
-from harmony.runtime.channels import Aborted, Counters, Mailbox, shared_copy, tensor_bytes
+from harmony.runtime.channels import (Aborted, Counters, Mailbox, Slabs, shared_copy, state_bytes, state_tensor,
+                                      tensor_bytes)
 from harmony.runtime.device import Device
 from harmony.runtime.hoststore import HostStore
 from harmony.runtime.routes import OutStream, Routes, pieces, ranges, stash_layers
@@ -142,7 +143,7 @@ class Executor:
     def __init__(self, rank: int, device: Device, layers: LayerGraph, routes: Routes, store: HostStore,
                  shared: Shared, mailbox: Mailbox, peers: list[Any], loss_fn: Callable,
                  build_optimizer: Callable, seed: int, timeout: float = 600.0,
-                 working_memory: dict[int, int] | None = None) -> None:
+                 working_memory: dict[int, int] | None = None, slabs: Slabs | None = None) -> None:
         self.rank = rank
         self.device = device
         self.layers = layers
@@ -165,6 +166,7 @@ class Executor:
         self._waiting = False
         self._headroom = 0  # bytes the running task may still allocate beyond its state (planned)
         self.working_memory = working_memory or {}
+        self.slabs = slabs
         threads = torch.get_num_threads()
         scope = device.memory_scope
 
@@ -191,6 +193,8 @@ class Executor:
         self.iteration = iteration
         self.batch = batch
         self.counters.reset()
+        if self.slabs is not None:
+            self.slabs.reset()
         self.device.reset_peak()
         loss = 0.0
         task_seconds: dict[int, float] = {}
@@ -483,27 +487,39 @@ class Executor:
         if channel == Channel.LOCAL:
             self.local[key] = (values, state)
             return
+        dst = consumer.device
         if channel == Channel.P2P:
-            target = self.peers[consumer.device]
-
             def send() -> None:
-                target.put((key, ([shared_copy(v) if isinstance(v, torch.Tensor) else v for v in values], state)))
+                self.peers[dst].put((key, (self._encode(values, dst), state_bytes(state), self.rank)))
 
             self._after_compute(self.p2p_out, send)
             return
-        # SWAP / MSG: park in host memory; a consumer in another worker gets the handle
-        same = consumer.device == self.rank
+        # SWAP / MSG: park in host memory; a consumer in another worker reads it from there
 
         def park() -> None:
-            host = [shared_copy(v) if isinstance(v, torch.Tensor) else v for v in values] if not same else \
-                [self.device.to_host(v) if isinstance(v, torch.Tensor) else v for v in values]
             self.counters.add(channel.value, "out", tensor, tensor_bytes(values))
-            if same:
+            if dst == self.rank:
+                host = [self.device.to_host(v) if isinstance(v, torch.Tensor) else v for v in values]
                 self.mailbox.put_local(key, (host, state))
             else:
-                self.peers[consumer.device].put((key, (host, state)))
+                self.peers[dst].put((key, (self._encode(values, dst), state_bytes(state), self.rank)))
 
         self._after_compute(self.swap_out, park)
+
+    def _encode(self, values: Values, dst: int) -> list:
+        if self.slabs is None:
+            return [("tensor", shared_copy(v)) if isinstance(v, torch.Tensor) else ("obj", v) for v in values]
+        return self.slabs.encode(values, self.rank, dst)
+
+    def _receive(self, key: tuple, what: str) -> tuple[Values, torch.Tensor | None]:
+        """A message from the inbox: host tensors (slab views or own segments) and the state."""
+        message = self.mailbox.take(key, what, self.timeout)
+        if len(message) == 2:  # parked by this worker for itself
+            return message
+        items, state, src = message
+        if self.slabs is None:
+            return [item[1] for item in items], state_tensor(state)
+        return self.slabs.decode(items, src, self.rank), state_tensor(state)
 
     def _fetch(self, task: Task, stream: str, mb: int) -> tuple[Values, torch.Tensor | None]:
         """Microbatch ``mb`` of an input stream on the device, with its generator state."""
@@ -526,7 +542,7 @@ class Executor:
             if source.channel == Channel.LOCAL:
                 values, piece_state = self._take_local(key, what)
             else:
-                host, piece_state = self.mailbox.take(key, what, self.timeout)
+                host, piece_state = self._receive(key, what)
                 label = "P2P" if source.channel == Channel.P2P else source.channel.value
                 tensor = {"X": "X", "dY": "dY"}.get(stream, "Xs")
                 values = self._values_to_device(host, label, tensor)

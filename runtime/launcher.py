@@ -34,13 +34,13 @@ import torch.multiprocessing as mp
 
 from harmony.decomposer.layer_graph import LayerGraph
 from harmony.errors import DeviceOutOfMemoryError, HarmonyError
-from harmony.runtime.channels import Aborted, Mailbox
+from harmony.runtime.channels import Aborted, Mailbox, Slabs
 from harmony.runtime.device import CpuDevice, CudaDevice, Device
 from harmony.runtime.executor import Batch, Executor, IterationResult, Shared, host_update
 from harmony.runtime.hoststore import HostStore
 from harmony.runtime.routes import Routes, build_routes
 from harmony.scheduler.profiles import Profile
-from harmony.scheduler.tasks import HOST, Kind, TaskGraph
+from harmony.scheduler.tasks import HOST, Channel, Kind, TaskGraph
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,22 @@ class _WorkerContext:
     loss_fn: Callable
     build_optimizer: Callable
     working_memory: dict[int, int]
+    slabs: Slabs
+
+
+def slab_sizes(tasks: TaskGraph, routes: Routes) -> dict[tuple[int, int], int]:
+    """Bytes per iteration each (sender, receiver) pair of workers exchanges in messages, with room
+    to spare: the plan's sizes are interpolated, and pieces are aligned."""
+    sizes: dict[tuple[int, int], int] = {}
+    for task in tasks.tasks:
+        for t in task.inputs:
+            if t.task is None or t.channel not in (Channel.P2P, Channel.SWAP, Channel.MSG):
+                continue
+            src = routes.by_id[t.task].device
+            if src == task.device or src == HOST or task.device == HOST or t.tensor not in ("X", "Xs", "dY"):
+                continue
+            sizes[(src, task.device)] = sizes.get((src, task.device), 0) + t.nbytes + 4 * 64
+    return {pair: int(n * 1.25) + (1 << 20) for pair, n in sizes.items()}
 
 
 def working_memory(tasks: TaskGraph, profile: Profile | None) -> dict[int, int]:
@@ -128,7 +144,7 @@ def _worker_main(ctx: _WorkerContext) -> None:
         device = _make_device(ctx)
         mailbox = Mailbox(ctx.inboxes[ctx.rank], ctx.shared.aborted)
         executor = Executor(ctx.rank, device, graph, routes, ctx.store, ctx.shared, mailbox, ctx.inboxes,
-                            ctx.loss_fn, ctx.build_optimizer, ctx.seed, ctx.timeout, ctx.working_memory)
+                            ctx.loss_fn, ctx.build_optimizer, ctx.seed, ctx.timeout, ctx.working_memory, ctx.slabs)
         ctx.results.put(("ready", ctx.rank, None))
         while True:
             command = ctx.commands.get()
@@ -175,6 +191,7 @@ class Launcher:
         self.timeout = timeout
         self.devices = tasks.devices
         self.shared = Shared.create(len(tasks.tasks))
+        self.slabs = Slabs(slab_sizes(tasks, self.routes))
         self.iteration = 0
         self._closed = False
         method = "fork" if device_type == "cpu" else "spawn"
@@ -195,6 +212,7 @@ class Launcher:
                 graph_data=graph_data, graph=graph if method == "fork" else None, tasks=tasks, store=store,
                 shared=self.shared, inboxes=self.inboxes, commands=self.commands[rank], results=self.results,
                 loss_fn=loss_fn, build_optimizer=build_optimizer, working_memory=working_memory(tasks, profile),
+                slabs=self.slabs,
             )
             process = mpctx.Process(target=_worker_main, args=(ctx,), name=f"harmony-dev{rank}", daemon=True)
             process.start()

@@ -16,7 +16,7 @@ split evenly between the device workers (``cpu_count // devices`` torch threads 
   the latest end. Start and end stamps are ``time.perf_counter``, which is the system-wide monotonic
   clock on Linux and macOS, so stamps of different processes compare;
 - ``d2d`` and ``msg``: workers 0 and 1 time the runtime's own p2p path (``runtime/channels.py``:
-  a copy into a fresh shared-memory segment, its handle through a ``torch.multiprocessing`` queue,
+  a copy into the pair's shared-memory slab, its place through a ``torch.multiprocessing`` queue,
   a copy into the receiver's device), ``size`` bytes one way. On CPU device memory is host memory,
   so the two are the same number: ``d2d == msg``. Two workers are started for it even when
   ``devices == 1``;
@@ -179,21 +179,20 @@ def _worker(rank: int, nprocs: int, copiers: int, size: int, capacity: int | Non
 
 def _queue_pair(rank: int, size: int, repeats: int, timeout: float, links: Any, step: Any) -> dict[str, Any]:
     """Ranks 0 and 1 time the CPU runtime's own p2p path (``runtime/channels.py``): the sender copies
-    a device tensor into a fresh shared-memory segment and puts its handle on the receiver's queue,
-    the receiver copies it into its device memory and acknowledges. ``size`` bytes one way (minus
-    half a tiny round trip), and tiny round trips for the fixed cost of one message."""
-    from harmony.runtime.channels import shared_copy
-
+    a device tensor into the shared-memory slab of the pair and puts its place on the receiver's
+    queue, the receiver copies it into its device memory and acknowledges. ``size`` bytes one way
+    (minus half a tiny round trip), and tiny round trips for the fixed cost of one message."""
     step("timing p2p through shared memory")
+    outbox, inbox, slabs = (links[0], links[1], links[2]) if rank == 0 else (links[1], links[0], links[2])
     dev = CpuDevice(f"p2p{rank}", None)
-    outbox, inbox = (links[0], links[1]) if rank == 0 else (links[1], links[0])
+    peer = 1 - rank
 
     def send(t: torch.Tensor) -> None:
-        outbox.put(shared_copy(t))
+        slabs.reset()  # one message in flight at a time
+        outbox.put(slabs.encode([t], rank, peer))
 
     def receive() -> None:
-        got = inbox.get(timeout=timeout)
-        dev.to_device(got)
+        dev.to_device(slabs.decode(inbox.get(timeout=timeout), peer, rank)[0])
 
     def round_trip(t: torch.Tensor) -> float:
         t0 = time.perf_counter()
@@ -207,7 +206,7 @@ def _queue_pair(rank: int, size: int, repeats: int, timeout: float, links: Any, 
 
     big = dev.to_device(_host_buffer(size))
     tiny = dev.to_device(_host_buffer(TINY))
-    round_trip(tiny)  # warm-up: queue feeder threads, first shared-memory segments
+    round_trip(tiny)  # warm-up: queue feeder threads, first touch of the slabs
     tiny_trips = [round_trip(tiny) for _ in range(_TINY_REPEATS)]
     one_way = []
     for _ in range(repeats):  # the big message one way, the tiny one back: subtract half a round trip
@@ -219,12 +218,6 @@ def _queue_pair(rank: int, size: int, repeats: int, timeout: float, links: Any, 
             receive()
             send(tiny)
         one_way.append(time.perf_counter() - t0)
-    # the receiver fetches each segment's file descriptor from the sender's process: rank 1 must
-    # not exit before rank 0 has taken its last message
-    if rank == 0:
-        outbox.put(None)
-    else:
-        inbox.get(timeout=timeout)
     half = _median(tiny_trips) / 2
     if rank == 0:
         return {"p2p": [max(t - half, 1e-9) for t in one_way], "p2p_latency": half}
@@ -242,7 +235,10 @@ def _run_workers(copiers: int, size: int, capacity: int | None, repeats: int, ti
     barrier = ctx.Barrier(nprocs)
     steps = ctx.Array("i", nprocs)
     results = ctx.Queue()
-    links = (ctx.Queue(), ctx.Queue())  # rank 0 -> 1 and 1 -> 0: the runtime's p2p path
+    from .channels import Slabs
+
+    # rank 0 -> 1 and 1 -> 0 queues, and the pair's slabs: the runtime's p2p path
+    links = (ctx.Queue(), ctx.Queue(), Slabs({(0, 1): size + 4096, (1, 0): size + 4096}))
     procs = [
         ctx.Process(target=_worker, name=f"harmony-probe-{rank}", daemon=True,
                     args=(rank, nprocs, copiers, size, capacity, repeats, links, timeout, barrier, steps, results))
