@@ -39,15 +39,13 @@ from harmony.runtime.device import CpuDevice, CudaDevice, Device
 from harmony.runtime.executor import Batch, Executor, IterationResult, Shared, host_update
 from harmony.runtime.hoststore import HostStore
 from harmony.runtime.routes import Routes, build_routes
+from harmony.runtime.streams import SWITCH_INTERVAL
 from harmony.scheduler.profiles import Profile
 from harmony.scheduler.tasks import HOST, Channel, Kind, TaskGraph
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Launcher", "WorkerError", "StepResult"]
-
-
-SWITCH_INTERVAL = 0.0002  # seconds; see _worker_main
 
 
 class WorkerError(HarmonyError):
@@ -127,8 +125,6 @@ def _make_device(ctx: _WorkerContext) -> Device:
 def _worker_main(ctx: _WorkerContext) -> None:
     """A worker's life: build the executor, then run iterations until told to stop."""
     torch.set_num_threads(ctx.threads)
-    # stream threads hand work to the compute thread through the GIL: the default 5 ms switch
-    # interval would add up to that much to every hand-over while the compute thread runs Python
     sys.setswitchinterval(SWITCH_INTERVAL)
     stacks = open(_stacks_path(os.getpid()), "w")  # noqa: SIM115 - open for the worker's life
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)  # the launcher asks for them on a stall

@@ -20,6 +20,10 @@ log = logging.getLogger(__name__)
 
 STREAMS = ("compute", "swap-in", "swap-out", "p2p-in", "p2p-out")
 
+# seconds between forced GIL hand-overs in a process with stream threads: the default 5 ms would
+# hold a stream thread that long behind a compute thread running Python (set by every worker)
+SWITCH_INTERVAL = 0.0002
+
 
 class Stream:
     """One in-order queue of jobs run by its own thread."""
