@@ -195,6 +195,19 @@ def _connect(producer: Task | None, consumer: Task, out_name: str, in_name: str,
         start += size
 
 
+def _after_buffers(writers: dict[tuple[int, int], Task], sz: _Sizes, task: Task) -> None:
+    """Buffers (BatchNorm statistics) change in every forward over them, and the reference changes
+    them microbatch after microbatch in minibatch order: a task that updates a pack's buffers on
+    another device than the last one to do so waits for it (a pure dependency, no bytes)."""
+    pack = (task.first, task.last)
+    if not sz.b(*pack):
+        return
+    before = writers.get(pack)
+    if before is not None and before.device != task.device:
+        task.inputs.append(Transfer("B", Channel.SHM, 0, task=before.id))
+    writers[pack] = task
+
+
 def _between(src: Task, dst: Task) -> Channel:
     return Channel.LOCAL if src.device == dst.device else Channel.P2P
 
@@ -262,6 +275,7 @@ def harmony_dp(profile: Profile, config: Configuration, devices: int, minibatch:
     sz = _Sizes(profile)
     b = _Builder()
     bwd_tasks: dict[tuple[int, int], list[Task]] = {}
+    writers: dict[tuple[int, int], Task] = {}  # the last task to update each pack's buffers
     for d in range(devices):
         offset, share = _share(minibatch, devices, d)
         f_sizes = microbatch_sizes(share, config.u_f)
@@ -271,6 +285,7 @@ def harmony_dp(profile: Profile, config: Configuration, devices: int, minibatch:
         for first, last in config.packs_f[:-1]:
             task = b.add(device=d, kind=Kind.FWD, first=first, last=last, microbatches=list(f_sizes), offset=offset)
             task.inputs += _state_inputs(sz, first, last)
+            _after_buffers(writers, sz, task)
             # a group's activations do not fit on the device: they wait in host memory
             _connect(prev, task, "Y", "X", Channel.SWAP, lambda n, f=first: sz.x(f, n))
             task.outputs += _buffer_out(sz, first, last)
@@ -284,6 +299,7 @@ def harmony_dp(profile: Profile, config: Configuration, devices: int, minibatch:
             if loss:
                 _connect(prev, task, "Y", "X", Channel.SWAP, lambda n, f=first: sz.x(f, n))
                 task.outputs += _buffer_out(sz, first, last)
+                _after_buffers(writers, sz, task)
             else:
                 stash = fwd_of_layer[first] if first > 0 else None
                 _connect(stash, task, "Xs", "Xs" if first > 0 else "X", Channel.SWAP, lambda n, f=first: sz.x(f, n))
@@ -341,6 +357,7 @@ def dp_swap(profile: Profile, config: Configuration, devices: int, minibatch: in
     sz = _Sizes(profile)
     b = _Builder()
     packs = config.packs_f
+    writers: dict[tuple[int, int], Task] = {}  # the last task to update each pack's buffers
     for d in range(devices):
         offset, share = _share(minibatch, devices, d)
         sizes = microbatch_sizes(share, config.u_f)
@@ -356,6 +373,7 @@ def dp_swap(profile: Profile, config: Configuration, devices: int, minibatch: in
                                             sz.x(first, size) if prev is None else 0, task=prev.id if prev else None))
                 task.outputs.append(Transfer("W", Channel.SWAP, sz.w(first, last)))  # evicted
                 task.outputs += _buffer_out(sz, first, last)
+                _after_buffers(writers, sz, task)
                 stashed = [first] if recompute else list(range(first, last + 1))
                 for s in stashed:
                     if s > 0:
@@ -371,6 +389,7 @@ def dp_swap(profile: Profile, config: Configuration, devices: int, minibatch: in
                     task.inputs.append(Transfer("X", Channel.SWAP if prev is None else Channel.LOCAL,
                                                 sz.x(first, size) if prev is None else 0, task=prev.id if prev else None))
                     task.outputs += _buffer_out(sz, first, last)
+                    _after_buffers(writers, sz, task)
                 else:
                     stashed = [first] if recompute else list(range(first, last + 1))
                     for s in stashed:
