@@ -160,6 +160,10 @@ def _cmd_run(ns: argparse.Namespace) -> int:
 
     if ns.iters < 1:
         raise HarmonyError(f"--iters must be at least 1, got {ns.iters}")
+    from harmony.runtime.spmd import under_torchrun
+
+    if under_torchrun():
+        return _cmd_run_spmd(ns)
     plan, mf = _plan_for_run(ns)
     torch.manual_seed(ns.seed)  # the initial weights too: two identical runs train identically
     model = mf.build_model()
@@ -184,6 +188,43 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     write_report(report_path, report)
     _print_run(report)
     console.print(f"wrote {report_path}" + (f" and {ns.checkpoint}" if ns.checkpoint else ""))
+    return 0
+
+
+def _cmd_run_spmd(ns: argparse.Namespace) -> int:
+    """``harmony run`` as one rank of a torchrun job: rank 0 compiles (or reuses) the plan, every
+    rank loads it and trains its device's tasks; rank 0 reports."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from harmony.running import run_report, write_report
+    from harmony.runtime.spmd import run_spmd
+
+    dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=ns.timeout))
+    rank = dist.get_rank()
+    try:
+        if rank == 0:
+            plan, mf = _plan_for_run(ns)
+        dist.barrier()
+        if rank != 0:
+            with contextlib.redirect_stdout(None):
+                plan, mf = _plan_for_run(ns)
+
+        def on_step(step: int, loss: float, seconds: float) -> None:
+            if rank == 0:
+                console.print(f"iteration {step}: loss {loss:.6f}, {plan.tasks.minibatch / seconds:,.1f} samples/s")
+
+        history = run_spmd(plan, mf.loss_fn, mf.build_optimizer, mf.get_batch, mf.build_model, ns.iters,
+                           seed=ns.seed, timeout=ns.timeout, on_step=on_step)
+        if rank == 0:
+            report = run_report(plan, history)
+            report_path = ns.report or Path(ns.plan_dir) / "run.json"
+            write_report(report_path, report)
+            _print_run(report)
+            console.print(f"wrote {report_path}")
+    finally:
+        dist.destroy_process_group()
     return 0
 
 

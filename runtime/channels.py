@@ -146,9 +146,16 @@ class Slabs:
     fit (the plan's sizes are interpolated) travels in a segment of its own.
     """
 
-    def __init__(self, sizes: dict[tuple[int, int], int]) -> None:
-        self.buffers = {pair: torch.empty(max(int(n), _ALIGN), dtype=torch.uint8).share_memory_()
-                        for pair, n in sizes.items() if n > 0}
+    def __init__(self, sizes: dict[tuple[int, int], int], prefix: str | None = None, create: bool = True) -> None:
+        """``prefix``: the slabs are the files ``<prefix>-slab-<src>-<dst>`` (torchrun's workers,
+        which are not forked from one parent, map them by name)."""
+        def make(pair: tuple[int, int], n: int) -> torch.Tensor:
+            size = max(int(n), _ALIGN)
+            if prefix is None:
+                return torch.empty(size, dtype=torch.uint8).share_memory_()
+            return torch.from_file(f"{prefix}-slab-{pair[0]}-{pair[1]}", shared=True, size=size, dtype=torch.uint8)
+
+        self.buffers = {pair: make(pair, n) for pair, n in sizes.items() if n > 0}
         self._used: dict[tuple[int, int], int] = {}
         self._lock = threading.Lock()
 

@@ -90,10 +90,15 @@ class Shared:
         self._abort[0] = 1
 
     @classmethod
-    def create(cls, tasks: int) -> "Shared":
-        return cls(torch.zeros(max(tasks, 1), dtype=torch.int64).share_memory_(),
-                   torch.zeros(max(tasks, 1), dtype=torch.int64).share_memory_(),
-                   torch.zeros(1, dtype=torch.int64).share_memory_())
+    def create(cls, tasks: int, path: str | None = None, create: bool = True) -> "Shared":
+        """Flags for ``tasks`` tasks; with ``path``, in that file (mapped by every process that
+        names it: torchrun's workers are not forked from one parent)."""
+        n = max(tasks, 1)
+        if path is None:
+            flat = torch.zeros(2 * n + 1, dtype=torch.int64).share_memory_()
+        else:
+            flat = torch.from_file(path, shared=True, size=2 * n + 1, dtype=torch.int64)
+        return cls(flat[:n], flat[n:2 * n], flat[2 * n:])
 
     def aborted(self) -> bool:
         return bool(self._abort[0])

@@ -121,9 +121,11 @@ class HostStore:
     # ------------------------------------------------------------ building
     @classmethod
     def create(cls, graph: LayerGraph, devices: int, build_optimizer: Callable,
-               tensors: dict[str, torch.Tensor]) -> "HostStore":
+               tensors: dict[str, torch.Tensor], path: str | None = None) -> "HostStore":
         """A store for ``graph`` filled from ``tensors`` (original names -> values: parameters,
-        buffers and constants), with optimizer-state and gradient slots for ``devices`` devices."""
+        buffers and constants), with optimizer-state and gradient slots for ``devices`` devices.
+        With ``path``, the store is the files ``<path>-store`` and ``<path>-flags`` (in /dev/shm),
+        which processes not forked from this one map with ``open``."""
         layout = Layout(devices=devices)
         for name, spec in graph.state.items():
             canon = graph.canonical(name)
@@ -144,11 +146,19 @@ class HostStore:
             if spec.requires_grad:
                 for d in range(devices):
                     layout.add(f"G/{d}/{canon}", spec.shape, dtype_from_str(spec.dtype))
-        buffer = torch.zeros(max(layout.size, ALIGN), dtype=torch.uint8).share_memory_()
-        flags = torch.zeros(len(layout.params) * (1 + devices), dtype=torch.int64).share_memory_()
-        store = cls(layout, buffer, flags)
+        store = cls.open(layout, path) if path else cls(
+            layout, torch.zeros(max(layout.size, ALIGN), dtype=torch.uint8).share_memory_(),
+            torch.zeros(len(layout.params) * (1 + devices), dtype=torch.int64).share_memory_())
         store.load_tensors(graph, tensors)
         return store
+
+    @classmethod
+    def open(cls, layout: Layout, path: str) -> "HostStore":
+        """The store in the files at ``path`` (made by ``create(..., path=)``), mapped shared."""
+        buffer = torch.from_file(f"{path}-store", shared=True, size=max(layout.size, ALIGN), dtype=torch.uint8)
+        flags = torch.from_file(f"{path}-flags", shared=True, size=max(1, len(layout.params) * (1 + layout.devices)),
+                                dtype=torch.int64)
+        return cls(layout, buffer, flags)
 
     def load_tensors(self, graph: LayerGraph, tensors: dict[str, torch.Tensor]) -> None:
         """Copy parameters and buffers in by original name (any alias of a tied parameter)."""

@@ -1,0 +1,39 @@
+"""``harmony run`` under torchrun (env:// rendezvous, one process per device) trains exactly as
+the forked launcher does: the same plan gives the same losses and moves the same bytes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harmony.cli import main
+
+MODEL = Path(__file__).resolve().parents[2] / "models" / "gpt2.py"
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None and not Path(sys.executable).with_name("torchrun").exists(),
+                    reason="torchrun is not installed")
+def test_torchrun_run_matches_the_forked_launcher(tmp_path, capsys):
+    plan = tmp_path / "plan"
+    common = ["run", str(MODEL), "--arg", "preset=tiny", "--minibatch", "8", "--iters", "3", "--no-probe",
+              "--out", str(plan)]
+    assert main([*common, "--report", str(tmp_path / "local.json")]) == 0
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
+    done = subprocess.run(
+        [torchrun, "--standalone", "--nnodes", "1", "--nproc-per-node", "2", "-m", "harmony.cli", *common,
+         "--report", str(tmp_path / "torchrun.json")],
+        capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "reusing the plan" in done.stdout
+    local = json.loads((tmp_path / "local.json").read_text())
+    spmd = json.loads((tmp_path / "torchrun.json").read_text())
+    assert [i["loss"] for i in spmd["iterations"]] == [i["loss"] for i in local["iterations"]]
+    assert spmd["bytes_by_channel"] == local["bytes_by_channel"] == local["planned_bytes_by_channel"]
+    assert not [p for p in Path("/dev/shm").glob("harmony-*")], "shared-memory files left behind"
