@@ -25,6 +25,7 @@ Semantics, each matching one-process eager training (``reference.py``):
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
@@ -884,6 +885,5 @@ def _backward(outputs: Values, grads: Values) -> None:
 
 
 def _on_compute_thread() -> bool:
-    import threading
-
+    """Stream threads are named ``harmony-...`` (``streams.Stream``); the compute thread is not."""
     return not threading.current_thread().name.startswith("harmony-")
