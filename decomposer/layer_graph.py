@@ -290,15 +290,18 @@ class LayerGraph:
         self.modules = modules
         return modules
 
+    def constant_value(self, name: str) -> torch.Tensor:
+        """A constant's (or non-persistent buffer's) value, from the bytes the graph keeps of it."""
+        spec = self.state[name]
+        array = np.frombuffer(self.constants[name], dtype=np.uint8).copy()
+        return torch.from_numpy(array).view(dtype_from_str(spec.dtype)).reshape(spec.shape)
+
     def _fill_constants(self, modules: list[torch.nn.Module]) -> None:
         for module in modules:
             for name, buf in module.named_buffers():
                 if name in self.constants:
-                    spec = self.state[name]
-                    array = np.frombuffer(self.constants[name], dtype=np.uint8).copy()
-                    value = torch.from_numpy(array).view(dtype_from_str(spec.dtype)).reshape(spec.shape)
                     with torch.no_grad():
-                        buf.copy_(value)
+                        buf.copy_(self.constant_value(name))
 
 
 def _import_layer_class(spec: LayerSpec, source: str, origin: Path | None) -> type:

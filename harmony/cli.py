@@ -153,9 +153,7 @@ def _cmd_compile(ns: argparse.Namespace) -> int:
 def _cmd_run(ns: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from harmony.modelfile import load_model_file, parse_options
-    from harmony.plan import Plan
-    from harmony.running import run_report, train, write_report
+    from harmony.running import run_report, train
     from harmony.trainer import Trainer
 
     if ns.iters < 1:
@@ -184,11 +182,18 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         report = run_report(plan, trainer.history)
         if ns.checkpoint:
             trainer.save_checkpoint(ns.checkpoint)
+    _finish_run(ns, report)
+    return 0
+
+
+def _finish_run(ns: argparse.Namespace, report: dict) -> None:
+    """Write the run report (default: run.json in the plan directory) and print its table."""
+    from harmony.running import write_report
+
     report_path = ns.report or Path(ns.plan_dir) / "run.json"
     write_report(report_path, report)
     _print_run(report)
     console.print(f"wrote {report_path}" + (f" and {ns.checkpoint}" if ns.checkpoint else ""))
-    return 0
 
 
 def _cmd_run_spmd(ns: argparse.Namespace) -> int:
@@ -198,7 +203,7 @@ def _cmd_run_spmd(ns: argparse.Namespace) -> int:
 
     import torch.distributed as dist
 
-    from harmony.running import run_report, write_report
+    from harmony.running import run_report
     from harmony.runtime.spmd import run_spmd
 
     dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=ns.timeout))
@@ -218,11 +223,7 @@ def _cmd_run_spmd(ns: argparse.Namespace) -> int:
         history = run_spmd(plan, mf.loss_fn, mf.build_optimizer, mf.get_batch, mf.build_model, ns.iters,
                            seed=ns.seed, timeout=ns.timeout, on_step=on_step)
         if rank == 0:
-            report = run_report(plan, history)
-            report_path = ns.report or Path(ns.plan_dir) / "run.json"
-            write_report(report_path, report)
-            _print_run(report)
-            console.print(f"wrote {report_path}")
+            _finish_run(ns, run_report(plan, history))
     finally:
         dist.destroy_process_group()
     return 0

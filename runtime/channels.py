@@ -27,6 +27,8 @@ from typing import Any, Callable, Hashable
 
 import torch
 
+from harmony.decomposer.layer_graph import dtype_from_str
+
 log = logging.getLogger(__name__)
 
 
@@ -199,7 +201,7 @@ class Slabs:
             view = self.buffers[(src, dst)][offset:offset + nbytes].view(v.dtype).view(v.shape)
             with torch.no_grad():
                 view.copy_(v.detach())
-            items.append(("slab", offset, tuple(v.shape), v.dtype))
+            items.append(("slab", offset, list(v.shape), str(v.dtype)))
         return items
 
     def decode(self, items: list, src: int, dst: int) -> list:
@@ -207,7 +209,8 @@ class Slabs:
         out = []
         for item in items:
             if item[0] == "slab":
-                _, offset, shape, dtype = item
+                _, offset, shape, name = item
+                dtype = dtype_from_str(name)
                 n = torch.empty((), dtype=dtype).element_size()
                 for s in shape:
                     n *= s

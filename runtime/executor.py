@@ -43,9 +43,9 @@ from harmony.runtime.channels import (Aborted, Counters, Mailbox, Slabs, shared_
                                       tensor_bytes)
 from harmony.runtime.device import Device
 from harmony.runtime.hoststore import HostStore
-from harmony.runtime.routes import OutStream, Routes, pieces, ranges, stash_layers
+from harmony.runtime.routes import OutStream, Routes, ranges, stash_layers
 from harmony.runtime.streams import Stream
-from harmony.scheduler.tasks import HOST, Channel, Kind, Task
+from harmony.scheduler.tasks import Channel, Kind, Task
 
 log = logging.getLogger(__name__)
 
@@ -403,8 +403,7 @@ class Executor:
         state = self._wait(future) if future is not None else None
         if state is None:
             state = self._load_state(task)
-        if any(t.task == task.id and t.tensor == "W" and t.channel == Channel.LOCAL
-               for later in self.tasks for t in later.inputs):
+        if task.id in self.routes.kept_resident:
             self.resident[task.id] = state
         return state
 
@@ -479,7 +478,7 @@ class Executor:
         mb_start, mb_size = ranges(task)[mb]
         for out in outs:
             consumer = self.routes.by_id[out.consumer]
-            for piece in pieces(task, consumer):
+            for piece in self.routes.pieces(task.id, consumer.id):
                 if piece.src != mb:
                     continue
                 part = values
@@ -540,7 +539,7 @@ class Executor:
         producer = self.routes.by_id[source.producer]
         boundary = {"X": task.first, "dY": task.last + 1}.get(stream, int(stream[2:]) if stream.startswith("Xs") else task.first)
         parts, state = [], None
-        for piece in pieces(producer, task):
+        for piece in self.routes.pieces(producer.id, task.id):
             if piece.dst != mb:
                 continue
             key = self._key(task.id, stream, piece.start)
@@ -754,11 +753,7 @@ class Executor:
     def _gradient(self, name: str, own: torch.Tensor | None) -> torch.Tensor | None:
         """The full gradient of a parameter: this task's own (on the device) plus every host slot
         written this iteration, summed on the host and copied in once."""
-        host = None
-        for d in range(self.store.layout.devices):
-            if self.store.slot_written(d, name, self.iteration):
-                slot = self.store.grad_slot(d, name)
-                host = slot.clone() if host is None else host.add_(slot)
+        host = self.store.gradient_sum(name, self.iteration)
         if host is None:
             return own
         g = self._to_device(host, "SWAP", "dW")
@@ -841,11 +836,7 @@ def host_update(task: Task, layers: LayerGraph, routes: Routes, store: HostStore
                      f"the host update of task {task.id}", timeout)
     leaves = {}
     for name in owned:
-        grad = None
-        for d in range(store.layout.devices):
-            if store.slot_written(d, name, iteration):
-                slot = store.grad_slot(d, name)
-                grad = slot.clone() if grad is None else grad.add_(slot)
+        grad = store.gradient_sum(name, iteration)
         if grad is None:
             continue
         leaf = torch.nn.Parameter(store.weight(name), requires_grad=True)

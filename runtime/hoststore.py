@@ -171,7 +171,7 @@ class HostStore:
                     for alias in [graph.canonical(name), *graph.ties.get(graph.canonical(name), [])]:
                         source = tensors.get(alias, source)
                 if source is None and name in graph.constants:  # constants and non-persistent buffers
-                    source = _constant(graph, name)
+                    source = graph.constant_value(name)
                 if source is None:
                     if spec.kind == "parameter" or spec.persistent:
                         missing.append(name)
@@ -215,6 +215,16 @@ class HostStore:
     def stamp_slot(self, device: int, name: str, iteration: int) -> None:
         self._flags[self._stamp_index(device, name)] = iteration + 1
 
+    def gradient_sum(self, name: str, iteration: int) -> torch.Tensor | None:
+        """The sum of every device's slot of ``name`` written in ``iteration`` (a new tensor), or
+        None if none was."""
+        total = None
+        for d in range(self.layout.devices):
+            if self.slot_written(d, name, iteration):
+                slot = self.grad_slot(d, name)
+                total = slot.clone() if total is None else total.add_(slot)
+        return total
+
     def has_grad(self, name: str) -> bool:
         return f"G/0/{name}" in self.layout.entries
 
@@ -249,11 +259,3 @@ class HostStore:
                     view.copy_(values[key])
                 self.mark_state_initialized(name)
 
-
-def _constant(graph: LayerGraph, name: str) -> torch.Tensor:
-    """A constant's value from the bytes the layer graph keeps of it."""
-    import numpy as np
-
-    spec = graph.state[name]
-    array = np.frombuffer(graph.constants[name], dtype=np.uint8).copy()
-    return torch.from_numpy(array).view(dtype_from_str(spec.dtype)).reshape(spec.shape)

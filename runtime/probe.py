@@ -329,7 +329,7 @@ def _probe_cpu(devices: int, capacity: int | None, size: int, repeats: int, time
     if size < TINY:
         raise ProbeError(f"device capacity {cap} bytes is too small to time copies; give at least {2 * TINY} bytes")
     res = _run_workers(devices, size, capacity, repeats, timeout)
-    w0, w1 = res[0], res[1]
+    w0 = res[0]
     p2p = _rate(size, _median(w0["p2p"]))
     nprocs = max(devices, 2)
     return Machine(

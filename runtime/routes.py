@@ -92,6 +92,15 @@ class Routes:
     replicas: dict[int, list[int]] = field(default_factory=dict)  # UPD task -> all UPD tasks of its pack (replicated update)
     jit: set[int] = field(default_factory=set)  # BWD tasks that step their pack right after its backward
     buffers_after: dict[int, int] = field(default_factory=dict)  # task -> the earlier task whose buffers it continues
+    kept_resident: set[int] = field(default_factory=set)  # tasks whose pack state a later task reads LOCAL
+    _pieces: dict[tuple[int, int], list[Piece]] = field(default_factory=dict, repr=False)
+
+    def pieces(self, producer: int, consumer: int) -> list[Piece]:
+        """``pieces`` of two tasks, computed once (asked for every microbatch of every iteration)."""
+        key = (producer, consumer)
+        if key not in self._pieces:
+            self._pieces[key] = pieces(self.by_id[producer], self.by_id[consumer])
+        return self._pieces[key]
 
 
 def build_routes(graph: TaskGraph, layers: LayerGraph) -> Routes:
@@ -101,6 +110,8 @@ def build_routes(graph: TaskGraph, layers: LayerGraph) -> Routes:
         r.outputs[task.id] = []
     for task in graph.tasks:
         _stream_inputs(r, task)
+        r.kept_resident.update(t.task for t in task.inputs
+                               if t.tensor == "W" and t.channel == Channel.LOCAL and t.task is not None)
     _parameters(r, layers)
     _buffer_chain(r)
     return r

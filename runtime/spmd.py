@@ -17,16 +17,17 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import threading
 import time
 import uuid
 from datetime import timedelta
 from typing import Any, Callable
 
+import msgpack
 import torch
 import torch.distributed as dist
 
+from harmony.decomposer.layer_graph import dtype_from_str
 from harmony.errors import HarmonyError
 from harmony.runtime.channels import Aborted, Slabs
 from harmony.runtime.device import CpuDevice, CudaDevice
@@ -53,8 +54,8 @@ class StorePeer:
         self.store = store
 
     def put(self, item: tuple) -> None:
-        key, payload = item
-        self.store.set(_name(key), pickle.dumps(payload))
+        key, (items, state, src) = item
+        self.store.set(_name(key), _pack(items, state, src))
 
 
 class StoreMailbox:
@@ -85,12 +86,42 @@ class StoreMailbox:
                     raise TimeoutError(f"waited {timeout:.0f} s for {what}; its sender never sent it")
                 time.sleep(0.0005)
                 continue
-            payload = pickle.loads(self.store.get(name))  # noqa: S301 - written by our own workers
+            payload = _unpack(self.store.get(name))
             self.store.delete_key(name)
             return payload
 
     def close(self) -> None:
         """Nothing to stop: no thread of its own."""
+
+
+def _pack(items: list, state: bytes | None, src: int) -> bytes:
+    """A message as msgpack: slab places, plain values, and (for a tensor that did not fit its
+    slab) the tensor's bytes with its shape and dtype. Never a pickle: the store is a socket."""
+    wire = []
+    for item in items:
+        if item[0] == "tensor":
+            t = item[1].contiguous()
+            wire.append(["bytes", t.view(-1).view(torch.uint8).numpy().tobytes(), list(t.shape), str(t.dtype)])
+        else:
+            wire.append(list(item))
+    try:
+        return msgpack.packb([wire, state, src], use_bin_type=True)
+    except TypeError as exc:
+        raise HarmonyError(f"a value passed between layers cannot travel between torchrun processes ({exc}); "
+                           "only tensors, numbers, strings and lists of them can") from exc
+
+
+def _unpack(data: bytes) -> tuple[list, bytes | None, int]:
+    wire, state, src = msgpack.unpackb(data, raw=False)
+    items = []
+    for item in wire:
+        if item[0] == "bytes":
+            _, raw, shape, dtype = item
+            flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            items.append(("tensor", flat.view(dtype_from_str(dtype)).reshape(shape)))
+        else:
+            items.append(tuple(item))
+    return items, state, src
 
 
 def _name(key: tuple) -> str:

@@ -38,3 +38,18 @@ def test_torchrun_run_matches_the_forked_launcher(tmp_path, capsys):
     assert [i["loss"] for i in spmd["iterations"]] == [i["loss"] for i in local["iterations"]]
     assert spmd["bytes_by_channel"] == local["bytes_by_channel"] == local["planned_bytes_by_channel"]
     assert set(Path("/dev/shm").glob("harmony-*")) <= before, "shared-memory files left behind"
+
+
+def test_messages_between_torchrun_processes_round_trip_as_msgpack():
+    import msgpack
+    import torch
+
+    from harmony.runtime.spmd import _pack, _unpack
+
+    tensor = torch.arange(6, dtype=torch.float64).reshape(2, 3)
+    items = [("slab", 128, [2, 3], "torch.float32"), ("obj", 7), ("tensor", tensor)]
+    data = _pack(items, b"rng", 1)
+    msgpack.unpackb(data, raw=False)  # plain msgpack: nothing to unpickle
+    got, state, src = _unpack(data)
+    assert got[:2] == items[:2] and (state, src) == (b"rng", 1)
+    assert got[2][0] == "tensor" and torch.equal(got[2][1], tensor)
