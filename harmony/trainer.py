@@ -38,7 +38,8 @@ class Trainer:
     """Runs a plan's task graph on its devices, one minibatch per ``step``."""
 
     def __init__(self, plan: Plan, optimizer: Callable | None = None, loss_fn: Callable | None = None,
-                 state_dict: dict[str, torch.Tensor] | None = None, seed: int = 0, timeout: float = 600.0) -> None:
+                 state_dict: dict[str, torch.Tensor] | None = None, seed: int = 0, timeout: float = 600.0,
+                 prefetch: bool = True) -> None:
         self.plan = plan
         self.loss_fn = loss_fn or getattr(plan, "loss_fn", None)
         if self.loss_fn is None:
@@ -56,7 +57,7 @@ class Trainer:
         capacity = plan.options.get("device_memory") or plan.profile.capacity
         self.launcher = Launcher(graph, plan.tasks, self.store, self.loss_fn, self.build_optimizer,
                                  device_type=device_type, capacity=capacity, seed=seed, timeout=timeout,
-                                 profile=plan.profile)
+                                 profile=plan.profile, prefetch=prefetch)
 
     # ------------------------------------------------------------ training
     def step(self, inputs: Any, target: Any) -> float:

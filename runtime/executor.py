@@ -149,8 +149,10 @@ class Executor:
     def __init__(self, rank: int, device: Device, layers: LayerGraph, routes: Routes, store: HostStore,
                  shared: Shared, mailbox: Mailbox, peers: list[Any], loss_fn: Callable,
                  build_optimizer: Callable, seed: int, timeout: float = 600.0,
-                 working_memory: dict[int, int] | None = None, slabs: Slabs | None = None) -> None:
+                 working_memory: dict[int, int] | None = None, slabs: Slabs | None = None,
+                 prefetch: bool = True) -> None:
         self.rank = rank
+        self.prefetch = prefetch  # off only to measure what prefetching buys (bench, Fig. 14)
         self.device = device
         self.layers = layers
         self.modules = layers.modules
@@ -208,7 +210,7 @@ class Executor:
         start = time.perf_counter()
         with self.device.memory_scope():
             for i, task in enumerate(self.tasks):
-                if i + 1 < len(self.tasks):
+                if self.prefetch and i + 1 < len(self.tasks):
                     self._prefetch_state(self.tasks[i + 1])
                 t0 = time.perf_counter()
                 self._headroom = self.working_memory.get(task.id, 0)
@@ -569,7 +571,7 @@ class Executor:
 
     def _stream_prefetch(self, task: Task, streams: list[str], mb: int) -> dict[str, Future]:
         out = {}
-        if mb >= len(task.microbatches):
+        if mb >= len(task.microbatches) or (mb > 0 and not self.prefetch):
             return out
         for name in streams:
             source = self.routes.inputs[task.id].get(name)

@@ -82,6 +82,7 @@ class _WorkerContext:
     build_optimizer: Callable
     working_memory: dict[int, int]
     slabs: Slabs
+    prefetch: bool
 
 
 def slab_sizes(tasks: TaskGraph, routes: Routes) -> dict[tuple[int, int], int]:
@@ -140,7 +141,8 @@ def _worker_main(ctx: _WorkerContext) -> None:
         device = _make_device(ctx)
         mailbox = Mailbox(ctx.inboxes[ctx.rank], ctx.shared.aborted)
         executor = Executor(ctx.rank, device, graph, routes, ctx.store, ctx.shared, mailbox, ctx.inboxes,
-                            ctx.loss_fn, ctx.build_optimizer, ctx.seed, ctx.timeout, ctx.working_memory, ctx.slabs)
+                            ctx.loss_fn, ctx.build_optimizer, ctx.seed, ctx.timeout, ctx.working_memory, ctx.slabs,
+                            prefetch=ctx.prefetch)
         ctx.results.put(("ready", ctx.rank, None))
         while True:
             command = ctx.commands.get()
@@ -178,7 +180,7 @@ class Launcher:
     def __init__(self, graph: LayerGraph, tasks: TaskGraph, store: HostStore, loss_fn: Callable,
                  build_optimizer: Callable, device_type: str = "cpu", capacity: int | None = None,
                  seed: int = 0, timeout: float = 600.0, threads: int | None = None,
-                 profile: Profile | None = None) -> None:
+                 profile: Profile | None = None, prefetch: bool = True) -> None:
         self.graph = graph
         self.tasks = tasks
         self.store = store
@@ -208,7 +210,7 @@ class Launcher:
                 graph_data=graph_data, graph=graph if method == "fork" else None, tasks=tasks, store=store,
                 shared=self.shared, inboxes=self.inboxes, commands=self.commands[rank], results=self.results,
                 loss_fn=loss_fn, build_optimizer=build_optimizer, working_memory=working_memory(tasks, profile),
-                slabs=self.slabs,
+                slabs=self.slabs, prefetch=prefetch,
             )
             process = mpctx.Process(target=_worker_main, args=(ctx,), name=f"harmony-dev{rank}", daemon=True)
             process.start()

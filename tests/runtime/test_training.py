@@ -64,12 +64,13 @@ def plan_for(name: str, mode: str, devices: int, dtype: str = "float64") -> tupl
     return model, get_batch, plan
 
 
-def train_both(name: str, mode: str, devices: int, dtype: str = "float64", iterations: int = ITERATIONS):
+def train_both(name: str, mode: str, devices: int, dtype: str = "float64", iterations: int = ITERATIONS,
+               prefetch: bool = True):
     """(runtime losses, reference losses, runtime state, reference state, trainer history, plan)."""
     model, get_batch, plan = plan_for(name, mode, devices, dtype)
     reference = copy.deepcopy(model)
     batches = [get_batch(MINIBATCH, step) for step in range(iterations)]
-    with harmony.Trainer(plan, optimizer=adam, timeout=20) as trainer:
+    with harmony.Trainer(plan, optimizer=adam, timeout=20, prefetch=prefetch) as trainer:
         losses = [trainer.step(inputs, target) for inputs, target in batches]
         state = trainer.state_dict()
         history = trainer.history
@@ -125,6 +126,13 @@ def test_training_equals_eager_reference_and_moves_the_planned_bytes(name, mode,
         for rank, worker in enumerate(step.workers):
             assert worker.peak <= capacity, f"dev{rank} peaked at {worker.peak} of {capacity} bytes"
             assert (worker.peak > 0) == (rank in busy), f"dev{rank} measured {worker.peak} bytes"
+
+
+@pytest.mark.parametrize("mode", ["pp", "dp"])
+def test_training_without_prefetch_is_as_exact_and_moves_the_same_bytes(mode):
+    losses, expected, state, reference, history, plan = train_both("gpt2", mode, 2, prefetch=False)
+    assert_same_training(losses, expected, state, reference, tolerance=1e-9)
+    assert counted_bytes(history) == {k: v for k, v in plan.tasks.bytes_by_channel().items() if v}
 
 
 def test_float32_training_matches_to_float32_rounding():
