@@ -24,6 +24,7 @@ Semantics, each matching one-process eager training (``reference.py``):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -32,6 +33,7 @@ from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from torch.func import functional_call
 from torch.utils import _pytree as pytree
@@ -52,14 +54,21 @@ log = logging.getLogger(__name__)
 Values = list  # a boundary: tensors and plain objects, in the layer graph's value order
 
 
+MAX_WORKERS = 64  # worker status rows in the shared flags
+STATUS_BYTES = 512  # per worker: what it is doing or waiting for, UTF-8, for stall and failure reports
+
+
 @dataclass
 class Shared:
     """Cross-process flags in shared memory: which tasks finished this iteration, which replicas
-    of an update read their inputs, and whether the run was aborted."""
+    of an update read their inputs, whether the run was aborted, and per worker the task it runs
+    and what it waits for (read by the launcher when a worker fails, dies or stalls)."""
 
     done: torch.Tensor  # int64 [tasks]: iteration + 1 once the task and all its outputs finished
     reads: torch.Tensor  # int64 [tasks]: iteration + 1 once a replicated UPD read its inputs
     abort: torch.Tensor  # int64 [1]: nonzero once any worker failed
+    current: torch.Tensor | None = None  # int64 [MAX_WORKERS]: task id + 1 running now, 0 between tasks
+    status: torch.Tensor | None = None  # uint8 [MAX_WORKERS, STATUS_BYTES]: NUL-padded text
 
     def __post_init__(self) -> None:
         # numpy views of the same shared memory: polled from threads inside a device's memory scope,
@@ -67,9 +76,12 @@ class Shared:
         self._done = self.done.numpy()
         self._reads = self.reads.numpy()
         self._abort = self.abort.numpy()
+        self._current = self.current.numpy() if self.current is not None else None
+        self._status = self.status.numpy() if self.status is not None else None
 
     def __getstate__(self) -> dict:
-        return {"done": self.done, "reads": self.reads, "abort": self.abort}
+        return {"done": self.done, "reads": self.reads, "abort": self.abort, "current": self.current,
+                "status": self.status}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -90,16 +102,43 @@ class Shared:
     def set_abort(self) -> None:
         self._abort[0] = 1
 
+    # ------------------------------------------------------------ worker status
+    def set_current(self, rank: int, task: int | None) -> None:
+        if self._current is not None and rank < MAX_WORKERS:
+            self._current[rank] = 0 if task is None else task + 1
+
+    def current_task(self, rank: int) -> int | None:
+        if self._current is None or rank >= MAX_WORKERS:
+            return None
+        value = int(self._current[rank])
+        return value - 1 if value else None
+
+    def set_status(self, rank: int, text: str) -> None:
+        if self._status is None or rank >= MAX_WORKERS:
+            return
+        data = np.frombuffer(text.encode()[:STATUS_BYTES], dtype=np.uint8)
+        row = self._status[rank]
+        row[:len(data)] = data
+        row[len(data):] = 0
+
+    def get_status(self, rank: int) -> str:
+        if self._status is None or rank >= MAX_WORKERS:
+            return ""
+        return bytes(self._status[rank]).rstrip(b"\0").decode(errors="replace")
+
     @classmethod
     def create(cls, tasks: int, path: str | None = None, create: bool = True) -> "Shared":
         """Flags for ``tasks`` tasks; with ``path``, in that file (mapped by every process that
         names it: torchrun's workers are not forked from one parent)."""
         n = max(tasks, 1)
+        status_words = MAX_WORKERS * STATUS_BYTES // 8
+        size = 2 * n + 1 + MAX_WORKERS + status_words
         if path is None:
-            flat = torch.zeros(2 * n + 1, dtype=torch.int64).share_memory_()
+            flat = torch.zeros(size, dtype=torch.int64).share_memory_()
         else:
-            flat = torch.from_file(path, shared=True, size=2 * n + 1, dtype=torch.int64)
-        return cls(flat[:n], flat[n:2 * n], flat[2 * n:])
+            flat = torch.from_file(path, shared=True, size=size, dtype=torch.int64)
+        status = flat[2 * n + 1 + MAX_WORKERS:].view(torch.uint8).view(MAX_WORKERS, STATUS_BYTES)
+        return cls(flat[:n], flat[n:2 * n], flat[2 * n:2 * n + 1], flat[2 * n + 1:2 * n + 1 + MAX_WORKERS], status)
 
     def aborted(self) -> bool:
         return bool(self._abort[0])
@@ -191,10 +230,27 @@ class Executor:
         if tracker is not None:
             tracker.reclaim = self._reclaim
         self._out_spec = layers.out_spec()
+        self._activity: dict[int, str] = {}  # thread -> what it waits for, published to shared.status
+        self._activity_lock = threading.Lock()
 
     def close(self) -> None:
         for stream in (self.swap_in, self.swap_out, self.p2p_in, self.p2p_out):
             stream.close()
+
+    @contextlib.contextmanager
+    def _waiting_for(self, what: str):
+        """Publish what this thread waits for while it waits: the launcher shows it when a worker
+        fails, dies or stalls, so a hang names the message or task it hangs on."""
+        ident = threading.get_ident()
+        with self._activity_lock:
+            self._activity[ident] = what
+            self.shared.set_status(self.rank, "; ".join(self._activity.values()))
+        try:
+            yield
+        finally:
+            with self._activity_lock:
+                self._activity.pop(ident, None)
+                self.shared.set_status(self.rank, "; ".join(self._activity.values()))
 
     # ================================================================ iteration
     def run_iteration(self, iteration: int, batch: Batch) -> IterationResult:
@@ -213,13 +269,16 @@ class Executor:
                 if self.prefetch and i + 1 < len(self.tasks):
                     self._prefetch_state(self.tasks[i + 1])
                 t0 = time.perf_counter()
+                self.shared.set_current(self.rank, task.id)
                 self._headroom = self.working_memory.get(task.id, 0)
                 self.device.reset_peak()
                 loss += self._run_task(task)
                 self._headroom = 0
                 task_seconds[task.id] = time.perf_counter() - t0
                 task_peaks[task.id] = self.device.peak()
-            self._drain()
+            self.shared.set_current(self.rank, None)
+            with self._waiting_for("the last swap-outs and messages of the iteration to leave"):
+                self._drain()
         self.device.synchronize()
         seconds = time.perf_counter() - start
         by_channel, by_tensor = self.counters.snapshot()
@@ -379,8 +438,7 @@ class Executor:
             return self.resident.pop(local.task)
         before = self.routes.buffers_after.get(task.id)
         if before is not None:
-            self.shared.wait_done([before], self.iteration, f"task {task.id} reads the buffers task {before} updates",
-                                  self.timeout)
+            self._wait_done([before], f"task {task.id} reads the buffers task {before} updates")
         state: dict[str, torch.Tensor] = {}
         copies: dict[str, torch.Tensor] = {}
         for name in self._state_names(task):
@@ -520,7 +578,8 @@ class Executor:
 
     def _receive(self, key: tuple, what: str) -> tuple[Values, torch.Tensor | None]:
         """A message from the inbox: host tensors (slab views or own segments) and the state."""
-        message = self.mailbox.take(key, what, self.timeout)
+        with self._waiting_for(what):
+            message = self.mailbox.take(key, what, self.timeout)
         if len(message) == 2:  # parked by this worker for itself
             return message
         items, state, src = message
@@ -559,11 +618,15 @@ class Executor:
         return self._join(parts, boundary), state
 
     def _take_local(self, key: tuple, what: str):
-        deadline = time.monotonic() + self.timeout
-        while key not in self.local:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{what} never became resident")
-            time.sleep(0.0005)
+        if key not in self.local:
+            deadline = time.monotonic() + self.timeout
+            with self._waiting_for(what):
+                while key not in self.local:
+                    if self.shared.aborted():
+                        raise Aborted("the run was aborted by another worker's failure")
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{what} never became resident")
+                    time.sleep(0.0005)
         return self.local.pop(key)
 
     def _slice(self, v: Any, start: int, size: int) -> Any:
@@ -766,7 +829,7 @@ class Executor:
             self._write_state(task, {}, {}, write)
             return
         sources = sorted({s for name in params for s in self.routes.sources.get(name, []) if s != task.id})
-        self.shared.wait_done(sources, self.iteration, f"updating task {task.id}", self.timeout)
+        self._wait_done(sources, f"updating task {task.id}")
         leaves = {}
         for name, p in params.items():
             leaf = p.detach().requires_grad_(True)
@@ -792,14 +855,23 @@ class Executor:
             leaf.grad = None
         self._write_state(task, weights, new_state, write)
 
+    def _wait_done(self, task_ids: list[int], before: str) -> None:
+        if all(self.shared.is_done(t, self.iteration) for t in task_ids):
+            return
+        names = ", ".join(describe(self.routes.by_id[t]) for t in task_ids)
+        with self._waiting_for(f"{names} to finish, before {before}"):
+            self.shared.wait_done(task_ids, self.iteration, before, self.timeout)
+
     def _wait_replicas(self, replicas: list[int]) -> None:
         deadline = time.monotonic() + self.timeout
-        while not all(self.shared.has_read(t, self.iteration) for t in replicas):
-            if self.shared.aborted():
-                raise Aborted("the run was aborted by another worker's failure")
-            if time.monotonic() > deadline:
-                raise TimeoutError("replicas of an update never read their inputs")
-            time.sleep(0.0005)
+        names = ", ".join(describe(self.routes.by_id[t]) for t in replicas)
+        with self._waiting_for(f"the replicas {names} to read the update's inputs"):
+            while not all(self.shared.has_read(t, self.iteration) for t in replicas):
+                if self.shared.aborted():
+                    raise Aborted("the run was aborted by another worker's failure")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"waited {self.timeout:.0f} s for the replicas {names} to read their inputs")
+                time.sleep(0.0005)
 
     def _write_state(self, task: Task, weights: dict, states: dict, write: bool) -> None:
         """W, K -> SWAP after a step: into the master (the writer) or a scratch copy (a replica)."""
@@ -857,6 +929,11 @@ def host_update(task: Task, layers: LayerGraph, routes: Routes, store: HostStore
                     slots[key].copy_(v)
             store.mark_state_initialized(name)
     shared.mark_done(task.id, iteration)
+
+
+def describe(task: Task) -> str:
+    """A task in a few words for messages: ``task 7 (dev1 BWD+loss L3-4 u=4)``."""
+    return f"task {task.id} ({str(task).split(' in:')[0]})"
 
 
 def _leaves(values: Values) -> Values:

@@ -8,10 +8,14 @@ with per-device measurements. Workers on emulated CPU devices are forked (they i
 code and the user's loss function); CUDA workers are spawned, since CUDA cannot be forked, and
 rebuild the layer graph from its plain data.
 
-Failure: a worker that raises reports the error and sets the shared abort flag, so that the other
-workers stop waiting for it; a worker that dies without a word is noticed by the launcher. Either
-way ``step`` raises ``WorkerError`` naming the device and the cause, and the launcher shuts every
-worker down.
+Failure: a worker that raises reports the error, the task it was running and its traceback, and
+sets the shared abort flag, so that the other workers stop waiting for it; a worker that dies
+without a word (killed by a signal) is noticed by the launcher within half a second; a run in which
+no worker finishes for ``timeout`` seconds is a stall, reported with what each worker was waiting
+for (every worker publishes its current task and waits in the shared flags). Each way ``step``
+raises ``WorkerError`` naming the device, the task and the cause, and every worker is stopped.
+Workers ignore SIGINT (a terminal's Ctrl-C reaches the whole process group; the launcher alone
+decides how to stop them) and exit by themselves if the launcher dies.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from harmony.decomposer.layer_graph import LayerGraph
 from harmony.errors import DeviceOutOfMemoryError, HarmonyError
 from harmony.runtime.channels import Aborted, Mailbox, Slabs
 from harmony.runtime.device import CpuDevice, CudaDevice, Device
-from harmony.runtime.executor import Batch, Executor, IterationResult, Shared, host_update
+from harmony.runtime.executor import Batch, Executor, IterationResult, Shared, describe, host_update
 from harmony.runtime.hoststore import HostStore
 from harmony.runtime.routes import Routes, build_routes
 from harmony.runtime.streams import SWITCH_INTERVAL
@@ -100,20 +104,34 @@ def slab_sizes(tasks: TaskGraph, routes: Routes) -> dict[tuple[int, int], int]:
     return {pair: int(n * 1.25) + (1 << 20) for pair, n in sizes.items()}
 
 
+def planned_memory(tasks: TaskGraph, profile: Profile | None) -> dict[int, int]:
+    """Per FWD and BWD task, the peak device bytes its pack was planned with (the profile's pack
+    estimate at the task's microbatch size)."""
+    if profile is None:
+        return {}
+    out = {}
+    for task in tasks.tasks:
+        if task.kind == Kind.FWD:
+            out[task.id] = profile.pack_fwd_memory(task.first, task.last, task.u)
+        elif task.kind == Kind.BWD:
+            out[task.id] = profile.pack_bwd_memory(task.first, task.last, task.u)
+    return out
+
+
 def working_memory(tasks: TaskGraph, profile: Profile | None) -> dict[int, int]:
     """Per task, the planned bytes it allocates beyond its weights, buffers and gradients (one
     microbatch's activations and inputs): the room a prefetch must leave while it runs."""
     if profile is None:
         return {}
     out = {}
-    for task in tasks.tasks:
+    by_id = {t.id: t for t in tasks.tasks}
+    for task_id, planned in planned_memory(tasks, profile).items():
+        task = by_id[task_id]
         layers = profile.layers[task.first:task.last + 1]
         state = sum(l.w_bytes + l.b_bytes for l in layers)
-        if task.kind == Kind.FWD:
-            out[task.id] = max(0, profile.pack_fwd_memory(task.first, task.last, task.u) - state)
-        elif task.kind == Kind.BWD:
+        if task.kind == Kind.BWD:
             state += sum(l.dw_bytes for l in layers)
-            out[task.id] = max(0, profile.pack_bwd_memory(task.first, task.last, task.u) - state)
+        out[task_id] = max(0, planned - state)
     return out
 
 
@@ -123,8 +141,30 @@ def _make_device(ctx: _WorkerContext) -> Device:
     return CpuDevice(f"cpu{ctx.rank}", ctx.capacity)
 
 
+def _exit_with_parent(parent: int) -> None:
+    """A worker whose launcher died (SIGKILL, a crash) must not live on as an orphan."""
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent:
+            os._exit(1)
+
+
+def _failure(ctx: _WorkerContext, exc: BaseException) -> dict[str, Any]:
+    """What the launcher needs to explain a worker's failure (plain data: it crosses a queue)."""
+    oom = isinstance(exc, DeviceOutOfMemoryError)
+    return {
+        "kind": "oom" if oom else "stall" if isinstance(exc, TimeoutError) else "error",
+        "task": ctx.shared.current_task(ctx.rank),
+        "error": f"{type(exc).__name__}: {exc}",
+        "traceback": traceback.format_exc(),
+        "memory": [exc.requested, exc.current, exc.capacity] if oom else None,
+    }
+
+
 def _worker_main(ctx: _WorkerContext) -> None:
     """A worker's life: build the executor, then run iterations until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="harmony-parent-watch", daemon=True).start()
     torch.set_num_threads(ctx.threads)
     sys.setswitchinterval(SWITCH_INTERVAL)
     stacks = open(_stacks_path(os.getpid()), "w")  # noqa: SIM115 - open for the worker's life
@@ -155,8 +195,7 @@ def _worker_main(ctx: _WorkerContext) -> None:
         ctx.results.put(("aborted", ctx.rank, None))
     except BaseException as exc:  # reported to the launcher, which raises it
         ctx.shared.set_abort()
-        kind = "oom" if isinstance(exc, DeviceOutOfMemoryError) else "error"
-        ctx.results.put((kind, ctx.rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        ctx.results.put(("failed", ctx.rank, _failure(ctx, exc)))
     finally:
         if executor is not None:
             executor.close()
@@ -166,6 +205,10 @@ def _worker_main(ctx: _WorkerContext) -> None:
         stacks.close()
         if os.path.getsize(stacks.name) == 0:  # kept only when it holds a stall's stacks
             os.unlink(stacks.name)
+
+
+def _fmt(n: int | None) -> str:
+    return DeviceOutOfMemoryError._fmt(n)
 
 
 def _stacks_path(pid: int) -> str:
@@ -190,6 +233,7 @@ class Launcher:
         self.devices = tasks.devices
         self.shared = Shared.create(len(tasks.tasks))
         self.slabs = Slabs(slab_sizes(tasks, self.routes))
+        self.planned = planned_memory(tasks, profile)
         self.iteration = 0
         self._closed = False
         method = "fork" if device_type == "cpu" else "spawn"
@@ -264,48 +308,76 @@ class Launcher:
         """One ``kind`` message from every worker; a failure, a death or silence raises."""
         got: dict[int, Any] = {}
         deadline = time.monotonic() + timeout
-        failure: tuple[str, int, str] | None = None
         aborted: set[int] = set()
         while len(got) < self.devices:
             try:
                 msg, rank, payload = self.results.get(timeout=0.5)
             except queue.Empty:
-                for rank, p in enumerate(self.processes):
-                    if not p.is_alive() and rank not in got:
-                        self.shared.set_abort()
-                        raise WorkerError(
-                            f"the worker of device {rank} died (exit code {p.exitcode}) without reporting; "
-                            "see its output above, or run with fewer devices or more memory"
-                        )
+                self._check_alive(got)
                 if time.monotonic() > deadline:
+                    status = self._status()
                     self._dump_stacks()
                     self.shared.set_abort()
                     paths = ", ".join(_stacks_path(p.pid) for p in self.processes if p.pid)
-                    raise WorkerError(f"no word from the workers for {timeout:.0f} s; a device is stalled "
-                                      f"(the workers' thread stacks are in {paths})")
+                    raise WorkerError(f"no word from the workers for {timeout:.0f} s: a device is stalled.\n{status}\n"
+                                      f"(their threads' stacks are in {paths})")
                 continue
             log.debug("worker %d says %s", rank, msg)
             if msg == kind:
                 got[rank] = payload
-            elif msg in ("error", "oom"):
-                failure = failure or (msg, rank, payload)
-                break
+            elif msg == "failed":
+                raise self._failed(rank, payload)
             elif msg == "aborted":
                 aborted.add(rank)
                 got[rank] = None
-        if failure is not None:
-            msg, rank, text = failure
-            first = text.splitlines()[0]
-            log.debug("worker %d failed:\n%s", rank, text)
-            if msg == "oom":
-                raise WorkerError(
-                    f"device {rank} ran out of memory: {first.split(': ', 1)[-1]}. The plan's estimate was too "
-                    "optimistic for this run; compile again with less --device-memory than the devices have"
-                )
-            raise WorkerError(f"the worker of device {rank} failed: {first}\n{text}")
         if aborted:
             raise WorkerError("a worker stopped because another one failed")
         return got
+
+    def _check_alive(self, got: dict[int, Any]) -> None:
+        for rank, p in enumerate(self.processes):
+            if p.is_alive() or rank in got:
+                continue
+            task = self.shared.current_task(rank)
+            self.shared.set_abort()
+            code = p.exitcode
+            how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 else \
+                f"exited with code {code}"
+            where = f" while running {describe(self.routes.by_id[task])}" if task is not None else ""
+            raise WorkerError(f"the worker of device {rank} (pid {p.pid}) {how}{where}, without reporting an error; "
+                              "if the system ran out of host memory, see the kernel log (dmesg)")
+
+    def _failed(self, rank: int, report: dict[str, Any]) -> WorkerError:
+        """The launcher's account of a worker's failure: device, task, cause, and the worker's traceback."""
+        task = report.get("task")
+        where = f" in {describe(self.routes.by_id[task])}" if task is not None else ""
+        log.debug("worker %d failed:\n%s", rank, report.get("traceback"))
+        if report["kind"] == "oom":
+            return WorkerError(self._oom_message(rank, task, where, report["memory"]))
+        if report["kind"] == "stall":
+            return WorkerError(f"device {rank} stalled{where}: {report['error']}\n{self._status()}")
+        return WorkerError(f"the worker of device {rank} failed{where}: {report['error']}\n\n"
+                           f"the worker's traceback:\n{report['traceback']}")
+
+    def _oom_message(self, rank: int, task: int | None, where: str, memory: list) -> str:
+        requested, current, capacity = memory
+        planned = self.planned.get(task) if task is not None else None
+        expected = f"; the plan expected this task to peak at {_fmt(planned)}" if planned else ""
+        return (f"device {rank} ran out of memory{where}: it asked for {_fmt(requested)} more with {_fmt(current)} "
+                f"in use of its {_fmt(capacity)}{expected}. The plan underestimated this run, or another process "
+                "took device memory: compile again leaving more headroom, with a larger --memory-margin (the share "
+                "of device memory left unplanned; the default is 0.1) or a smaller --device-memory")
+
+    def _status(self) -> str:
+        """Per worker: alive or not, the task it runs, and what it waits for."""
+        lines = []
+        for rank, p in enumerate(self.processes):
+            task = self.shared.current_task(rank)
+            doing = describe(self.routes.by_id[task]) if task is not None else "between tasks"
+            waiting = self.shared.get_status(rank) or ("nothing: computing" if task is not None else "its next command")
+            state = "alive" if p.is_alive() else f"dead (exit code {p.exitcode})"
+            lines.append(f"  device {rank} ({state}): {doing}; waiting for {waiting}")
+        return "\n".join(lines)
 
     def _dump_stacks(self) -> None:
         """Have every live worker print its threads' stacks (to its stderr): what a stall waits on."""
@@ -327,7 +399,7 @@ class Launcher:
                 q.put(None)
             except (ValueError, OSError, AssertionError):
                 pass
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + (2 if self.shared.aborted() else 10)
         for p in self.processes:
             p.join(timeout=max(0.1, deadline - time.monotonic()))
         for p in self.processes:

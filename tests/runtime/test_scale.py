@@ -104,12 +104,15 @@ def test_dropout_and_batchnorm_keep_forward_and_backward_microbatches_equal():
     assert plan.tasks.config.u_f == plan.tasks.config.u_b
 
 
-def test_device_with_less_memory_than_planned_fails_naming_the_device():
+def test_device_with_less_memory_than_planned_fails_naming_device_task_memory_and_the_remedy():
     model = small_gpt()
     plan = harmony.compile(model, gpt2.loss_fn, get_batch, minibatch_size=MINIBATCH, devices=2,
                            build_optimizer=adam, probe=False)
     plan.options = {**plan.options, "device_memory": plan.options["device_memory"] // 4}
     with harmony.Trainer(plan, optimizer=adam, timeout=30) as trainer:
-        with pytest.raises(WorkerError, match=r"device \d ran out of memory"):
+        with pytest.raises(WorkerError, match=r"device \d ran out of memory in task \d+ \(dev\d (FWD|BWD)") as info:
             trainer.step(*get_batch(MINIBATCH, 0))
         assert not any(p.is_alive() for p in trainer.launcher.processes)
+    message = str(info.value)
+    assert "in use of its" in message and "the plan expected this task to peak at" in message
+    assert "--memory-margin" in message
