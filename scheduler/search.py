@@ -91,6 +91,10 @@ def search(
 
     ``same_u`` keeps U_F = U_B: for models whose layers draw random numbers or normalize over the
     batch (dropout, BatchNorm), where a recompute must see exactly the forward's microbatches.
+
+    Other ``options`` go to the task-graph generator: ``update`` fixes where the update runs, and
+    the ablation switches of ``pp`` / ``dp`` (``grouping``, ``jit_update``, ``p2p``; see
+    ``taskgraph``) turn one of Harmony's optimizations off, for the paper's Fig. 14.
     """
     capacity = capacity if capacity is not None else profile.capacity
     start = time.perf_counter()
@@ -227,6 +231,8 @@ def _variants(mode: str, options: dict) -> list[dict]:
     it. A device-side update keeps the optimizer state on the device for a moment, which a tight
     device may not afford; the host-side one moves gradients out instead."""
     if mode in ("pp", "dp") and "update" not in options:
+        if options.get("jit_update") is False:  # the ablation defers the device update; no host variant
+            return [{**options, "update": "device"}]
         return [{**options, "update": "device"}, {**options, "update": "host"}]
     return [options]
 

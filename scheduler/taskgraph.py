@@ -13,6 +13,13 @@ tensor's route. Sizes come from the profile, so the graph's bytes are the bytes 
   memory and the update runs once per pack, on the host or replicated on the devices.
 - ``dp-swap``: data parallelism with per-GPU memory virtualization (§2): no grouping, each
   microbatch brings every pack's weights in and out in both passes, and each device updates.
+
+Ablation switches (the paper's Fig. 14), each on by default and turned off one at a time to
+measure what it buys: ``grouping=False`` (``pp``, ``dp``) splits every task into one task per
+microbatch, each swapping its pack's weights in and leaving its gradient in host memory, where the
+microbatches' gradients add up; ``jit_update=False`` (``pp``) steps each pack in a UPD task on its
+device after the whole backward pass instead of right after the pack's backward; ``p2p=False``
+(``pp``) sends activations and gradients between devices through host memory (SWAP).
 """
 
 from __future__ import annotations
@@ -213,63 +220,157 @@ def _between(src: Task, dst: Task) -> Channel:
 
 
 # --------------------------------------------------------------------------- pp
-def wrap_around_pipeline(profile: Profile, config: Configuration, devices: int, minibatch: int, update: str = "device") -> TaskGraph:
-    """Harmony PP: FWD packs, the jit-compute pack, BWD packs in reverse; task i on device i mod N."""
+def _groups(samples: int, u: int, grouping: bool, offset: int = 0) -> list[tuple[int, list[int]]]:
+    """(first sample, microbatch sizes) of each task a pack runs over ``samples`` samples: one
+    group of all microbatches with input-batch grouping, one group per microbatch without."""
+    sizes = microbatch_sizes(samples, u)
+    if grouping:
+        return [(offset, sizes)]
+    starts = [offset + j * u for j in range(len(sizes))]
+    return [(start, [size]) for start, size in zip(starts, sizes)]
+
+
+def _via_host(src: Task, dst: Task) -> Channel:
+    """``_between`` with p2p swaps off: what crosses devices goes through host memory."""
+    return Channel.LOCAL if src.device == dst.device else Channel.SWAP
+
+
+def _check_switches(config: Configuration, update: str, grouping: bool, jit_update: bool) -> None:
+    if not grouping and config.u_f != config.u_b:
+        raise ValueError("without input-batch grouping each backward task reads one forward task's microbatch: "
+                         f"U_F ({config.u_f}) must equal U_B ({config.u_b})")
+    if not jit_update and update != "device":
+        raise ValueError(f"jit_update=False defers the device update; it does not apply to update={update!r}")
+
+
+def wrap_around_pipeline(profile: Profile, config: Configuration, devices: int, minibatch: int, update: str = "device",
+                         grouping: bool = True, jit_update: bool = True, p2p: bool = True) -> TaskGraph:
+    """Harmony PP: FWD packs, the jit-compute pack, BWD packs in reverse; task i on device i mod N
+    (each of its tasks, one per microbatch, when ``grouping`` is off; see the module docs)."""
     _check(config, len(profile.layers))
+    _check_switches(config, update, grouping, jit_update)
     sz = _Sizes(profile)
     b = _Builder()
-    f_sizes = microbatch_sizes(minibatch, config.u_f)
-    b_sizes = microbatch_sizes(minibatch, config.u_b)
-    fwd_of_layer: dict[int, Task] = {}  # the FWD task whose pack contains the layer
+    f_groups = _groups(minibatch, config.u_f, grouping)
+    b_groups = _groups(minibatch, config.u_b, grouping)
+    between = _between if p2p else _via_host
+    fwd_of_layer: dict[int, list[Task]] = {}  # the FWD tasks (one per group) whose pack contains the layer
     chain = len(config.packs_f) - 1 + len(config.packs_b)
+    deferred: list[list[Task]] = []
 
-    prev: Task | None = None
+    prev: list[Task] | None = None
     for i, (first, last) in enumerate(config.packs_f[:-1]):
-        task = b.add(device=i % devices, kind=Kind.FWD, first=first, last=last, microbatches=list(f_sizes))
-        task.inputs += _state_inputs(sz, first, last)
-        _connect(prev, task, "Y", "X", _between(prev, task) if prev else Channel.SWAP, lambda n, f=first: sz.x(f, n))
-        task.outputs += _buffer_out(sz, first, last)
+        tasks = []
+        for g, (offset, sizes) in enumerate(f_groups):
+            task = b.add(device=i % devices, kind=Kind.FWD, first=first, last=last, microbatches=list(sizes), offset=offset)
+            task.inputs += _state_inputs(sz, first, last)
+            src = prev[g] if prev else None
+            _connect(src, task, "Y", "X", between(src, task) if src else Channel.SWAP, lambda n, f=first: sz.x(f, n))
+            task.outputs += _buffer_out(sz, first, last)
+            tasks.append(task)
         for layer in range(first, last + 1):
-            fwd_of_layer[layer] = task
-        prev = task
+            fwd_of_layer[layer] = tasks
+        prev = tasks
 
     for k, (first, last) in enumerate(reversed(config.packs_b)):
         i = len(config.packs_f) - 1 + k
         loss = k == 0
-        task = b.add(device=i % devices, kind=Kind.BWD, first=first, last=last, microbatches=list(b_sizes), loss=loss)
-        task.inputs += _state_inputs(sz, first, last)
-        if loss:
-            _connect(prev, task, "Y", "X", _between(prev, task) if prev else Channel.SWAP, lambda n, f=first: sz.x(f, n))
+        tasks = []
+        for g, (offset, sizes) in enumerate(b_groups):
+            task = b.add(device=i % devices, kind=Kind.BWD, first=first, last=last, microbatches=list(sizes),
+                         offset=offset, loss=loss)
+            task.inputs += _state_inputs(sz, first, last)
+            if loss:
+                src = prev[g] if prev else None
+                _connect(src, task, "Y", "X", between(src, task) if src else Channel.SWAP, lambda n, f=first: sz.x(f, n))
+                task.outputs += _buffer_out(sz, first, last)
+            else:
+                # the recompute starts from the stash the forward left in host memory (or the minibatch)
+                stash = fwd_of_layer[first][g] if first > 0 else None
+                _connect(stash, task, "Xs", "Xs" if first > 0 else "X", Channel.SWAP, lambda n, f=first: sz.x(f, n))
+                _connect(prev[g], task, "dX", "dY", between(prev[g], task), lambda n, l=last: sz.y(l, n))
+            tasks.append(task)
+        if jit_update:
+            _finish_update(b, sz, tasks, update)
         else:
-            # the recompute starts from the stash the forward left in host memory (or the minibatch)
-            stash = fwd_of_layer[first] if first > 0 else None
-            _connect(stash, task, "Xs", "Xs" if first > 0 else "X", Channel.SWAP, lambda n, f=first: sz.x(f, n))
-            _connect(prev, task, "dX", "dY", _between(prev, task), lambda n, l=last: sz.y(l, n))
-        if loss:
-            task.outputs += _buffer_out(sz, first, last)
-        _finish_update(b, sz, task, update)
-        prev = task
-    assert len([t for t in b.tasks if t.kind != Kind.UPD]) == chain
+            _leave_gradients(sz, tasks)
+            deferred.append(tasks)
+        prev = tasks
+    for tasks in deferred:  # jit-update off: every pack is stepped after the whole backward pass
+        _deferred_update(b, sz, tasks)
+    assert not grouping or len([t for t in b.tasks if t.kind != Kind.UPD]) == chain
     return TaskGraph(mode="pp", devices=devices, minibatch=minibatch, config=config, tasks=_ordered(b.tasks))
 
 
-def _finish_update(b: _Builder, sz: _Sizes, task: Task, update: str) -> None:
-    if update == "device":
-        _device_update(sz, task, b.tasks[:-1])
-    elif update == "host":
-        task.update = "host"
+def _leave_gradients(sz: _Sizes, tasks: list[Task]) -> None:
+    """dW -> SWAP: the tasks leave their gradients in host memory (where they add up) for an update
+    elsewhere."""
+    for task in tasks:
         task.outputs.append(Transfer("dW", Channel.SWAP, sz.dw(task.first, task.last)))
-        b.add(device=HOST, kind=Kind.UPD, first=task.first, last=task.last, microbatches=[],
-              inputs=[Transfer("dW", Channel.SHM, 0, task=task.id)])
+
+
+def _tie_sources(tasks: list[Task], earlier: list[Task], sz: _Sizes) -> list[Task]:
+    """The BWD tasks of other packs that hand over a gradient of a tied weight this pack owns."""
+    first, last = tasks[0].first, tasks[0].last
+    held = {l for _, layers in sz.received(first, last) for l in layers}
+    own = {t.id for t in tasks}
+    return [t for t in earlier if t.kind == Kind.BWD and t.id not in own and any(t.first <= l <= t.last for l in held)]
+
+
+def _gradient_dependencies(task: Task, sources: list[Task]) -> None:
+    """Pure dependencies (SHM, no bytes) on the tasks whose gradients in host memory ``task`` sums."""
+    task.inputs += [Transfer("dW", Channel.SHM, 0, task=s.id) for s in sources]
+
+
+def _finish_update(b: _Builder, sz: _Sizes, tasks: list[Task], update: str) -> None:
+    """The update of a pack whose backward ran as ``tasks`` (one, or one per microbatch): a
+    jit-update fused into the last task, or an offloaded update on the host."""
+    first, last = tasks[0].first, tasks[0].last
+    if update == "device":
+        *earlier, final = tasks
+        if not earlier:
+            _device_update(sz, final, b.tasks[:-1])
+            return
+        # no grouping: the earlier microbatches' gradients wait in host memory; the step sums them
+        # with the last one's (tied weights handed over included) and copies the sum in once
+        _leave_gradients(sz, earlier)
+        final.update = "device"
+        final.inputs.append(Transfer("dW", Channel.SWAP, sz.owned_dw(first, last)))
+        _gradient_dependencies(final, earlier + _tie_sources(tasks, b.tasks, sz))
+        final.inputs.append(Transfer("K", Channel.SWAP, sz.owned_k(first, last)))
+        final.outputs.append(Transfer("W", Channel.SWAP, sz.owned_w(first, last)))
+        final.outputs.append(Transfer("K", Channel.SWAP, sz.owned_k(first, last)))
+        if sz.handed_dw(first, last):
+            final.outputs.append(Transfer("dW", Channel.SWAP, sz.handed_dw(first, last)))
+    elif update == "host":
+        for task in tasks:
+            task.update = "host"
+        _leave_gradients(sz, tasks)
+        b.add(device=HOST, kind=Kind.UPD, first=first, last=last, microbatches=[],
+              inputs=[Transfer("dW", Channel.SHM, 0, task=t.id) for t in tasks])
     else:
         raise ValueError(f"update must be 'device' or 'host', got {update!r}")
 
 
+def _deferred_update(b: _Builder, sz: _Sizes, tasks: list[Task]) -> None:
+    """A UPD task on the device of the pack's backward, after the whole backward pass: weights,
+    the gradient summed in host memory and the optimizer state in; weights and state out."""
+    first, last = tasks[0].first, tasks[0].last
+    task = b.add(device=tasks[-1].device, kind=Kind.UPD, first=first, last=last, microbatches=[],
+                 inputs=_update_inputs(sz, first, last, tasks[-1].id),
+                 outputs=[Transfer("W", Channel.SWAP, sz.owned_w(first, last)),
+                          Transfer("K", Channel.SWAP, sz.owned_k(first, last))])
+    _gradient_dependencies(task, tasks[:-1] + _tie_sources(tasks, b.tasks, sz))
+
+
 # --------------------------------------------------------------------------- dp
-def harmony_dp(profile: Profile, config: Configuration, devices: int, minibatch: int, update: str = "host") -> TaskGraph:
-    """Harmony DP: each device runs every pack over its share with input-batch grouping; gradients
-    are reduced in host memory; one update per pack (on the host, or replicated on each device)."""
+def harmony_dp(profile: Profile, config: Configuration, devices: int, minibatch: int, update: str = "host",
+               grouping: bool = True) -> TaskGraph:
+    """Harmony DP: each device runs every pack over its share with input-batch grouping (one task
+    per microbatch when ``grouping`` is off); gradients are reduced in host memory; one update per
+    pack (on the host, or replicated on each device)."""
     _check(config, len(profile.layers))
+    _check_switches(config, update, grouping, True)
     if minibatch < devices:
         raise ValueError(f"dp needs at least one sample per device: minibatch {minibatch} < {devices} devices")
     sz = _Sizes(profile)
@@ -278,36 +379,43 @@ def harmony_dp(profile: Profile, config: Configuration, devices: int, minibatch:
     writers: dict[tuple[int, int], Task] = {}  # the last task to update each pack's buffers
     for d in range(devices):
         offset, share = _share(minibatch, devices, d)
-        f_sizes = microbatch_sizes(share, config.u_f)
-        b_sizes = microbatch_sizes(share, config.u_b)
-        fwd_of_layer: dict[int, Task] = {}
-        prev: Task | None = None
+        f_groups = _groups(share, config.u_f, grouping, offset)
+        b_groups = _groups(share, config.u_b, grouping, offset)
+        fwd_of_layer: dict[int, list[Task]] = {}
+        prev: list[Task] | None = None
         for first, last in config.packs_f[:-1]:
-            task = b.add(device=d, kind=Kind.FWD, first=first, last=last, microbatches=list(f_sizes), offset=offset)
-            task.inputs += _state_inputs(sz, first, last)
-            _after_buffers(writers, sz, task)
-            # a group's activations do not fit on the device: they wait in host memory
-            _connect(prev, task, "Y", "X", Channel.SWAP, lambda n, f=first: sz.x(f, n))
-            task.outputs += _buffer_out(sz, first, last)
+            tasks = []
+            for g, (start, sizes) in enumerate(f_groups):
+                task = b.add(device=d, kind=Kind.FWD, first=first, last=last, microbatches=list(sizes), offset=start)
+                task.inputs += _state_inputs(sz, first, last)
+                _after_buffers(writers, sz, task)
+                # a group's activations do not fit on the device: they wait in host memory
+                _connect(prev[g] if prev else None, task, "Y", "X", Channel.SWAP, lambda n, f=first: sz.x(f, n))
+                task.outputs += _buffer_out(sz, first, last)
+                tasks.append(task)
             for layer in range(first, last + 1):
-                fwd_of_layer[layer] = task
-            prev = task
+                fwd_of_layer[layer] = tasks
+            prev = tasks
         for k, (first, last) in enumerate(reversed(config.packs_b)):
             loss = k == 0
-            task = b.add(device=d, kind=Kind.BWD, first=first, last=last, microbatches=list(b_sizes), offset=offset, loss=loss)
-            task.inputs += _state_inputs(sz, first, last)
-            if loss:
-                _connect(prev, task, "Y", "X", Channel.SWAP, lambda n, f=first: sz.x(f, n))
-                task.outputs += _buffer_out(sz, first, last)
-                _after_buffers(writers, sz, task)
-            else:
-                stash = fwd_of_layer[first] if first > 0 else None
-                _connect(stash, task, "Xs", "Xs" if first > 0 else "X", Channel.SWAP, lambda n, f=first: sz.x(f, n))
-                _connect(prev, task, "dX", "dY", Channel.SWAP, lambda n, l=last: sz.y(l, n))
-            task.update = update
-            task.outputs.append(Transfer("dW", Channel.SWAP, sz.dw(first, last)))
-            bwd_tasks.setdefault((first, last), []).append(task)
-            prev = task
+            tasks = []
+            for g, (start, sizes) in enumerate(b_groups):
+                task = b.add(device=d, kind=Kind.BWD, first=first, last=last, microbatches=list(sizes), offset=start,
+                             loss=loss)
+                task.inputs += _state_inputs(sz, first, last)
+                if loss:
+                    _connect(prev[g] if prev else None, task, "Y", "X", Channel.SWAP, lambda n, f=first: sz.x(f, n))
+                    task.outputs += _buffer_out(sz, first, last)
+                    _after_buffers(writers, sz, task)
+                else:
+                    stash = fwd_of_layer[first][g] if first > 0 else None
+                    _connect(stash, task, "Xs", "Xs" if first > 0 else "X", Channel.SWAP, lambda n, f=first: sz.x(f, n))
+                    _connect(prev[g], task, "dX", "dY", Channel.SWAP, lambda n, l=last: sz.y(l, n))
+                task.update = update
+                task.outputs.append(Transfer("dW", Channel.SWAP, sz.dw(first, last)))
+                bwd_tasks.setdefault((first, last), []).append(task)
+                tasks.append(task)
+            prev = tasks
 
     # one update per pack once every device's gradient of it is in host memory
     for first, last in reversed(config.packs_b):
@@ -316,7 +424,8 @@ def harmony_dp(profile: Profile, config: Configuration, devices: int, minibatch:
             b.add(device=HOST, kind=Kind.UPD, first=first, last=last, microbatches=[],
                   inputs=[Transfer("dW", Channel.SHM, 0, task=t.id) for t in sources])
         elif update == "device":
-            for t in sources:  # replicated update: every device refreshes its own copy (§3's Harmony DP)
+            last_of = {t.device: t for t in sources}  # each device's last task over the pack keeps it resident
+            for t in last_of.values():  # replicated update: every device refreshes its own copy (§3's Harmony DP)
                 b.add(device=t.device, kind=Kind.UPD, first=first, last=last, microbatches=[],
                       inputs=[Transfer("W", Channel.LOCAL, 0, task=t.id),
                               Transfer("dW", Channel.SWAP, sz.owned_dw(first, last), task=sources[0].id)]
