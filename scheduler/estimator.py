@@ -28,7 +28,17 @@ What is simulated (the runtime's semantics, which this module must keep in step 
   became ready, so that a p2p transfer that heads both its queues always exists and p2p cannot
   deadlock on its own.
 - **When compute may start.** A unit starts once the previous unit on the device has ended, the
-  task-wide inputs (W, B, K, ...) and its own microbatch's inputs have arrived.
+  task-wide inputs (W, B, K, ...) and its own microbatch's inputs have arrived. A UPD task on a
+  device is the exception to the lookahead: the runtime loads its weights, summed gradient and
+  optimizer state when it starts it, so its inputs are issued when the previous task ends.
+- **The runtime's own costs.** A unit lasts its profiled compute plus the machine's measured
+  overheads (``Machine.task_overhead`` on a task's first unit, ``microbatch_overhead`` on each
+  microbatch, ``update_overhead`` on each optimizer step, fused or not, device or host); zero on a
+  machine nobody measured.
+- **Shared cores.** With ``machine.cpu_cores`` set (emulated devices computing on the host's
+  cores), the units computing at one moment on all devices and the host share that many cores:
+  each progresses at ``min(1, cpu_cores / k)`` for the k units computing at the moment, rates
+  recomputed whenever one starts or ends (processor sharing, as for the host link).
 - **Host-link contention.** On a shared host link (``machine.host_link_shared``) the active h2d
   copies of all devices share the link (likewise d2h): each progresses at
   ``machine.bandwidth(channel, k)`` for the k copies active at the moment, rates recomputed whenever
@@ -70,7 +80,8 @@ from .machine import Machine
 from .profiles import Profile
 from .tasks import HOST, Channel, Kind, Task, TaskGraph, Transfer
 
-__all__ = ["Estimate", "StreamEvent", "STREAMS", "estimate", "chrome_trace"]
+__all__ = ["Estimate", "StreamEvent", "STREAMS", "estimate", "chrome_trace", "task_compute_seconds", "task_seconds",
+           "unit_overheads"]
 
 STREAMS = ("compute", "swap-in", "swap-out", "p2p-in", "p2p-out")
 _COMPUTE, _SWAP_IN, _SWAP_OUT, _P2P_IN, _P2P_OUT = range(5)
@@ -80,7 +91,7 @@ _IN, _OUT, _MSG_IN, _MSG_OUT, _P2P = range(5)
 _KIND_LABEL = {_IN: "SWAP in", _OUT: "SWAP out", _MSG_IN: "MSG in", _MSG_OUT: "MSG out", _P2P: "P2P"}
 
 # event codes
-_E_UNIT, _E_XFER, _E_JOIN, _E_LINK = range(4)
+_E_UNIT, _E_XFER, _E_JOIN, _E_LINK, _E_CPU = range(5)
 
 # Input tensors that a task's memory peak already includes (absorbed when the unit starts).
 _COVERED = {
@@ -131,7 +142,7 @@ class _Unit:
 
     __slots__ = (
         "slot", "order", "task", "j", "dur", "need", "end_units", "end_xfers", "issue",
-        "delta_start", "release_end", "alloc_end", "waits", "done",
+        "delta_start", "release_end", "alloc_end", "waits", "done", "start", "remaining", "version",
     )
 
     def __init__(self, slot: int, task: Task, j: int, dur: float):
@@ -149,6 +160,9 @@ class _Unit:
         self.alloc_end = 0  # bytes of outputs produced by this unit, held until they leave
         self.waits: list[tuple[Transfer, int | None, object]] = []  # for deadlock reports
         self.done = False
+        self.start = 0.0
+        self.remaining = 0.0  # seconds of work left at full speed (shared cores)
+        self.version = 0
 
 
 class _Xfer:
@@ -261,6 +275,33 @@ def task_compute_seconds(task: Task, profile: Profile) -> float:
     return sum(_task_costs(task, profile, _profile_cache(profile))[0])
 
 
+def unit_overheads(task: Task, machine: Machine, units: int) -> list[float]:
+    """The runtime's own seconds on each of a task's ``units`` compute units (see the module docs):
+    the task's fixed cost on the first, a microbatch's on each microbatch, an update's on a fused
+    device update and on a UPD task. A task on the host (an offloaded update) pays the update's only:
+    the launcher runs it without the executor's per-task work."""
+    extra = [0.0] * units
+    if units == 0:
+        return extra
+    if task.kind == Kind.UPD:
+        extra[0] = machine.update_overhead + (0.0 if task.device == HOST else machine.task_overhead)
+        return extra
+    microbatches = len(task.microbatches)
+    for j in range(min(microbatches, units)):
+        extra[j] = machine.microbatch_overhead
+    if task.kind == Kind.BWD and task.update == "device" and units > microbatches:
+        extra[-1] += machine.update_overhead
+    extra[0] += machine.task_overhead
+    return extra
+
+
+def task_seconds(task: Task, profile: Profile, machine: Machine) -> float:
+    """Seconds the task keeps its device's compute stream busy when nothing else computes: its
+    compute and the runtime's overheads."""
+    durs = _task_costs(task, profile, _profile_cache(profile))[0]
+    return sum(durs) + sum(unit_overheads(task, machine, len(durs)))
+
+
 # ---------------------------------------------------------------------------------------- estimate
 def estimate(
     graph: TaskGraph,
@@ -307,11 +348,14 @@ def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: in
     units_of: dict[int, list[_Unit]] = {}
     slot_units: list[list[_Unit]] = [[] for _ in range(nslots)]
     first_unit_prev: dict[int, _Unit | None] = {}  # task id -> first unit of the previous task on its slot
+    last_unit_prev: dict[int, _Unit | None] = {}  # task id -> last unit of the previous task on its slot
     last_on_slot: list[_Unit | None] = [None] * nslots
+    end_on_slot: list[_Unit | None] = [None] * nslots
     for task in tasks:
         s = slot_of[task.device]
         durs, peak = _task_costs(task, profile, cache)
-        us = [_Unit(s, task, j, d) for j, d in enumerate(durs)]
+        extra = unit_overheads(task, machine, len(durs))
+        us = [_Unit(s, task, j, d + e) for j, (d, e) in enumerate(zip(durs, extra))]
         su = slot_units[s]
         for u in us:
             u.order = len(su)
@@ -320,7 +364,9 @@ def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: in
             us[0].delta_start += peak
             us[-1].release_end += peak
         first_unit_prev[task.id] = last_on_slot[s]
+        last_unit_prev[task.id] = end_on_slot[s]
         last_on_slot[s] = us[0]
+        end_on_slot[s] = us[-1]
         units_of[task.id] = us
 
     def unit_for(task: Task, mb: int | None, produce: bool) -> _Unit:
@@ -451,6 +497,8 @@ def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: in
         s = slot_of[task.device]
         on_host = s == host_slot
         prev_first = first_unit_prev[task.id]
+        # a UPD task's inputs are loaded when it starts (no lookahead): issued as the previous task ends
+        prev_end = last_unit_prev[task.id] if task.kind == Kind.UPD and not on_host else None
         covered = _COVERED.get(task.kind, frozenset())
         last_unit = units_of[task.id][-1]
         for i in task.inputs:
@@ -494,7 +542,10 @@ def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: in
                 if source is not None:
                     x.need += 1
                     source.end_xfers.append(x)
-                if prev_first is not None:
+                if prev_end is not None:
+                    x.need += 1
+                    prev_end.end_xfers.append(x)
+                elif prev_first is not None:
                     x.need += 1
                     prev_first.issue.append(x)
                 x.end_units.append(cu)
@@ -575,15 +626,39 @@ def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: in
         mem[s] = m
         if m > peak[s]:
             peak[s] = m
-        push(now + u.dur, _E_UNIT, u, 0)
-        if record_events:
-            u_start[id(u)] = now
+        u.start = now
+        if cores is None:
+            push(now + u.dur, _E_UNIT, u, 0)
+        else:
+            u.remaining = u.dur
+            cpu_advance()
+            running.append(u)
+            cpu_reschedule()
         for x in u.issue:
             x.need -= 1
             if not x.need:
                 enqueue(x)
 
-    u_start: dict[int, float] = {}
+    cores = machine.cpu_cores
+    running: list[_Unit] = []  # units computing at this moment, sharing the cores
+    cpu = [0.0, 0.0]  # time of the last rate change, the rate of each running unit since
+
+    def cpu_advance() -> None:
+        dt = now - cpu[0]
+        if dt > 0 and running:
+            r = cpu[1] * dt
+            for a in running:
+                a.remaining -= r
+        cpu[0] = now
+
+    def cpu_reschedule() -> None:
+        if not running:
+            return
+        rate = min(1.0, cores / len(running))
+        cpu[1] = rate
+        for a in running:
+            a.version += 1
+            push(now + max(a.remaining, 0.0) / rate, _E_CPU, a, a.version)
 
     def enqueue(x: _Xfer) -> None:
         nonlocal seq
@@ -748,9 +823,9 @@ def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: in
         computing[s] = False
         if now > end_time:
             end_time = now
-        busy_time[s][_COMPUTE] += u.dur
+        busy_time[s][_COMPUTE] += now - u.start
         if record_events:
-            events.append(StreamEvent(slot_dev[s], "compute", u.task.id, _unit_label(u), u_start.pop(id(u)), now))
+            events.append(StreamEvent(slot_dev[s], "compute", u.task.id, _unit_label(u), u.start, now))
         m = mem[s] - u.release_end + u.alloc_end
         mem[s] = m
         if m > peak[s]:
@@ -783,6 +858,12 @@ def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: in
             finish_xfer(obj)
         elif code == _E_JOIN:
             join(obj.link, obj)
+        elif code == _E_CPU:
+            if ver == obj.version:
+                cpu_advance()
+                running.remove(obj)
+                cpu_reschedule()
+                finish_unit(obj)
         elif ver == obj.version:
             link = obj.link
             advance(link)

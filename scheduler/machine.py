@@ -21,6 +21,20 @@ Channels (all bandwidths in bytes per second, one direction):
 
 ``latency`` is the fixed cost of one transfer (seconds), added once per transfer.
 
+What the runtime itself costs beyond compute and transfers (measured by running the real executor
+on layers of near-zero compute, ``harmony.runtime.overheads``; zero when nobody measured them):
+
+- ``task_overhead``: seconds per task on a device's compute stream (loading its state, queueing its
+  outputs, marking it done, the hand-overs between the compute and stream threads);
+- ``microbatch_overhead``: seconds per microbatch of a task (fetching its inputs from a stream,
+  generator states, sending its outputs);
+- ``update_overhead``: seconds per optimizer step beyond the step itself (the optimizer built for
+  the task, the state and summed gradient handed to it, the write-back queued);
+- ``cpu_cores``: on the emulated ``cpu`` backend every device computes on the host's cores, and so
+  do the host's offloaded updates: the number of cores they get between them (measured: a fixed
+  single-threaded loop run in more processes than cores). ``None``: each device has its own
+  hardware (GPUs), no sharing.
+
 The scheduler must not import the runtime, so this module imports only the standard library,
 ``harmony.errors``, ``harmony.serialization`` and the device specs.
 """
@@ -28,6 +42,7 @@ The scheduler must not import the runtime, so this module imports only the stand
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -38,15 +53,19 @@ from harmony.errors import FormatError, HarmonyError
 
 from .devicespec import DeviceSpec, load_spec
 
+log = logging.getLogger(__name__)
+
 __all__ = ["Machine", "MachineError", "KIND", "VERSION", "CHANNELS", "ANALYTIC_LATENCY"]
 
 KIND = "machine"
-VERSION = 1
+VERSION = 2  # 2: task_overhead, microbatch_overhead, update_overhead, cpu_cores
+_OLDER = (1,)  # versions read with the fields they lack at their defaults (not measured)
 
 CHANNELS = ("h2d", "d2h", "d2d", "msg")
 _KINDS = ("cpu", "cuda", "analytic")
 _SOURCES = ("measured", "analytic", "given")
 _BANDWIDTHS = ("h2d", "d2h", "d2d", "h2d_all", "d2h_all", "msg")
+_OVERHEADS = ("task_overhead", "microbatch_overhead", "update_overhead")
 
 # The fixed cost of one host<->device copy when nobody measured it: a cudaMemcpyAsync launch plus its
 # completion is about 5-10 us on PCIe systems (CUDA bandwidthTest / nvbandwidth at small sizes).
@@ -55,6 +74,15 @@ ANALYTIC_LATENCY = 10e-6
 
 class MachineError(HarmonyError):
     """A machine description with missing, unknown or impossible values."""
+
+
+def _seconds(value: Any) -> bool:
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= 0
+    )
 
 
 def _positive_number(value: Any) -> bool:
@@ -85,6 +113,10 @@ class Machine:
     source: str = "given"  # "measured" | "analytic" | "given"
     p2p_latency: float | None = None  # s, fixed cost of one d2d/msg transfer when it differs (None: latency)
     notes: dict[str, str] = field(default_factory=dict)  # how the numbers were obtained
+    task_overhead: float = 0.0  # s, the runtime's fixed cost per task on a device
+    microbatch_overhead: float = 0.0  # s, the runtime's fixed cost per microbatch of a task
+    update_overhead: float = 0.0  # s, per optimizer step, beyond the step's own compute
+    cpu_cores: float | None = None  # cores the devices' compute shares (cpu backend); None: no sharing
 
     def __post_init__(self) -> None:
         problems = []
@@ -112,6 +144,11 @@ class Machine:
             or not math.isfinite(self.p2p_latency) or self.p2p_latency < 0
         ):
             problems.append(f"p2p_latency must be a finite number of seconds >= 0 or null, got {self.p2p_latency!r}")
+        for name in _OVERHEADS:
+            if not _seconds(getattr(self, name)):
+                problems.append(f"{name} must be a finite number of seconds >= 0, got {getattr(self, name)!r}")
+        if self.cpu_cores is not None and not _positive_number(self.cpu_cores):
+            problems.append(f"cpu_cores must be a positive number or null, got {self.cpu_cores!r}")
         if not isinstance(self.host_link_shared, bool):
             problems.append(f"host_link_shared must be true or false, got {self.host_link_shared!r}")
         if self.source not in _SOURCES:
@@ -126,6 +163,10 @@ class Machine:
         for name in _BANDWIDTHS:
             setattr(self, name, float(getattr(self, name)))
         self.latency = float(self.latency)
+        for name in _OVERHEADS:
+            setattr(self, name, float(getattr(self, name)))
+        if self.cpu_cores is not None:
+            self.cpu_cores = float(self.cpu_cores)
         self.notes = dict(self.notes)
 
     # ------------------------------------------------------------------ transfer model
@@ -216,7 +257,12 @@ class Machine:
 
     @classmethod
     def load(cls, path: str | Path) -> Machine:
-        body = serialization.load(path, KIND, VERSION)
+        """A machine file of this version, or of an older one (``_OLDER``) whose missing fields take
+        their defaults: the runtime's overheads count as not measured (zero), as they were then."""
+        try:
+            body = serialization.load(path, KIND, VERSION)
+        except FormatError as exc:
+            body = _load_older(path, exc)
         try:
             return cls.from_dict(body, source=str(path))
         except MachineError as exc:
@@ -234,10 +280,29 @@ class Machine:
             f"  d2d {self.d2d / gb:.2f} GB/s, msg {self.msg / gb:.2f} GB/s, latency {self.latency * 1e6:.1f} us"
             + (f" (p2p message {self.p2p_latency * 1e6:.0f} us)" if self.p2p_latency is not None else ""),
         ]
+        if any(getattr(self, name) for name in _OVERHEADS) or self.cpu_cores is not None:
+            lines.append(
+                f"  runtime overhead {self.task_overhead * 1e3:.2f} ms per task, "
+                f"{self.microbatch_overhead * 1e3:.2f} ms per microbatch, {self.update_overhead * 1e3:.2f} ms per update"
+                + (f"; {self.cpu_cores:.2f} cores shared by the devices' compute" if self.cpu_cores is not None else "")
+            )
         return "\n".join(lines)
 
 
 FIELD_NAMES = tuple(f.name for f in fields(Machine))
+
+
+def _load_older(path: str | Path, newer: FormatError) -> Any:
+    """The body of a machine file of an older schema version; ``newer`` (the error reading it as
+    this version) is raised when it is none of them."""
+    for version in _OLDER:
+        try:
+            body = serialization.load(path, KIND, version)
+        except FormatError:
+            continue
+        log.info("%s is machine schema version %d: read with the runtime overheads unmeasured (zero)", path, version)
+        return body
+    raise newer
 
 
 def _binary(n: int) -> str:
