@@ -229,21 +229,30 @@ class LayerGraph:
 
     @classmethod
     def from_dict(cls, body: dict) -> "LayerGraph":
+        """The graph of ``to_dict``'s plain data; a body of the wrong shape is a FormatError naming the
+        field, not a KeyError later (files come from outside)."""
+        check = serialization.check_fields
         try:
-            return cls(
+            check(LayerGraph, body, "layer graph")
+            graph = cls(
                 model_class=body["model_class"],
                 tracer=body["tracer"],
                 training=body["training"],
                 inputs=list(body["inputs"]),
-                layers=[LayerSpec(**spec) for spec in body["layers"]],
-                values={k: ValueSpec(**v) for k, v in body["values"].items()},
-                state={k: StateSpec(**v) for k, v in body["state"].items()},
+                layers=[LayerSpec(**check(LayerSpec, spec, f"layer {i}")) for i, spec in enumerate(body["layers"])],
+                values={k: ValueSpec(**check(ValueSpec, v, f"value {k}")) for k, v in body["values"].items()},
+                state={k: StateSpec(**check(StateSpec, v, f"state {k}")) for k, v in body["state"].items()},
                 ties={k: list(v) for k, v in body["ties"].items()},
                 output_spec=body["output_spec"],
                 constants=dict(body.get("constants", {})),
             )
-        except (KeyError, TypeError) as exc:
+        except serialization.MALFORMED as exc:
             raise FormatError(f"layer graph is malformed ({type(exc).__name__}: {exc})") from exc
+        for i, spec in enumerate(graph.layers):
+            if spec.index != i or Path(spec.code_file).name != spec.code_file or not spec.code_file.endswith(".py"):
+                raise FormatError(f"layer graph is malformed (layer {i} is numbered {spec.index} with code file "
+                                  f"{spec.code_file!r})")
+        return graph
 
     @classmethod
     def load(
@@ -259,7 +268,9 @@ class LayerGraph:
         re-tied; load weights with ``load_state_dict``. With ``source`` they share its tensors.
         """
         directory = Path(directory)
-        graph = cls.from_dict(serialization.load(directory / GRAPH_FILE, KIND, SCHEMA_VERSION))
+        body = serialization.load(directory / GRAPH_FILE, KIND, SCHEMA_VERSION)
+        with serialization.decoding(str(directory / GRAPH_FILE), "layer graph"):
+            graph = cls.from_dict(body)
         if not with_code:
             return graph
         for spec in graph.layers:
@@ -268,7 +279,8 @@ class LayerGraph:
                 raise FormatError(f"{path} is missing; the layer code of this graph is incomplete")
             text = path.read_text()
             if spec.code_sha256 and hashlib.sha256(text.encode()).hexdigest() != spec.code_sha256:
-                raise FormatError(f"{path} was modified after the graph was written; decompose the model again")
+                raise FormatError(f"{path} does not match {directory / GRAPH_FILE} (the code was modified, or the graph "
+                                  "comes from another decomposition); decompose the model again")
             graph.sources[spec.code_file] = text
         graph.build_modules(device=device, source=source, origin=directory / CODE_DIR)
         return graph

@@ -8,10 +8,13 @@ without a traceback (``-v`` shows it) and exit with status 2.
 from __future__ import annotations
 
 import argparse
-import json
 import contextlib
+import json
 import logging
+import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,6 +22,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from harmony import checkpoint
 from harmony.errors import HarmonyError
 from harmony.scheduler.taskgraph import MODES
 
@@ -150,36 +154,80 @@ def _cmd_compile(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _check_run_args(ns: argparse.Namespace) -> None:
+    """Refuse arguments that cannot work before anything is compiled or started."""
+    if ns.iters < 1:
+        raise HarmonyError(f"--iters must be at least 1, got {ns.iters}")
+    if ns.timeout <= 0:
+        raise HarmonyError(f"--timeout must be positive, got {ns.timeout}")
+    if ns.checkpoint_every is not None:
+        if ns.checkpoint_every < 1:
+            raise HarmonyError(f"--checkpoint-every must be at least 1, got {ns.checkpoint_every}")
+        if ns.checkpoint_dir is None:
+            raise HarmonyError("--checkpoint-every needs --checkpoint-dir DIR, the folder to write the checkpoints to")
+    if ns.checkpoint_dir is not None and ns.checkpoint_dir.exists() and not ns.checkpoint_dir.is_dir():
+        raise HarmonyError(f"--checkpoint-dir {ns.checkpoint_dir} is a file; give a folder")
+    if ns.resume == "" and ns.checkpoint_dir is None:
+        raise HarmonyError("--resume without a path needs --checkpoint-dir DIR (or give --resume PATH)")
+    if ns.resume:
+        checkpoint.latest(ns.resume)  # a missing or empty location is refused now, not after compiling
+
+
+def _seed_everything(seed: int) -> None:
+    """Seed the global generators of torch, numpy and Python that a model file's build_model and
+    get_batch may draw from (compiling drew from them already)."""
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
 def _cmd_run(ns: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from harmony.running import run_report, train
+    from harmony.running import Checkpointer, run_report, train
+    from harmony.runtime.spmd import under_torchrun
     from harmony.trainer import Trainer
 
-    if ns.iters < 1:
-        raise HarmonyError(f"--iters must be at least 1, got {ns.iters}")
-    from harmony.runtime.spmd import under_torchrun
-
+    _check_run_args(ns)
     if under_torchrun():
+        if ns.checkpoint_every or ns.resume is not None:
+            raise HarmonyError("--checkpoint-every and --resume are not supported under torchrun yet; run without torchrun")
         return _cmd_run_spmd(ns)
     plan, mf = _plan_for_run(ns)
-    torch.manual_seed(ns.seed)  # the initial weights too: two identical runs train identically
+    _seed_everything(ns.seed)  # the initial weights and the batches too: two identical runs train identically
     model = mf.build_model()
     if any(p.is_meta for p in model.parameters()):
         raise HarmonyError(f"{mf.path}: build_model() made a model on the meta device; training needs real weights")
+    if ns.checkpoint_dir is not None:
+        ns.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    saver = ns.checkpointer = Checkpointer(ns.checkpoint_dir, ns.checkpoint_every)
     with Trainer(plan, optimizer=mf.build_optimizer, loss_fn=mf.loss_fn, state_dict=model.state_dict(),
                  seed=ns.seed, timeout=ns.timeout) as trainer:
         del model
+        if ns.resume is not None:
+            path = checkpoint.latest(ns.resume or ns.checkpoint_dir)
+            saver.start = trainer.load_checkpoint(path)
+            console.print(f"resuming from {path} at step {saver.start}")
+        todo = ns.iters - trainer.iteration
+        if todo <= 0:
+            console.print(f"the checkpoint is at step {trainer.iteration}, --iters {ns.iters} is reached; nothing to train")
+            return 0
         columns = (TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
                    TimeElapsedColumn())
         with Progress(*columns, console=console, transient=False) as bar:
-            job = bar.add_task("train", total=ns.iters, stats="")
+            job = bar.add_task("train", total=ns.iters, completed=trainer.iteration, stats="")
 
             def on_step(step: int, loss: float, seconds: float) -> None:
                 bar.update(job, advance=1, stats=f"loss {loss:.4f}  {plan.tasks.minibatch / seconds:,.1f} samples/s")
 
-            train(trainer, mf.get_batch, ns.iters, on_step)
-        report = run_report(plan, trainer.history)
+            train(trainer, mf.get_batch, todo, on_step, saver)
+        if ns.checkpoint_dir is not None and (saver.last is None or saver.last[1] != trainer.iteration):
+            saver.save(trainer)  # the final state too, when the last step was not a multiple of K
+        report = run_report(plan, trainer.history, first=saver.start)
         if ns.checkpoint:
             trainer.save_checkpoint(ns.checkpoint)
     _finish_run(ns, report)
@@ -281,15 +329,9 @@ def _plan_for_run(ns: argparse.Namespace):
 
 
 def _read_manifest(directory: Path) -> dict:
-    import json
+    from harmony.plan import read_manifest
 
-    path = Path(directory) / "manifest.json"
-    if not path.is_file():
-        raise HarmonyError(f"{directory} is not a complete plan (no manifest.json); compile it again")
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise HarmonyError(f"{path} is corrupt ({exc}); compile the plan again") from exc
+    return read_manifest(directory)
 
 
 def _print_run(report: dict) -> None:
@@ -487,6 +529,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="plan directory to compile into (default: the cache)")
     p.add_argument("--report", type=Path, help="run report to write (default: run.json in the plan directory)")
     p.add_argument("--checkpoint", type=Path, help="save a checkpoint here after the last iteration")
+    p.add_argument("--checkpoint-every", type=int, metavar="K",
+                   help="save a checkpoint every K iterations (and after the last) into --checkpoint-dir")
+    p.add_argument("--checkpoint-dir", type=Path, metavar="DIR",
+                   help="folder of the checkpoints step-NNNNNN.pt and latest.json, which names the newest complete one; "
+                   "the two newest are kept")
+    p.add_argument("--resume", nargs="?", const="", metavar="PATH|DIR",
+                   help="continue from a checkpoint (a file, or the newest in a folder; default --checkpoint-dir) up to "
+                   "--iters iterations in all; the losses are those of a run never stopped")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds a worker may wait for another before the run is declared stalled (default 600)")
     p.set_defaults(func=_cmd_run)
@@ -552,15 +602,60 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(ns, "batch_size", 1) is not None and getattr(ns, "batch_size", 1) < 1:
         parser.error("--batch-size must be a positive integer")
     try:
-        return ns.func(ns)
+        with _signals_raise():
+            return ns.func(ns)
     except HarmonyError as exc:
         if ns.verbose:
             console.print_exception()
         console.print(f"[bold red]error:[/] {exc}", highlight=False)
         return 2
-    except KeyboardInterrupt:
-        console.print("interrupted")
-        return 130
+    except KeyboardInterrupt as exc:
+        signum = getattr(exc, "signum", signal.SIGINT)
+        saver = getattr(ns, "checkpointer", None)
+        where = f"; {saver.describe()}" if saver is not None else ""
+        console.print(f"interrupted by {signal.Signals(signum).name}{where}", highlight=False)
+        return 128 + signum
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM, raised in the main thread so that ``with`` blocks close the trainer (which
+    stops and joins every worker) on the way out."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_raise():
+    """While a command runs, SIGINT and SIGTERM raise ``Interrupted`` once, in this process only:
+    a second signal during the shutdown is logged and ignored so the workers are still joined, and
+    a process forked meanwhile (a worker) keeps the default behaviour."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    owner = os.getpid()
+    fired: list[int] = []
+
+    def handler(signum: int, frame) -> None:
+        if os.getpid() != owner:  # a forked worker: behave as if no handler were installed
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if fired:
+            log.warning("%s received while shutting down; still stopping the workers", signal.Signals(signum).name)
+            return
+        fired.append(signum)
+        raise Interrupted(signum)
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 if __name__ == "__main__":

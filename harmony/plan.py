@@ -27,7 +27,7 @@ from harmony.decomposer.layer_graph import LayerGraph
 from harmony.errors import FormatError, HarmonyError
 from harmony.modelfile import source_hash
 from harmony.scheduler.profiles import PROFILE_FILE, Profile
-from harmony.scheduler.tasks import TaskGraph
+from harmony.scheduler.tasks import HOST, TaskGraph
 
 SCHEMA_VERSION = 1
 KIND = "plan"
@@ -80,7 +80,7 @@ class Plan:
             "schema": {"plan": SCHEMA_VERSION}, "model_file": self.model_file, "model_sha256": self.model_sha256,
             "options": self.options,
         }
-        serialization.atomic_write_bytes(directory / MANIFEST, json.dumps(manifest, indent=2, default=str).encode())
+        serialization.atomic_write_bytes(directory / MANIFEST, serialization.json_seal(manifest))
         return directory
 
     @classmethod
@@ -88,13 +88,7 @@ class Plan:
         """Read a plan directory, checking that its parts belong together and, given the model
         file, that the model has not changed since the plan was compiled."""
         directory = Path(directory)
-        manifest_path = directory / MANIFEST
-        if not manifest_path.is_file():
-            raise FormatError(f"{directory} is not a complete plan (no {MANIFEST}); compile it again")
-        try:
-            manifest = json.loads(manifest_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise FormatError(f"{manifest_path} is corrupt ({exc}); compile the plan again") from exc
+        manifest = read_manifest(directory)
         if model_file is not None:
             now = source_hash(Path(model_file))
             if manifest.get("model_sha256") != now:
@@ -102,15 +96,28 @@ class Plan:
                     f"{model_file} changed since the plan in {directory} was compiled "
                     f"(SHA-256 {str(manifest.get('model_sha256'))[:12]}… then, {now[:12]}… now); run harmony compile again"
                 )
+        source = str(directory / PLAN_FILE)
         body = serialization.load(directory / PLAN_FILE, KIND, SCHEMA_VERSION)
+        with serialization.decoding(source, "plan"):
+            _check_body(body)
+            tasks = TaskGraph.from_dict(body["tasks"])
+            _check_tasks(tasks)
         graph = LayerGraph.load(directory, device=device)
-        if body.get("graph_fingerprint") != graph.fingerprint():
-            raise StalePlanError(f"{directory}/graph.msgpack is not the graph this plan was made for; compile again")
+        if body["graph_fingerprint"] != graph.fingerprint():
+            raise StalePlanError(
+                f"{source} and {directory / 'graph.msgpack'} do not belong together (the plan was made for layer graph "
+                f"{body['graph_fingerprint'][:12]}…, the graph is {graph.fingerprint()[:12]}…); compile again")
         profile = Profile.load(directory / PROFILE_FILE)
         if profile.graph_hash and profile.graph_hash != graph.fingerprint():
             raise StalePlanError(f"{directory}/{PROFILE_FILE} was made for another layer graph; compile again")
+        if json.loads(json.dumps(body.get("options", {}), default=str)) != manifest.get("options", {}):
+            raise StalePlanError(f"{source} was compiled with other options than {directory / MANIFEST} names; "
+                                 "compile again")
+        if len(profile.layers) != len(graph.layers) or any(t.last >= len(graph.layers) for t in tasks.tasks):
+            raise StalePlanError(f"{source} does not fit its graph and profile ({len(graph.layers)} layers, "
+                                 f"{len(profile.layers)} profiled); compile again")
         return cls(
-            graph=graph, profile=profile, tasks=TaskGraph.from_dict(body["tasks"]), estimate=body["estimate"],
+            graph=graph, profile=profile, tasks=tasks, estimate=body["estimate"],
             options=body.get("options", {}), comparison=body.get("comparison", []),
             model_file=manifest.get("model_file", ""), model_sha256=manifest.get("model_sha256", ""),
             search=body.get("search", {}),
@@ -148,3 +155,50 @@ class Plan:
                 )
         lines += ["", "## Tasks", "", "```", self.tasks.to_text().rstrip(), "```", ""]
         return "\n".join(lines)
+
+
+# the plan body's fields and their types; anything else is a file this version cannot read
+_BODY_TYPES = {"graph_fingerprint": str, "tasks": dict, "estimate": dict, "options": dict, "comparison": list,
+               "search": dict}
+
+
+def _check_body(body: Any) -> None:
+    if not isinstance(body, dict):
+        raise FormatError(f"the body is a {type(body).__name__}, not a mapping")
+    for key, kind in _BODY_TYPES.items():
+        if key in ("options", "comparison", "search") and key not in body:
+            continue
+        if not isinstance(body.get(key), kind):
+            raise FormatError(f"field {key!r} is missing or not a {kind.__name__}")
+
+
+def _check_tasks(tasks: TaskGraph) -> None:
+    """The numbers the runtime indexes with are integers in range (the task graph's own reader
+    checks the structure, not the values)."""
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in (tasks.devices, tasks.minibatch)):
+        raise FormatError(f"the device count {tasks.devices!r} and minibatch {tasks.minibatch!r} must be positive integers")
+    for t in tasks.tasks:
+        numbers = (t.id, t.device, t.first, t.last, t.offset, *t.microbatches)
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in numbers) \
+                or not HOST <= t.device < tasks.devices or not 0 <= t.first <= t.last:
+            raise FormatError(f"task {t.id!r} has an out-of-range or non-integer device, layer or microbatch")
+
+
+def read_manifest(directory: str | Path) -> dict[str, Any]:
+    """The plan directory's manifest, refused by name when missing, damaged, edited or of another
+    schema version; the other files are only read once it is good."""
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise FormatError(f"{directory} is not a complete plan (no {MANIFEST}); compile it again")
+    manifest = serialization.json_open(path.read_bytes(), str(path))
+    schema = manifest.get("schema")
+    version = schema.get("plan") if isinstance(schema, dict) else None
+    if version != SCHEMA_VERSION:
+        raise FormatError(f"{path} is of plan schema version {version}, this Harmony reads version {SCHEMA_VERSION}; "
+                          "compile the plan again")
+    for key in ("model_file", "model_sha256"):
+        if not isinstance(manifest.get(key, ""), str):
+            raise FormatError(f"{path} is corrupt: {key!r} is not a string; compile the plan again")
+    if not isinstance(manifest.get("options", {}), dict):
+        raise FormatError(f"{path} is corrupt: 'options' is not a mapping; compile the plan again")
+    return manifest

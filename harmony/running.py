@@ -14,6 +14,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Callable
 
+from harmony import checkpoint
 from harmony.plan import Plan
 from harmony.runtime.launcher import StepResult
 
@@ -28,9 +29,10 @@ def cache_dir(model_sha256: str, options: dict[str, Any], root: Path = CACHE_DIR
     return root / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def run_report(plan: Plan, history: list[StepResult], warmup: int = 1) -> dict[str, Any]:
+def run_report(plan: Plan, history: list[StepResult], warmup: int = 1, first: int = 0) -> dict[str, Any]:
     """Measured figures beside the plan's estimates; the first ``warmup`` iterations (process and
-    allocator start-up) are left out of the mean time."""
+    allocator start-up) are left out of the mean time. ``first``: the step of ``history[0]`` (not 0
+    when the run resumed from a checkpoint)."""
     est = plan.estimate or {}
     steady = history[warmup:] or history
     mean = statistics.fmean(r.seconds for r in steady) if steady else float("nan")
@@ -58,7 +60,7 @@ def run_report(plan: Plan, history: list[StepResult], warmup: int = 1) -> dict[s
     return {
         "mode": plan.tasks.mode, "devices": plan.tasks.devices, "minibatch": plan.tasks.minibatch,
         "configuration": str(plan.tasks.config),
-        "iterations": [{"iteration": i, "loss": r.loss, "seconds": r.seconds} for i, r in enumerate(history)],
+        "iterations": [{"iteration": i, "loss": r.loss, "seconds": r.seconds} for i, r in enumerate(history, first)],
         "mean_iteration_seconds": mean, "estimated_iteration_seconds": estimated,
         "relative_error": (estimated - mean) / mean if estimated and mean else None,
         "samples_per_second": plan.tasks.minibatch / mean if mean else None,
@@ -82,11 +84,46 @@ def write_report(path: Path, report: dict[str, Any]) -> None:
     serialization.atomic_write_bytes(path, json.dumps(report, indent=2, default=str).encode())
 
 
-def train(trainer, get_batch: Callable[[int, int], tuple], iterations: int, on_step: Callable[[int, float, float], None]) -> None:
-    """``iterations`` steps on the model file's batches, from the trainer's current iteration."""
+class Checkpointer:
+    """Saves the trainer every ``every`` steps into ``directory`` (``checkpoint.step_path``), moving
+    ``latest.json`` to each complete file, and remembers the last one for the message an
+    interrupted run prints."""
+
+    def __init__(self, directory: Path | None, every: int | None, start: int = 0) -> None:
+        self.directory, self.every = directory, every
+        self.start = start  # the step the run began at (a resumed run: the checkpoint's)
+        self.last: tuple[Path, int] | None = None
+
+    def after_step(self, trainer) -> None:
+        if self.directory is not None and self.every and trainer.iteration % self.every == 0:
+            self.save(trainer)
+
+    def save(self, trainer) -> Path:
+        """A checkpoint of the trainer's current step, published once complete."""
+        step = trainer.iteration
+        path = trainer.save_checkpoint(checkpoint.step_path(self.directory, step))
+        checkpoint.publish(self.directory, path, step)
+        self.last = (path, step)
+        log.info("checkpoint %s (step %d)", path, step)
+        return path
+
+    def describe(self) -> str:
+        """Where a run stopped now would resume from, in words."""
+        if self.last is None:
+            return f"no checkpoint written since step {self.start}"
+        path, step = self.last
+        return f"the last checkpoint is {path} (step {step}); continue with --resume {path.parent}"
+
+
+def train(trainer, get_batch: Callable[[int, int], tuple], iterations: int, on_step: Callable[[int, float, float], None],
+          checkpointer: Checkpointer | None = None) -> None:
+    """``iterations`` steps on the model file's batches, from the trainer's current iteration,
+    checkpointing as ``checkpointer`` says."""
     minibatch = trainer.plan.tasks.minibatch
     for _ in range(iterations):
         step = trainer.iteration
         inputs, target = get_batch(minibatch, step)
         loss = trainer.step(inputs, target)
         on_step(step, loss, trainer.history[-1].seconds)
+        if checkpointer is not None:
+            checkpointer.after_step(trainer)

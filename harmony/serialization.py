@@ -7,15 +7,20 @@ instead of failing deep inside msgpack or, worse, loading garbage. Nothing here 
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
+import json
 import os
 import tempfile
+import types
+import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import msgpack
 
-from harmony.errors import FormatError
+from harmony.errors import FormatError, HarmonyError
 
 MAGIC = "harmony"
 
@@ -80,3 +85,94 @@ def load(path: str | Path, kind: str, version: int) -> Any:
     if not path.is_file():
         raise FormatError(f"{path} does not exist")
     return loads(path.read_bytes(), kind, version, source=str(path))
+
+
+# the exceptions that reading a structure of the wrong shape raises: a missing key, a list where a
+# mapping belongs, a string where a number belongs, an unknown enum value
+MALFORMED = (KeyError, TypeError, ValueError, AttributeError, IndexError)
+
+
+@contextlib.contextmanager
+def decoding(source: str, what: str) -> Iterator[None]:
+    """Turn any sign of a body of the wrong shape, raised while building objects from it, into a
+    FormatError naming the file: a file whose checksum is right can still be malformed (written by
+    another program, or by hand), and the user must learn which file, not see a KeyError."""
+    try:
+        yield
+    except HarmonyError as exc:
+        if isinstance(exc, FormatError) and source in str(exc):
+            raise
+        raise FormatError(f"{source} is not a valid {what}: {exc}; re-create it") from exc
+    except MALFORMED as exc:
+        raise FormatError(f"{source} is not a valid {what} ({type(exc).__name__}: {exc}); re-create it") from exc
+
+
+_SCALARS = {int: (int,), float: (int, float), str: (str,), bool: (bool,), bytes: (bytes,)}
+
+
+def check_fields(cls: type, data: Any, what: str) -> dict:
+    """``data`` as the keyword arguments of dataclass ``cls``, each field of a plain type (int,
+    float, str, bool, bytes, list, dict, or optional) checked, so that a number that decodes as a
+    string fails here with the field's name instead of deep inside the scheduler."""
+    if not isinstance(data, dict):
+        raise FormatError(f"{what} must be a mapping, found {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        allowed = _allowed_types(hints.get(f.name))
+        value = data[f.name]
+        if allowed is None or (value is None and type(None) in allowed):
+            continue
+        if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+            raise FormatError(f"{what}: field {f.name!r} is a {type(value).__name__}, expected "
+                              f"{' or '.join(t.__name__ for t in allowed)}")
+    unknown = sorted(str(k) for k in data if k not in {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise FormatError(f"{what} has unknown field(s) {', '.join(unknown)}")
+    return data
+
+
+def _allowed_types(hint: Any) -> tuple[type, ...] | None:
+    """The runtime types a field annotated ``hint`` accepts, or None when not checked here."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        parts = [_allowed_types(a) for a in typing.get_args(hint)]
+        if any(p is None for p in parts):
+            return None
+        return tuple(t for p in parts for t in p)  # type: ignore[union-attr]
+    if hint is type(None):
+        return (type(None),)
+    if origin in (list, tuple) or hint in (list, tuple):
+        return (list, tuple)
+    if origin is dict or hint is dict:
+        return (dict,)
+    return _SCALARS.get(hint)
+
+
+def json_seal(obj: dict) -> bytes:
+    """``obj`` as indented JSON with a ``sha256`` field over its canonical form: JSON files are for
+    people to read, and the digest lets a reader tell an edited or damaged file from a good one."""
+    body = json.loads(json.dumps({k: v for k, v in obj.items() if k != "sha256"}, default=str))  # as read back
+    return json.dumps({**body, "sha256": _json_digest(body)}, indent=2, default=str).encode()
+
+
+def json_open(data: bytes, source: str) -> dict:
+    """The object of a file written by ``json_seal``, refused by name when it is not valid JSON, not
+    an object, has no digest, or its digest does not match (it was damaged or edited)."""
+    try:
+        obj = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise FormatError(f"{source} is corrupt ({exc})") from exc
+    if not isinstance(obj, dict):
+        raise FormatError(f"{source} is corrupt (a JSON {type(obj).__name__}, not an object)")
+    digest = obj.pop("sha256", None)
+    if not isinstance(digest, str):
+        raise FormatError(f"{source} has no checksum (written by an older Harmony, or edited)")
+    if _json_digest(obj) != digest:
+        raise FormatError(f"{source} is corrupt or was edited (checksum mismatch)")
+    return obj
+
+
+def _json_digest(obj: dict) -> str:
+    return _digest(json.dumps(obj, sort_keys=True, default=str).encode())

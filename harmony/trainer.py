@@ -13,12 +13,13 @@ The trainer owns the worker processes; ``close()`` (or leaving the ``with`` bloc
 from __future__ import annotations
 
 import logging
-import os
+import math
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from harmony import checkpoint
 from harmony.errors import HarmonyError
 from harmony.plan import Plan
 from harmony.runtime.executor import Batch
@@ -26,8 +27,6 @@ from harmony.runtime.hoststore import HostStore
 from harmony.runtime.launcher import Launcher, StepResult
 
 log = logging.getLogger(__name__)
-
-CHECKPOINT_VERSION = 1
 
 
 def _default_optimizer(params):
@@ -89,38 +88,65 @@ class Trainer:
         self.store.load_tensors(self.plan.graph, state_dict)
 
     def save_checkpoint(self, path: str | Path) -> Path:
-        """Weights, buffers, optimizer state and the iteration count, written atomically: the file
-        appears complete or not at all."""
-        path = Path(path)
+        """Weights, buffers, optimizer state, the step, the seed and the global random generators'
+        states, written atomically and sealed with a checksum (``harmony.checkpoint``): the file
+        appears complete or not at all. ``torch.load(path)["model"]`` loads into the original model."""
         body = {
-            "version": CHECKPOINT_VERSION, "graph": self.plan.graph.fingerprint(), "iteration": self.iteration,
-            "seed": self.seed, "model": self.state_dict(), "optimizer": self.store.optimizer_state(),
+            "version": checkpoint.VERSION, "graph": self.plan.graph.fingerprint(),
+            "model_sha256": self.plan.model_sha256 or "", "iteration": self.iteration, "seed": self.seed,
+            "model": self.state_dict(), "optimizer": self.store.optimizer_state(), "rng": checkpoint.capture_rng(),
         }
-        if not path.parent.is_dir():
-            raise HarmonyError(f"cannot save a checkpoint to {path}: the folder {path.parent} does not exist")
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        try:
-            torch.save(body, tmp)
-            os.replace(tmp, path)
-        except OSError as exc:
-            raise HarmonyError(f"cannot save a checkpoint to {path}: {exc}") from exc
-        finally:
-            tmp.unlink(missing_ok=True)
-        return path
+        return checkpoint.write(path, body)
 
-    def load_checkpoint(self, path: str | Path) -> None:
-        try:
-            body = torch.load(Path(path), weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same answer
-            raise HarmonyError(f"{path} is not a readable Harmony checkpoint ({type(exc).__name__}: {exc})") from exc
-        if not isinstance(body, dict) or body.get("version") != CHECKPOINT_VERSION:
-            raise HarmonyError(f"{path} is not a Harmony checkpoint of version {CHECKPOINT_VERSION}")
-        if body.get("graph") != self.plan.graph.fingerprint():
-            raise HarmonyError(f"{path} was saved for another model or decomposition; it does not fit this plan")
+    def load_checkpoint(self, path: str | Path, restore_rng: bool = True) -> int:
+        """Continue from a checkpoint of this model: its weights, optimizer state and step (the
+        runtime's dropout masks follow from the seed and the step) and, with ``restore_rng``, the
+        global random generators. A file that is damaged or was saved for another model or
+        decomposition is refused before anything changes. Returns the step."""
+        body = checkpoint.read(path)
+        if body["graph"] != self.plan.graph.fingerprint():
+            raise checkpoint.CheckpointError(
+                f"{path} was saved for another model or decomposition (layer graph {body['graph'][:12]}…, this plan's "
+                f"is {self.plan.graph.fingerprint()[:12]}…); resume with the model and options it was saved with")
+        if body["model_sha256"] and self.plan.model_sha256 and body["model_sha256"] != self.plan.model_sha256:
+            raise checkpoint.CheckpointError(
+                f"{path} was saved for another version of the model file (SHA-256 {body['model_sha256'][:12]}… then, "
+                f"{self.plan.model_sha256[:12]}… now); resume with the model file it was saved with")
+        problem = self._misfit(body)
+        if problem:
+            raise checkpoint.CheckpointError(f"{path} does not fit this model: {problem}")
         self.store.load_tensors(self.plan.graph, body["model"])
         self.store.load_optimizer_state(body["optimizer"])
-        self.launcher.iteration = int(body["iteration"])
-        self.seed = int(body.get("seed", self.seed))
+        if restore_rng:
+            checkpoint.restore_rng(body["rng"], str(path))
+        self.launcher.iteration = body["iteration"]
+        self.seed = body["seed"]
+        return body["iteration"]
+
+    def _misfit(self, body: dict[str, Any]) -> str:
+        """Why a checkpoint's tensors cannot be loaded into this trainer, or "": checked before
+        anything is copied, so that a refused checkpoint leaves the trainer as it was."""
+        graph, model = self.plan.graph, body["model"]
+        for name, spec in graph.state.items():
+            canon = graph.canonical(name)
+            names = [name, canon, *graph.ties.get(canon, [])]
+            found = next((model[n] for n in names if n in model), None)
+            if found is None:
+                if name not in graph.constants and (spec.kind == "parameter" or spec.persistent):
+                    return f"no value for {name!r}"
+            elif found.numel() != math.prod(spec.shape):
+                return f"{name!r} has shape {tuple(found.shape)}, the model's is {tuple(spec.shape)}"
+        params = set(self.store.layout.params)
+        for name, values in body["optimizer"].items():
+            if name not in params or not isinstance(values, dict):
+                return f"optimizer state for {name!r}, which is not a parameter of this model"
+            if not values:
+                continue
+            for key, view in self.store.state(name).items():
+                value = values.get(key)
+                if not isinstance(value, torch.Tensor) or value.numel() != view.numel():
+                    return f"the optimizer state {key!r} of {name!r} is missing or of another size"
+        return ""
 
     # ------------------------------------------------------------ lifetime
     def close(self) -> None:

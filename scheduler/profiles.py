@@ -253,25 +253,32 @@ class Profile:
 
     @classmethod
     def from_dict(cls, body: dict) -> "Profile":
+        """The profile of ``to_dict``'s plain data; a body of the wrong shape is a FormatError naming
+        the field (files come from outside)."""
+        check = serialization.check_fields
         try:
-            layers = [
-                LayerProfile(
-                    **{k: v for k, v in layer.items() if k not in ("fwd_samples", "bwd_samples")},
-                    fwd_samples=[LayerSample(**s) for s in layer["fwd_samples"]],
-                    bwd_samples=[LayerSample(**s) for s in layer["bwd_samples"]],
-                )
-                for layer in body["layers"]
-            ]
+            check(Profile, body, "profile")
+            layers = []
+            for i, layer in enumerate(body["layers"]):
+                check(LayerProfile, layer, f"layer {i}")
+                samples = {key: [LayerSample(**check(LayerSample, s, f"layer {i} {key}")) for s in layer[key]]
+                           for key in ("fwd_samples", "bwd_samples")}
+                layers.append(LayerProfile(**{**layer, **samples}))
             machine = Machine.from_dict(body["machine"]) if body.get("machine") else None
-            ties = [TiedWeight(**t) for t in body.get("ties", [])]
-            return cls(**{k: v for k, v in body.items() if k not in ("layers", "machine", "ties")}, layers=layers,
-                       machine=machine, ties=ties)
-        except (KeyError, TypeError) as exc:
+            ties = [TiedWeight(**check(TiedWeight, t, f"tie {i}")) for i, t in enumerate(body.get("ties", []))]
+            profile = cls(**{k: v for k, v in body.items() if k not in ("layers", "machine", "ties")}, layers=layers,
+                          machine=machine, ties=ties)
+        except serialization.MALFORMED as exc:
             raise FormatError(f"profile is malformed ({type(exc).__name__}: {exc})") from exc
+        if any(layer.index != i or not layer.fwd_samples or not layer.bwd_samples for i, layer in enumerate(layers)):
+            raise FormatError("profile is malformed (layers out of order, or a layer without samples)")
+        return profile
 
     def save(self, path: str | Path) -> None:
         serialization.save(path, KIND, SCHEMA_VERSION, self.to_dict())
 
     @classmethod
     def load(cls, path: str | Path) -> "Profile":
-        return cls.from_dict(serialization.load(path, KIND, SCHEMA_VERSION))
+        body = serialization.load(path, KIND, SCHEMA_VERSION)
+        with serialization.decoding(str(path), "profile"):
+            return cls.from_dict(body)
