@@ -128,6 +128,15 @@ class Device(ABC):
     def empty_cache(self) -> None:
         """Give cached, unused memory back (between profiling runs)."""
 
+    def pin_host(self, region: torch.Tensor) -> bool:
+        """Page-lock a host region that copies go to and from all run long (the host store, the
+        message slabs), so that they are DMA transfers overlapping compute; False where there is
+        nothing to do (an emulated device) or it failed."""
+        return False
+
+    def unpin_host(self) -> None:
+        """Undo every ``pin_host`` (before the regions are unmapped)."""
+
     def stream_setup(self) -> None:
         """Called once on each stream thread: give the thread a stream of its own (CUDA)."""
 
@@ -227,6 +236,7 @@ class CudaDevice(Device):
         self.name = name or f"cuda:{index}"
         free, total = torch.cuda.mem_get_info(self.torch_device)
         self.capacity = free if capacity is None else int(capacity)
+        self._pinned: list[tuple[int, int]] = []  # page-locked host regions: [start, end) addresses
         if capacity is not None and capacity < total:
             torch.cuda.set_per_process_memory_fraction(capacity / total, self.torch_device)
         log.debug("%s: capacity %d of %d bytes (%d free)", self.name, self.capacity, total, free)
@@ -263,7 +273,35 @@ class CudaDevice(Device):
         return _CudaEventTimer(self.torch_device)
 
     def to_device(self, t: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
-        return t.to(self.torch_device, non_blocking=non_blocking)
+        # from page-locked memory the copy is asynchronous on the calling thread's stream; a stream
+        # job synchronizes its stream before its result is used (stream_sync)
+        return t.to(self.torch_device, non_blocking=non_blocking or self._is_pinned(t))
+
+    def _is_pinned(self, t: torch.Tensor) -> bool:
+        if t.device.type != "cpu" or not self._pinned:
+            return False
+        ptr = t.data_ptr()
+        return any(start <= ptr < end for start, end in self._pinned)
+
+    def pin_host(self, region: torch.Tensor) -> bool:
+        """The pool of pinned host memory is the run's own shared regions, registered once
+        (cudaHostRegister, as torch.distributed.checkpoint pins shared memory): no per-copy
+        staging buffer, no pinned allocation per swap."""
+        nbytes = region.numel() * region.element_size()
+        if nbytes == 0:
+            return False
+        code = int(torch.cuda.cudart().cudaHostRegister(region.data_ptr(), nbytes, 1))  # portable
+        if code != 0:
+            log.warning("%s: could not page-lock %d bytes of host memory (cudaError %d); copies to and from it "
+                        "will be staged by the driver and not overlap compute", self.name, nbytes, code)
+            return False
+        self._pinned.append((region.data_ptr(), region.data_ptr() + nbytes))
+        return True
+
+    def unpin_host(self) -> None:
+        for start, _ in self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(start)
+        self._pinned.clear()
 
     def to_host(self, t: torch.Tensor, pinned: bool = False) -> torch.Tensor:
         if not pinned:

@@ -232,10 +232,14 @@ class Executor:
         self._out_spec = layers.out_spec()
         self._activity: dict[int, str] = {}  # thread -> what it waits for, published to shared.status
         self._activity_lock = threading.Lock()
+        device.pin_host(store.buffer)
+        for slab in (slabs.buffers.values() if slabs is not None else ()):
+            device.pin_host(slab)
 
     def close(self) -> None:
         for stream in (self.swap_in, self.swap_out, self.p2p_in, self.p2p_out):
             stream.close()
+        self.device.unpin_host()
 
     @contextlib.contextmanager
     def _waiting_for(self, what: str):

@@ -39,3 +39,19 @@ def test_cuda_training_matches_eager_reference(mode):
     assert losses == pytest.approx(expected, rel=1e-7)
     for name, want in reference.state_dict().items():
         assert torch.allclose(state[name], want, rtol=1e-6, atol=1e-9), name
+
+
+def test_pinned_host_regions_make_copies_from_them_asynchronous():
+    from harmony.runtime.device import CudaDevice
+
+    device = CudaDevice(0)
+    region = torch.zeros(1 << 20, dtype=torch.uint8).share_memory_()
+    assert device.pin_host(region)
+    view = region[4096:8192]
+    assert view.is_pinned() and device._is_pinned(view)
+    assert not device._is_pinned(torch.zeros(16))
+    out = device.to_device(view)
+    torch.cuda.synchronize()
+    assert out.is_cuda and out.shape == view.shape
+    device.unpin_host()
+    assert not device._is_pinned(view)
