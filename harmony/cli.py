@@ -169,8 +169,8 @@ def _check_run_args(ns: argparse.Namespace) -> None:
         raise HarmonyError(f"--checkpoint-dir {ns.checkpoint_dir} is a file; give a folder")
     if ns.resume == "" and ns.checkpoint_dir is None:
         raise HarmonyError("--resume without a path needs --checkpoint-dir DIR (or give --resume PATH)")
-    if ns.resume:
-        checkpoint.latest(ns.resume)  # a missing or empty location is refused now, not after compiling
+    if ns.resume is not None:
+        checkpoint.latest(ns.resume or ns.checkpoint_dir)  # nothing to resume from is refused before compiling
 
 
 def _seed_everything(seed: int) -> None:
@@ -613,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
         signum = getattr(exc, "signum", signal.SIGINT)
         saver = getattr(ns, "checkpointer", None)
         where = f"; {saver.describe()}" if saver is not None else ""
-        console.print(f"interrupted by {signal.Signals(signum).name}{where}", highlight=False)
+        console.print(f"interrupted by {signal.Signals(signum).name}{where}", highlight=False, soft_wrap=True)
         return 128 + signum
 
 
