@@ -148,9 +148,12 @@ class Slabs:
     fit (the plan's sizes are interpolated) travels in a segment of its own.
     """
 
-    def __init__(self, sizes: dict[tuple[int, int], int], prefix: str | None = None, create: bool = True) -> None:
+    def __init__(self, sizes: dict[tuple[int, int], int], prefix: str | None = None, create: bool = True,
+                 spill: Callable[[torch.Tensor], torch.Tensor] = shared_copy) -> None:
         """``prefix``: the slabs are the files ``<prefix>-slab-<src>-<dst>`` (torchrun's workers,
-        which are not forked from one parent, map them by name)."""
+        which are not forked from one parent, map them by name). ``spill``: what a tensor without
+        room in a slab (or without a slab: a pair on two hosts) travels as; a shared-memory copy
+        by default, the tensor itself where the message is serialized at once (torchrun)."""
         def make(pair: tuple[int, int], n: int) -> torch.Tensor:
             size = max(int(n), _ALIGN)
             if prefix is None:
@@ -158,6 +161,7 @@ class Slabs:
             return torch.from_file(f"{prefix}-slab-{pair[0]}-{pair[1]}", shared=True, size=size, dtype=torch.uint8)
 
         self.buffers = {pair: make(pair, n) for pair, n in sizes.items() if n > 0}
+        self.spill = spill
         self._used: dict[tuple[int, int], int] = {}
         self._lock = threading.Lock()
 
@@ -166,6 +170,7 @@ class Slabs:
 
     def __setstate__(self, state: dict) -> None:
         self.buffers = state["buffers"]
+        self.spill = shared_copy
         self._used = {}
         self._lock = threading.Lock()
 
@@ -196,7 +201,7 @@ class Slabs:
             nbytes = v.numel() * v.element_size()
             offset = self._claim((src, dst), nbytes)
             if offset is None:
-                items.append(("tensor", shared_copy(v)))
+                items.append(("tensor", self.spill(v)))
                 continue
             view = self.buffers[(src, dst)][offset:offset + nbytes].view(v.dtype).view(v.shape)
             with torch.no_grad():

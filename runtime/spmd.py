@@ -15,11 +15,14 @@ refused with a message saying so.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import socket
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -33,7 +36,8 @@ from harmony.runtime.channels import Aborted, Slabs
 from harmony.runtime.device import CpuDevice, CudaDevice
 from harmony.runtime.executor import Batch, Executor, IterationResult, Shared, host_update
 from harmony.runtime.hoststore import HostStore, Layout
-from harmony.runtime.launcher import StepResult, slab_sizes, working_memory
+from harmony.runtime.launcher import StepResult, WorkerError, slab_sizes, working_memory
+from harmony.runtime.replication import PeerWatch, ReplicatedShared, Replicator, task_writes
 from harmony.runtime.routes import build_routes
 from harmony.scheduler.tasks import HOST
 
@@ -128,6 +132,38 @@ def _name(key: tuple) -> str:
     return "harmony/msg/" + "/".join(str(part) for part in key)
 
 
+@dataclass
+class Topology:
+    """Which ranks share a host: a node (one torchrun agent, one ``/dev/shm``, one host store)."""
+
+    rank: int
+    node: int  # this rank's node; node 0 holds rank 0
+    nodes: list[list[int]]  # global ranks per node, lowest first
+
+    @property
+    def leader(self) -> bool:
+        """The node's lowest rank: it makes the node's files and applies the other nodes' writes."""
+        return self.rank == self.nodes[self.node][0]
+
+    @property
+    def leaders(self) -> list[int]:
+        return [ranks[0] for ranks in self.nodes]
+
+    def node_of(self, rank: int) -> int:
+        return next(i for i, ranks in enumerate(self.nodes) if rank in ranks)
+
+
+def topology(rank: int, world: int) -> Topology:
+    """Nodes by host name and torchrun's node rank (``GROUP_RANK``): two node ranks on one machine
+    (the loopback test) are two nodes, each with files of its own."""
+    here = f"{socket.gethostname()}/{os.environ.get('GROUP_RANK', '')}"
+    names: list[str | None] = [None] * world
+    dist.all_gather_object(names, here)
+    order = list(dict.fromkeys(names))
+    nodes = [[r for r in range(world) if names[r] == name] for name in order]
+    return Topology(rank, order.index(here), nodes)
+
+
 def run_spmd(plan, loss_fn: Callable, build_optimizer: Callable, get_batch: Callable, build_model: Callable,
              iterations: int, seed: int = 0, timeout: float = 600.0,
              on_step: Callable[[int, float, float], None] = lambda step, loss, seconds: None) -> list[StepResult]:
@@ -136,47 +172,99 @@ def run_spmd(plan, loss_fn: Callable, build_optimizer: Callable, get_batch: Call
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if local_world != world:
-        raise HarmonyError(f"this run spans hosts ({world} ranks, {local_world} on this host); Harmony keeps master "
-                           "weights in one host's shared memory and runs on one host only for now")
     if world != plan.tasks.devices:
         raise HarmonyError(f"the plan is for {plan.tasks.devices} device(s) but torchrun started {world} process(es); "
-                           f"use --nproc-per-node {plan.tasks.devices}")
+                           f"start {plan.tasks.devices} in all (--nnodes times --nproc-per-node)")
+    topo = topology(rank, world)
     store = dist.distributed_c10d._get_default_store()
     graph, tasks = plan.graph, plan.tasks
     routes = build_routes(tasks, graph)
     token = [uuid.uuid4().hex[:12] if rank == 0 else None]
     dist.broadcast_object_list(token, src=0)
-    prefix = os.path.join(SHM_DIR, f"harmony-{token[0]}")
-    sizes = slab_sizes(tasks, routes)
+    prefix = os.path.join(SHM_DIR, f"harmony-{token[0]}-node{topo.node}")
+    sizes = {pair: n for pair, n in slab_sizes(tasks, routes).items()
+             if topo.node_of(pair[0]) == topo.node_of(pair[1]) == topo.node}
     files = [f"{prefix}-store", f"{prefix}-flags", f"{prefix}-shared"] + [f"{prefix}-slab-{a}-{b}" for a, b in sizes]
     try:
-        if rank == 0:
-            torch.manual_seed(seed)
-            host = HostStore.create(graph, world, build_optimizer, build_model().state_dict(), path=prefix)
-            shared = Shared.create(len(tasks.tasks), path=f"{prefix}-shared")
-            layout = [host.layout.to_dict()]
-        else:
-            layout = [None]
-        dist.broadcast_object_list(layout, src=0)
-        if rank != 0:
-            host = HostStore.open(Layout.from_dict(layout[0]), prefix)
-            shared = Shared.create(len(tasks.tasks), path=f"{prefix}-shared", create=False)
-        slabs = Slabs(sizes, prefix=prefix, create=rank == 0)
-        dist.barrier()
-        return _train(rank, world, plan, routes, host, shared, slabs, store, loss_fn, build_optimizer, get_batch,
-                      iterations, seed, timeout, on_step)
+        host, shared, slabs = _node_state(topo, plan, build_optimizer, build_model, seed, prefix, sizes)
+        if topo.leader:
+            _remove(files)  # every rank of the node mapped them: the memory lives on, the names go
+        replicator, watch = _replication(topo, plan, routes, store, host, shared, timeout)
+        history = _train(topo, plan, routes, host, shared, slabs, store, replicator, loss_fn, build_optimizer,
+                         get_batch, iterations, seed, timeout, on_step)
+        if replicator is not None:
+            replicator.close()
+        if watch is not None:
+            watch.close()
+        return history
     finally:
-        dist.barrier()
-        if rank == 0:
-            for path in files:
-                if os.path.exists(path):
-                    os.unlink(path)
+        _remove(files)
 
 
-def _train(rank, world, plan, routes, host, shared, slabs, store, loss_fn, build_optimizer, get_batch,
+def _node_state(topo: Topology, plan, build_optimizer: Callable, build_model: Callable, seed: int, prefix: str,
+                sizes: dict[tuple[int, int], int]) -> tuple[HostStore, Shared, Slabs]:
+    """This node's host store, flags and slabs: made by the node's lowest rank (rank 0 builds the
+    initial weights, and sends them to the other nodes' stores), mapped by the others."""
+    graph, tasks = plan.graph, plan.tasks
+    world = sum(len(ranks) for ranks in topo.nodes)
+    kind = ReplicatedShared if len(topo.nodes) > 1 else Shared
+    host = shared = None
+    layout: list[Any] = [None]
+    if topo.rank == 0:
+        torch.manual_seed(seed)
+        host = HostStore.create(graph, world, build_optimizer, build_model().state_dict(), path=prefix)
+        layout = [host.layout.to_dict()]
+    dist.broadcast_object_list(layout, src=0)
+    if topo.leader:
+        if host is None:
+            host = HostStore.open(Layout.from_dict(layout[0]), prefix)
+        shared = kind.create(len(tasks.tasks), path=f"{prefix}-shared")
+        for leader in topo.leaders[1:]:  # the same initial state on every node
+            for tensor in (host.buffer, host.flags):
+                if topo.rank == 0:
+                    dist.send(tensor, dst=leader)
+                elif topo.rank == leader:
+                    dist.recv(tensor, src=0)
+    dist.barrier()
+    if not topo.leader:
+        host = HostStore.open(Layout.from_dict(layout[0]), prefix)
+        shared = kind.create(len(tasks.tasks), path=f"{prefix}-shared", create=False)
+    slabs = Slabs(sizes, prefix=prefix, create=topo.leader, spill=_detached)
+    dist.barrier()
+    return host, shared, slabs
+
+
+def _replication(topo: Topology, plan, routes, store, host: HostStore, shared: Shared,
+                 timeout: float) -> tuple[Replicator | None, PeerWatch | None]:
+    """On more than one node: the replicator of this rank's writes and, in each node's lowest rank,
+    the watch on the other nodes' (see ``replication.py``). Nothing on one node."""
+    if len(topo.nodes) == 1:
+        return None, None
+    writes = {t.id: task_writes(t, routes, plan.graph, host) for t in plan.tasks.tasks}
+    group = dist.new_group(ranks=topo.leaders, backend="gloo")
+    replicator = Replicator(store, topo.rank, topo.node, topo.nodes, host, shared, writes, timeout)
+    shared.attach(replicator)
+    watch = None
+    if topo.leader:
+        watch = PeerWatch(group, [r for r in topo.leaders if r != topo.rank], replicator.lost)
+    dist.barrier()
+    return replicator, watch
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    """A tensor without a slab travels as itself: ``StorePeer`` serializes it at once."""
+    return t.detach().cpu()
+
+
+def _remove(files: list[str]) -> None:
+    for path in files:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _train(topo: Topology, plan, routes, host, shared, slabs, store, replicator, loss_fn, build_optimizer, get_batch,
            iterations, seed, timeout, on_step) -> list[StepResult]:
+    rank, world = topo.rank, sum(len(ranks) for ranks in topo.nodes)
     tasks = plan.tasks
     capacity = plan.options.get("device_memory") or plan.profile.capacity
     torch.set_num_threads(1)  # as the profile measured an emulated device
@@ -185,14 +273,15 @@ def _train(rank, world, plan, routes, host, shared, slabs, store, loss_fn, build
     mailbox = StoreMailbox(store, shared.aborted)
     executor = Executor(rank, device, plan.graph, routes, host, shared, mailbox, [StorePeer(store)] * world,
                         loss_fn, build_optimizer, seed, timeout, working_memory(tasks, plan.profile), slabs)
+    fail = replicator.fail if replicator is not None else lambda reason: shared.set_abort()
     history: list[StepResult] = []
+    errors: list[BaseException] = []
     try:
         for step in range(iterations):
             inputs, target = get_batch(tasks.minibatch, step)
             inputs = list(inputs) if isinstance(inputs, (tuple, list)) else [inputs]
             batch = Batch(inputs=inputs, target=target, size=tasks.minibatch, seed=seed)
             start = time.perf_counter()
-            errors: list[BaseException] = []
             updater = None
             if rank == 0:
                 updater = threading.Thread(target=_host_tasks, args=(plan, routes, host, shared, build_optimizer,
@@ -202,7 +291,9 @@ def _train(rank, world, plan, routes, host, shared, slabs, store, loss_fn, build
             if updater is not None:
                 updater.join()
                 if errors:
-                    raise HarmonyError(f"the host update failed: {errors[0]}") from errors[0]
+                    raise errors[0]
+            if replicator is not None:
+                replicator.flush()
             loss = torch.tensor([result.loss], dtype=torch.float64)
             dist.all_reduce(loss)
             gathered: list[IterationResult | None] = [None] * world
@@ -210,12 +301,40 @@ def _train(rank, world, plan, routes, host, shared, slabs, store, loss_fn, build
             seconds = time.perf_counter() - start
             history.append(StepResult(loss=float(loss), seconds=seconds, workers=list(gathered)))
             on_step(step, float(loss), seconds)
-    except BaseException:
-        shared.set_abort()
-        raise
+    except BaseException as exc:
+        own = next((e for e in errors if not isinstance(e, Aborted)), None)  # the host update's
+        raise _failure(own or exc, topo, shared, replicator, fail, own is not None) from exc
     finally:
         executor.close()
     return history
+
+
+def _failure(exc: BaseException, topo: Topology, shared: Shared, replicator: Replicator | None,
+             fail: Callable[[str], None], own: bool = False) -> BaseException:
+    """The error this rank ends with: its own failure (published first, so that every node stops
+    at once), or, when another rank's failure stopped it, that rank's."""
+    if isinstance(exc, KeyboardInterrupt):
+        fail(f"rank {topo.rank} was interrupted")
+        return exc
+    stopped = not own and (shared.aborted() or isinstance(exc, Aborted))
+    if not stopped and replicator is not None and _peer_gone(exc):
+        stopped = replicator.reason(wait=2.0) is not None
+    if stopped:
+        Shared.set_abort(shared)
+        cause = replicator.reason(wait=2.0) if replicator is not None else None
+        return WorkerError(f"rank {topo.rank} (node {topo.node}) stopped: "
+                           f"{cause or 'another rank failed; its error is above'}")
+    text = f"rank {topo.rank} (node {topo.node}) failed: {exc if isinstance(exc, HarmonyError) else repr(exc)}"
+    log.error("%s", text, exc_info=exc)
+    fail(text)
+    return WorkerError(text)
+
+
+def _peer_gone(exc: BaseException) -> bool:
+    """A collective or store call failed because another node's process or the store went away."""
+    text = str(exc)
+    return (isinstance(exc, (dist.DistNetworkError, dist.DistStoreError))
+            or "Connection closed by peer" in text or "Connection reset by peer" in text)
 
 
 def _host_tasks(plan, routes, host, shared, build_optimizer, iteration, timeout, errors) -> None:
@@ -223,6 +342,6 @@ def _host_tasks(plan, routes, host, shared, build_optimizer, iteration, timeout,
         for task in plan.tasks.tasks:
             if task.device == HOST:
                 host_update(task, plan.graph, routes, host, shared, build_optimizer, iteration, timeout)
-    except BaseException as exc:  # handed to the training loop
-        shared.set_abort()
-        errors.append(exc)
+    except BaseException as exc:  # handed to the training loop, which publishes it
+        errors.append(exc if isinstance(exc, Aborted) else HarmonyError(f"the host update failed: {exc!r}"))
+        Shared.set_abort(shared)  # this node's workers stop waiting now

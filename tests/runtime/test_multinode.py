@@ -1,0 +1,210 @@
+"""``harmony run`` under torchrun on two nodes: two node ranks on loopback, each node with its own
+host store, flags and slabs in /dev/shm, kept in step by replication (``runtime/replication.py``).
+The run trains exactly as one host does (float64: the same losses, bit for bit, and the planned
+bytes), for each way the host store is written (host updates, jit-updates on the device, the
+replicated update of dp); a failure on one node ends both within seconds, naming the failed rank;
+no run leaves a shared-memory file."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from harmony.cli import main
+from harmony.compiler import CompileOptions, _nominal_machine
+from harmony.plan import Plan
+from harmony.runtime.hoststore import HostStore
+from harmony.runtime.replication import _merge, task_writes
+from harmony.runtime.routes import build_routes
+from harmony.scheduler.search import search
+
+MODEL = Path(__file__).resolve().parents[2] / "models" / "gpt2.py"
+ARGS = ["--arg", "preset=tiny", "--arg", "dtype=float64"]
+MINIBATCH = 8
+ITERATIONS = 3
+RUN_LIMIT = 150.0  # seconds two torchrun agents, each starting its python, may take for the run
+FAULT_LIMIT = 30.0  # seconds from a failure until both nodes have ended
+
+TORCHRUN = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
+needs_torchrun = pytest.mark.skipif(not Path(TORCHRUN).exists(), reason="torchrun is not installed")
+
+
+def shm_files() -> set[Path]:
+    return set(Path("/dev/shm").glob("harmony-*"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_nodes(args: list[str], timeout: float) -> list[tuple[int, str, float]]:
+    """``torchrun --nnodes 2 --nproc-per-node 1`` twice (node ranks 0 and 1, static rendezvous on
+    loopback): per node, its exit status, its output and when it ended (time.time())."""
+    port = free_port()
+    procs = [subprocess.Popen(
+        [TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node), "--master-addr", "127.0.0.1",
+         "--master-port", str(port), "-m", "harmony.cli", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    ) for node in (0, 1)]
+    results = []
+    deadline = time.monotonic() + timeout
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append((proc.returncode, out, time.time()))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return results
+
+
+@pytest.fixture(scope="module")
+def base_plan(tmp_path_factory) -> Path:
+    """gpt2-tiny (float64, tied embedding) compiled for 2 devices."""
+    out = tmp_path_factory.mktemp("multinode") / "base"
+    assert main(["compile", str(MODEL), *ARGS, "--minibatch", str(MINIBATCH), "--devices", "2", "--no-probe",
+                 "--out", str(out)]) == 0
+    return out
+
+
+def variant(base: Path, out: Path, mode: str, update: str) -> Path:
+    """The base plan rescheduled in ``mode`` with the update where asked (each writes the host
+    store from other tasks: host UPD tasks, BWD tasks' jit-update, dp's replicated UPD tasks)."""
+    plan = Plan.load(base)
+    machine = _nominal_machine(CompileOptions(minibatch=MINIBATCH, devices=2, probe=False), plan.profile.capacity)
+    result = search(plan.profile, machine, mode, 2, MINIBATCH, capacity=plan.options["planned_memory"],
+                    same_u=bool(plan.options["same_u"]), update=update)
+    plan.tasks = result.graph
+    plan.estimate = {}
+    plan.options = {**plan.options, "mode": mode}
+    plan.save(out)
+    return out
+
+
+@needs_torchrun
+@pytest.mark.parametrize("mode,update", [("pp", "host"), ("pp", "device"), ("dp", "device")])
+def test_two_nodes_train_exactly_as_one_host(base_plan, tmp_path, mode, update):
+    plan = variant(base_plan, tmp_path / "plan", mode, update)
+    common = ["run", str(MODEL), *ARGS, "--plan", str(plan), "--iters", str(ITERATIONS)]
+    assert main([*common, "--report", str(tmp_path / "one-host.json")]) == 0
+    before = shm_files()
+    start = time.time()
+    nodes = two_nodes([*common, "--report", str(tmp_path / "two-nodes.json")], RUN_LIMIT)
+    for rc, out, _ in nodes:
+        assert rc == 0, out[-4000:]
+    assert max(end for _, _, end in nodes) - start < RUN_LIMIT
+    one = json.loads((tmp_path / "one-host.json").read_text())
+    two = json.loads((tmp_path / "two-nodes.json").read_text())
+    assert [i["loss"] for i in two["iterations"]] == [i["loss"] for i in one["iterations"]]
+    assert two["bytes_by_channel"] == one["bytes_by_channel"] == one["planned_bytes_by_channel"]
+    assert shm_files() <= before, "shared-memory files left behind"
+
+
+FAULTY_MODEL = """
+    import os
+    import signal
+    import time
+
+    from harmony.models import gpt2
+    from harmony.models.gpt2 import build_model, build_optimizer
+
+    STEP = [0]
+
+
+    def get_batch(batch_size, step, **options):
+        STEP[0] = step
+        return gpt2.get_batch(batch_size, step, **options)
+
+
+    def loss_fn(output, target):
+        if os.environ.get("GROUP_RANK") == "1" and STEP[0] == 2:
+            with open(os.environ["FAULT_STAMP"], "w") as f:
+                f.write(str(time.time()))
+            if os.environ["FAULT"] == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError("injected failure on node 1")
+        return gpt2.loss_fn(output, target)
+"""
+
+
+@needs_torchrun
+@pytest.mark.parametrize("fault", ["raise", "kill"])
+def test_a_failure_on_one_node_ends_both_within_seconds_naming_the_rank(tmp_path, monkeypatch, fault):
+    model = tmp_path / "faulty.py"
+    model.write_text(textwrap.dedent(FAULTY_MODEL))
+    plan = tmp_path / "plan"
+    assert main(["compile", str(model), *ARGS, "--minibatch", str(MINIBATCH), "--devices", "2", "--mode", "dp",
+                 "--no-probe", "--out", str(plan)]) == 0
+    stamp = tmp_path / "failed-at"
+    monkeypatch.setenv("FAULT_STAMP", str(stamp))
+    monkeypatch.setenv("FAULT", fault)
+    before = shm_files()
+    nodes = two_nodes(["run", str(model), *ARGS, "--plan", str(plan), "--iters", "5", "--timeout", "120"], RUN_LIMIT)
+    assert stamp.exists(), "the fault was never injected:\n" + nodes[1][1][-3000:]
+    failed_at = float(stamp.read_text())
+    for rc, out, end in nodes:
+        assert rc != 0, out[-3000:]
+        assert end - failed_at < FAULT_LIMIT, out[-3000:]
+    survivor = nodes[0][1]
+    assert "rank 1" in survivor, survivor[-3000:]
+    if fault == "raise":
+        assert "injected failure on node 1" in survivor, survivor[-3000:]
+    assert shm_files() <= before, "shared-memory files left behind"
+
+
+@pytest.mark.parametrize("mode,update", [("pp", "host"), ("pp", "device"), ("dp", "device")])
+def test_replicated_regions_cover_every_host_store_write(base_plan, tmp_path, mode, update):
+    """What ``task_writes`` ships is at least what an iteration changes in the store: a write it
+    did not name would leave the other node's replica stale."""
+    from harmony.trainer import Trainer
+
+    plan = Plan.load(variant(base_plan, tmp_path / "plan", mode, update))
+    from harmony.modelfile import load_model_file, parse_options
+
+    mf = load_model_file(MODEL, parse_options(ARGS[1::2]))
+    torch.manual_seed(0)
+    plan.loss_fn = mf.loss_fn
+    with Trainer(plan, optimizer=mf.build_optimizer, loss_fn=mf.loss_fn,
+                 state_dict=mf.build_model().state_dict()) as trainer:
+        store: HostStore = trainer.store
+        routes = build_routes(plan.tasks, plan.graph)
+        named = [span for t in plan.tasks.tasks for span in task_writes(t, routes, plan.graph, store).spans]
+        flags = {i for t in plan.tasks.tasks for i in task_writes(t, routes, plan.graph, store).flags}
+        for step in range(2):
+            buffer, stamps = store.buffer.clone(), store.flags.clone()
+            trainer.step(*mf.get_batch(MINIBATCH, step))
+            changed = (store.buffer != buffer).nonzero().flatten().tolist()
+            covered = _merge(sorted(named))
+            assert all(any(o <= b < o + n for o, n in covered) for b in changed)
+            assert set((store.flags != stamps).nonzero().flatten().tolist()) <= flags
+
+
+def test_stamp_indices_agree_with_the_host_store(base_plan):
+    plan = Plan.load(base_plan)
+    from harmony.runtime.replication import _stamp_index
+
+    from harmony.modelfile import load_model_file, parse_options
+
+    mf = load_model_file(MODEL, parse_options(ARGS[1::2]))
+    store = HostStore.create(plan.graph, 2, mf.build_optimizer, mf.build_model().state_dict())
+    index = {name: i for i, name in enumerate(store.layout.params)}
+    for device in range(2):
+        for name in store.layout.params[:3]:
+            before = store.flags.clone()
+            store.stamp_slot(device, name, 5)
+            assert (store.flags != before).nonzero().flatten().tolist() == [
+                _stamp_index(store.layout.params, index, device, name)]
