@@ -1,11 +1,16 @@
 """Estimated vs measured iteration time for a sample of configurations (the paper's Fig. 15).
 
 Each model is compiled once on 2 emulated CPU devices with the default capacity (a quarter of the
-training footprint) and probed links (``probe=True``): that gives the plan of mode pp; dp and a
-per-device-swap baseline are searched on the same profile and the same probed machine. Every plan
+training footprint) and a probed machine (``probe=True``: links, and the runtime's own costs per
+task, microbatch, update and p2p message and the cores the devices share, ``harmony.runtime.overheads``):
+that gives the plan of mode pp; dp and a per-device-swap baseline are searched on the same profile
+and the same probed machine. ``--full`` takes the best few configurations of the search per mode
+(``SAMPLE_FULL``, 15 in all), not just the best, as the paper's Fig. 15 samples the search. Every plan
 is then trained for K iterations; the first (process and allocator warm-up) is left out and the
 median of the rest is the measured iteration time, compared with the scheduler's estimate (the
-event-driven simulation) as a ratio taken within the run. The spread of the measured iterations,
+event-driven simulation) as a ratio taken within the run. Beside it, the same estimate with the
+runtime's costs switched off (overheads zero, no shared cores: what the estimator modelled before
+they were measured), on the same measured run. The spread of the measured iterations,
 (max - min) / median, is printed beside each row as the machine's noise, and so is its CPU
 contention: a fixed single-threaded matmul loop run in two forked processes at once around the
 training, over the same loop run in one process just before the profile was taken (the profile
@@ -22,12 +27,13 @@ task that the profile does not see. Last, one P2P message on the CPU runtime's o
 into shared memory, a ``torch.multiprocessing`` queue to another process, a copy in) is timed at
 a few sizes beside the time the estimator gives it (the probed per-message cost plus bytes over ``d2d``).
 
-    python -m bench.estimate_accuracy [--quick] [--breakdown] [--iterations K] [--json PATH]
+    python -m bench.estimate_accuracy [--quick | --full] [--breakdown] [--iterations K] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import logging
@@ -50,8 +56,10 @@ from harmony.models.common import token_sequences
 from harmony.models.gpt2 import GPT, GPTConfig
 from harmony.plan import Plan
 from harmony.scheduler.estimator import Estimate, estimate, task_compute_seconds
+from harmony.scheduler.machine import Machine
 from harmony.scheduler.search import NoFeasibleConfiguration, search
-from harmony.scheduler.tasks import HOST
+from harmony.scheduler.taskgraph import generate
+from harmony.scheduler.tasks import HOST, Configuration
 
 console = Console(width=160)
 
@@ -90,6 +98,10 @@ CASES = {
 QUICK = [("gpt2-tiny", ("pp", "dp", BASELINE)), ("gpt2-small", ("pp",))]
 FULL = [("gpt2-tiny", ("pp", "dp", BASELINE)), ("gpt2-small", ("pp", "dp", BASELINE)),
         ("vgg-tiny", ("pp", "dp", BASELINE)), ("resnet-tiny", ("pp", "dp"))]
+# (model, modes, configurations per mode): the best few of the search, 15 configurations in all
+SAMPLE_FULL = [("gpt2-tiny", ("pp", "dp", BASELINE), 2), ("gpt2-small", ("pp",), 2),
+               ("gpt2-small", ("dp", BASELINE), 1), ("vgg-tiny", ("pp", "dp", BASELINE), 1),
+               ("resnet-tiny", ("pp", "dp"), 1)]
 
 
 def _cpu_loop(out=None) -> float:
@@ -118,25 +130,28 @@ def cpu_seconds(processes: int) -> float:
     return statistics.median(times)
 
 
-def _p2p_receiver(inbox, out) -> None:
+def _p2p_receiver(inbox, out, slabs) -> None:
     torch.set_num_threads(1)
     while (item := inbox.get()) is not None:
-        sent, values = item
-        values[0].clone()
+        sent, items = item
+        slabs.decode(items, 0, 1)[0].clone()
         out.put(time.perf_counter() - sent)
 
 
 def p2p_seconds(sizes: tuple[int, ...], repeats: int = 15) -> dict[int, float]:
-    """Median seconds of one message on the CPU runtime's P2P path (``shared_copy`` into a fresh
-    shared-memory segment, a ``torch.multiprocessing`` queue to another process, a copy in), per
-    size in bytes; ``perf_counter`` is one clock across processes on Linux."""
+    """Median seconds of one message on the CPU runtime's P2P path between two processes (a copy
+    into the pair's shared-memory slab, its place through a ``torch.multiprocessing`` queue, a copy
+    out on the receiver: ``runtime/channels.Slabs``, as the launcher's workers send), per size in
+    bytes; ``perf_counter`` is one clock across processes on Linux. The runtime's stream and
+    mailbox threads around it are not in this number (the probe's calibrated message cost has them)."""
     import torch.multiprocessing as tmp
 
-    from harmony.runtime.channels import shared_copy
+    from harmony.runtime.channels import Slabs
 
     ctx = tmp.get_context("fork")
+    slabs = Slabs({(0, 1): max(sizes) + 4096})
     inbox, out = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_p2p_receiver, args=(inbox, out), daemon=True)
+    proc = ctx.Process(target=_p2p_receiver, args=(inbox, out, slabs), daemon=True)
     proc.start()
     try:
         result = {}
@@ -144,7 +159,8 @@ def p2p_seconds(sizes: tuple[int, ...], repeats: int = 15) -> dict[int, float]:
             t = torch.zeros(max(1, size // 4))
             times = []
             for _ in range(repeats):
-                inbox.put((time.perf_counter(), [shared_copy(t)]))
+                slabs.reset()
+                inbox.put((time.perf_counter(), slabs.encode([t], 0, 1)))
                 times.append(out.get(timeout=60))
             result[size] = statistics.median(times[repeats // 3:])
         return result
@@ -153,10 +169,56 @@ def p2p_seconds(sizes: tuple[int, ...], repeats: int = 15) -> dict[int, float]:
         proc.join(timeout=10)
 
 
-def plans_for(case: Case, modes: tuple[str, ...]) -> list[tuple[str, Plan | None, Estimate | None, float]]:
-    """(mode, plan or None if it does not fit, its estimate, compile seconds) for every mode; one
-    compile (profile + link probe) serves them all. The plans carry ``cpu_alone``: the fixed loop's
-    seconds in one process just before the profile."""
+def without_runtime_costs(machine: Machine) -> Machine:
+    """``machine`` as the estimator saw it before the runtime's own costs were measured."""
+    return dataclasses.replace(machine, task_overhead=0.0, microbatch_overhead=0.0, update_overhead=0.0,
+                               cpu_cores=None)
+
+
+def _best_configurations(base: Plan, machine: Machine, mode: str, case: Case, count: int) -> list[Configuration]:
+    """The ``count`` fastest distinct configurations the search found for ``mode``, best first."""
+    result = search(base.profile, machine, mode, 2, case.minibatch, capacity=base.options["planned_memory"],
+                    same_u=bool(base.options["same_u"]), keep_candidates=count > 1)
+    if count <= 1:
+        return [result.config]
+    seen, out = set(), []
+    for _, config in sorted(result.candidates, key=lambda c: c[0]):
+        key = str(config)
+        if key not in seen:
+            seen.add(key)
+            out.append(config)
+        if len(out) == count:
+            break
+    return out
+
+
+def _plan_of(base: Plan, machine: Machine, mode: str, config: Configuration, case: Case) -> tuple[Plan, Estimate] | None:
+    """The fastest fitting variant (device or host update) of ``config`` in ``mode`` as a plan."""
+    best = None
+    variants = [{"update": "device"}, {"update": "host"}] if mode in ("pp", "dp") else [{}]
+    for options in variants:
+        try:
+            tasks = generate(mode, base.profile, config, 2, case.minibatch, **options)
+        except ValueError:
+            continue
+        est = estimate(tasks, base.profile, machine, capacity=base.options["planned_memory"])
+        if est.fits and not est.deadlock and (best is None or est.iteration_time < best[1].iteration_time):
+            best = (tasks, est)
+    if best is None:
+        return None
+    tasks, est = best
+    plan = Plan(graph=base.graph, profile=base.profile, tasks=tasks,
+                estimate={"iteration_time": est.iteration_time,
+                          "busy": {str(d): dict(s) for d, s in est.busy.items()}},
+                options={**base.options, "mode": mode})
+    plan.loss_fn, plan.build_optimizer = case.loss_fn, case.build_optimizer
+    return plan, est
+
+
+def plans_for(case: Case, modes: tuple[str, ...], per_mode: int = 1) -> list[tuple[str, Plan | None, Estimate | None, float]]:
+    """(mode, plan or None if it does not fit, its estimate, compile seconds) for every mode, the
+    ``per_mode`` best configurations of each; one compile (profile + machine probe) serves them all.
+    The plans carry ``cpu_alone``: the fixed loop's seconds in one process just before the profile."""
     torch.manual_seed(0)
     model = case.build()
     alone = cpu_seconds(1)
@@ -167,6 +229,18 @@ def plans_for(case: Case, modes: tuple[str, ...]) -> list[tuple[str, Plan | None
     machine = base.profile.machine
     out = []
     for mode in modes:
+        if per_mode > 1:
+            try:
+                configs = _best_configurations(base, machine, mode, case, per_mode)
+            except NoFeasibleConfiguration:
+                out.append((mode, None, None, compile_seconds))
+                continue
+            for config in configs:
+                made = _plan_of(base, machine, mode, config, case)
+                if made is not None:
+                    made[0].cpu_alone = alone
+                out.append((mode, *(made or (None, None)), compile_seconds))
+            continue
         if mode == base.options["mode"]:  # the compiled plan itself; re-simulated for its timeline
             est = estimate(base.tasks, base.profile, machine, capacity=base.options["planned_memory"])
             est.iteration_time = base.estimate["iteration_time"]
@@ -252,9 +326,19 @@ def print_breakdown(row: dict) -> None:
                       f"+ {b['fit']['per_task_seconds'] * 1e3:.2f} ms")
 
 
+def error_summary(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Mean and max absolute relative error over measured rows, with and without the runtime's costs."""
+    errors = [abs(r["relative_error"]) for r in rows]
+    plain = [abs(r["relative_error_without_runtime_costs"]) for r in rows if "relative_error_without_runtime_costs" in r]
+    return {"mean": statistics.fmean(errors), "max": max(errors),
+            "mean_without_runtime_costs": statistics.fmean(plain) if plain else float("nan"),
+            "max_without_runtime_costs": max(plain) if plain else float("nan")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="GPT-2 tiny (pp, dp, baseline) and the small GPT-2 (pp)")
+    parser.add_argument("--full", action="store_true", help="15 configurations: the best few of the search per mode")
     parser.add_argument("--iterations", type=int, default=6, help="iterations per configuration, the first discarded")
     parser.add_argument("--breakdown", action="store_true", help="per-task estimated vs measured seconds")
     parser.add_argument("--json", type=Path, help="write the rows here")
@@ -262,14 +346,17 @@ def main() -> None:
     if ns.iterations < 2:
         parser.error("--iterations must be at least 2 (the first is discarded)")
     logging.basicConfig(level=logging.WARNING)
-    sample = QUICK if ns.quick else FULL
+    if ns.quick and ns.full:
+        parser.error("choose one of --quick and --full")
+    sample = [(name, modes, 1) for name, modes in QUICK] if ns.quick else (
+        SAMPLE_FULL if ns.full else [(name, modes, 1) for name, modes in FULL])
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
     last_machine = None
-    for name, modes in sample:
+    for name, modes, per_mode in sample:
         case = CASES[name]
-        with console.status(f"compiling {name} (profile + link probe)"):
-            plans = plans_for(case, modes)
+        with console.status(f"compiling {name} (profile + machine probe)"):
+            plans = plans_for(case, modes, per_mode)
         last_machine = next((p.profile.machine for _, p, _, _ in plans if p is not None), last_machine)
         for mode, plan, est, compile_seconds in plans:
             row: dict[str, Any] = {"model": name, "mode": mode, "minibatch": case.minibatch, "devices": 2,
@@ -277,8 +364,11 @@ def main() -> None:
             if plan is None:
                 rows.append({**row, "configuration": "does not fit"})
                 continue
+            machine = plan.profile.machine
+            plain = estimate(plan.tasks, plan.profile, without_runtime_costs(machine),
+                             capacity=plan.options["planned_memory"], record_events=False).iteration_time
             row.update({"configuration": str(plan.tasks.config), "capacity": plan.options["device_memory"],
-                        "estimated_seconds": est.iteration_time})
+                        "estimated_seconds": est.iteration_time, "estimated_without_runtime_costs": plain})
             with console.status(f"training {name} {mode}"):
                 pair = cpu_seconds(2)
                 try:
@@ -295,11 +385,12 @@ def main() -> None:
             row.update({
                 "measured_seconds": measured,
                 "relative_error": (estimated - measured) / measured,
+                "relative_error_without_runtime_costs": (plain - measured) / measured,
                 "iteration_seconds": seconds, "spread": (max(seconds[1:]) - min(seconds[1:])) / measured,
                 "contention": pair / plan.cpu_alone, "load_average": os.getloadavg()[0],
-                "machine": {"h2d": plan.profile.machine.h2d, "d2h": plan.profile.machine.d2h,
-                            "d2d": plan.profile.machine.d2d, "latency": plan.profile.machine.latency,
-                            "p2p_latency": plan.profile.machine.p2p_latency},
+                "machine": {name: getattr(machine, name) for name in (
+                    "h2d", "d2h", "d2d", "latency", "p2p_latency", "task_overhead", "microbatch_overhead",
+                    "update_overhead", "cpu_cores")},
             })
             if ns.breakdown:
                 row["breakdown"] = breakdown(plan, est, steady)
@@ -307,26 +398,29 @@ def main() -> None:
 
     table = Table(title=f"Estimated vs measured iteration time, 2 emulated CPU devices, capacity 1/4 of the "
                         f"training footprint, median of {ns.iterations - 1} iterations after one warm-up")
-    for col in ("model", "mode", "configuration", "estimated ms", "measured ms", "rel. error", "noise (spread)",
-                "contention"):
+    for col in ("model", "mode", "configuration", "estimated ms", "measured ms", "rel. error",
+                "without runtime costs", "noise (spread)", "contention"):
         table.add_column(col, justify="left" if col in ("model", "mode", "configuration") else "right",
                          overflow="fold")
     for r in rows:
         if "measured_seconds" not in r:
             estimated = f"{r['estimated_seconds'] * 1e3:.1f}" if "estimated_seconds" in r else "-"
             measured = "run failed" if "failed" in r else "-"
-            table.add_row(r["model"], r["mode"], r["configuration"], estimated, measured, "-", "-", "-")
+            table.add_row(r["model"], r["mode"], r["configuration"], estimated, measured, "-", "-", "-", "-")
             continue
         table.add_row(r["model"], r["mode"], r["configuration"], f"{r['estimated_seconds'] * 1e3:.1f}",
-                      f"{r['measured_seconds'] * 1e3:.1f}", f"{r['relative_error']:+.1%}", f"{r['spread']:.1%}",
+                      f"{r['measured_seconds'] * 1e3:.1f}", f"{r['relative_error']:+.1%}",
+                      f"{r['relative_error_without_runtime_costs']:+.1%}", f"{r['spread']:.1%}",
                       f"{r['contention']:.2f}x")
     console.print(table)
     measured_rows = [r for r in rows if "relative_error" in r]
     if measured_rows:
-        mare = statistics.fmean(abs(r["relative_error"]) for r in measured_rows)
+        summary = error_summary(measured_rows)
         noise = statistics.median(r["spread"] for r in measured_rows)
         contention = statistics.median(r["contention"] for r in measured_rows)
-        console.print(f"mean absolute relative error: {mare:.1%} over {len(measured_rows)} configurations; "
+        console.print(f"mean absolute relative error: {summary['mean']:.1%} (max {summary['max']:.1%}) over "
+                      f"{len(measured_rows)} configurations; without the runtime's costs: "
+                      f"{summary['mean_without_runtime_costs']:.1%} (max {summary['max_without_runtime_costs']:.1%}); "
                       f"machine noise (median spread of the measured iterations): {noise:.1%}; "
                       f"CPU contention (median, 1.00x = a free core per device): {contention:.2f}x; "
                       f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; "

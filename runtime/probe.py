@@ -25,6 +25,12 @@ split evenly between the device workers (``cpu_count // devices`` torch threads 
   ``p2p_latency``: half a tiny round trip on the p2p path, the fixed cost of one message, which is
   far larger; ``host_link_shared`` is True: one memory bus serves every worker.
 
+The runtime's own costs (``runtime=True``, ``cpu`` only; ``harmony.runtime.overheads``): the real
+launcher runs near-zero compute to give ``task_overhead``, ``microbatch_overhead``,
+``update_overhead`` and the per-message cost of its p2p path (``p2p_latency`` becomes the larger of
+that and the half round trip above), and a fixed loop in more processes than devices gives
+``cpu_cores``, the cores the devices' compute shares.
+
 ``cuda``: in this process, with pinned host buffers: ``h2d``/``d2h`` on device 0 alone;
 ``h2d_all``/``d2h_all`` issue one non-blocking copy per device back to back and wait for all;
 ``d2d`` is ``tensor.to(other_device)`` from device 0 to 1 (with one device it is not measurable and
@@ -41,6 +47,7 @@ and the step it hung in.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -444,10 +451,11 @@ def _probe_cuda(devices: int, capacity: int | None, size: int, repeats: int, tim
 
 
 def probe_machine(kind: str, devices: int, capacity: int | None, size: int = DEFAULT_SIZE,
-                  repeats: int = 3, timeout: float = DEFAULT_TIMEOUT) -> Machine:
+                  repeats: int = 3, timeout: float = DEFAULT_TIMEOUT, runtime: bool = True) -> Machine:
     """Measure ``devices`` devices of ``kind`` (``"cpu"`` or ``"cuda"``) with ``capacity`` bytes each
     (None: the host's memory for ``cpu``, the free GPU memory for ``cuda``), timing ``size``-byte
-    transfers ``repeats`` times. See the module docs for what each number is."""
+    transfers ``repeats`` times; with ``runtime`` (``cpu`` only), also the runtime's own costs and
+    the cores the devices share. See the module docs for what each number is."""
     if kind not in ("cpu", "cuda"):
         raise ProbeError(f"cannot probe device kind {kind!r}; expected 'cpu' or 'cuda'")
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
@@ -463,5 +471,30 @@ def probe_machine(kind: str, devices: int, capacity: int | None, size: int = DEF
         machine = _probe_cpu(devices, capacity, size, repeats, timeout)
     else:
         machine = _probe_cuda(devices, capacity, size, repeats, timeout)
+    if runtime and kind == "cpu":
+        machine = _with_runtime_costs(machine, timeout)
     log.info("probed %d %s device(s) in %.1f s:\n%s", devices, kind, time.perf_counter() - t0, machine.describe())
     return machine
+
+
+def _with_runtime_costs(machine: Machine, timeout: float) -> Machine:
+    """``machine`` with the runtime's measured overheads and shared cores (module docs)."""
+    from .overheads import measure_cores, measure_overheads  # the launcher, only when asked for
+
+    cores = measure_cores(machine.devices)
+    try:
+        costs = measure_overheads(machine, timeout=timeout)
+    except HarmonyError as exc:
+        raise ProbeError(f"measuring the runtime's overheads failed: {exc}") from exc
+    probed = machine.p2p_latency if machine.p2p_latency is not None else machine.latency
+    notes = {
+        **machine.notes,
+        "overheads": f"the real launcher on {costs.tasks} tasks of near-zero compute: measured span minus the "
+                     "estimator's, median residuals of one-microbatch and many-microbatch tasks",
+        "p2p_latency": f"the larger of the half round trip ({probed * 1e6:.0f} us) and the message cost that "
+                       f"makes the estimate of a near-zero pipeline match its run ({costs.message * 1e6:.0f} us)",
+        "cpu_cores": f"{machine.devices + 1} single-threaded loops at once vs one alone",
+    }
+    return dataclasses.replace(machine, task_overhead=costs.task, microbatch_overhead=costs.microbatch,
+                               update_overhead=costs.update, p2p_latency=max(probed, costs.message),
+                               cpu_cores=cores, notes=notes)

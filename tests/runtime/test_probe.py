@@ -11,8 +11,13 @@ import pytest
 import torch
 
 from harmony.errors import HarmonyError
+from harmony.runtime.overheads import _message_cost
 from harmony.runtime.probe import ProbeError, probe_machine
+from harmony.scheduler.estimator import estimate
 from harmony.scheduler.machine import Machine
+from harmony.scheduler.profiles import LayerProfile, LayerSample, Profile
+from harmony.scheduler.taskgraph import generate
+from harmony.scheduler.tasks import Configuration
 
 MiB = 1 << 20
 
@@ -34,6 +39,45 @@ def test_cpu_probe_measures_positive_finite_bandwidths(cpu_machine):
     assert 0 < m.latency < 1.0
     assert m.p2p_latency is not None and m.p2p_latency > m.latency  # a message costs more than a copy
     assert multiprocessing.active_children() == []
+
+
+def test_cpu_probe_measures_the_runtime_costs_on_its_own_path(cpu_machine):
+    m = cpu_machine
+    # the executor does real work around every task: a one-microbatch task costs something, and
+    # less than 100 ms even on a busy two-core machine
+    assert m.task_overhead + m.microbatch_overhead > 0
+    for name in ("task_overhead", "microbatch_overhead", "update_overhead"):
+        assert 0 <= getattr(m, name) < 0.1, name
+    assert m.cpu_cores is not None and 0 < m.cpu_cores <= m.devices + 1
+    assert m.p2p_latency < 0.05
+    assert "overheads" in m.notes and "cpu_cores" in m.notes
+
+
+def test_the_runtime_costs_can_be_left_out():
+    m = probe_machine("cpu", 2, 64 * MiB, size=1 * MiB, repeats=1, runtime=False)
+    assert (m.task_overhead, m.microbatch_overhead, m.update_overhead, m.cpu_cores) == (0.0, 0.0, 0.0, None)
+    assert multiprocessing.active_children() == []
+
+
+def _profile(layers: int = 4) -> Profile:
+    samples = [LayerSample(u=u, fwd_time=1e-4 * u, bwd_time=2e-4 * u, recompute_time=1e-4 * u, fwd_peak=1000,
+                           bwd_peak=2000, x_bytes=100 * u, y_bytes=100 * u, dx_bytes=100 * u) for u in (1, 2, 4)]
+    return Profile(source="analytic", device="test", capacity=1 << 30, u_fmax=4, u_bmax=4, layers=[
+        LayerProfile(index=i, name=f"l{i}", w_bytes=100, dw_bytes=100, k_bytes=0, b_bytes=0, upd_time_device=1e-5,
+                     upd_time_host=1e-5, fwd_samples=samples, bwd_samples=samples) for i in range(layers)])
+
+
+def test_the_message_cost_is_the_one_that_reproduces_the_pipelines_time():
+    profile = _profile()
+    packs = [(i, i) for i in range(4)]
+    tasks = generate("pp", profile, Configuration(u_f=1, packs_f=packs, u_b=1, packs_b=packs), 2, 8)
+    m = Machine(kind="cpu", device_name="t", devices=2, capacity=1 << 30, h2d=1e9, d2h=1e9, d2d=1e9,
+                host_link_shared=True, h2d_all=1e9, d2h_all=1e9, msg=1e9, latency=1e-5, p2p_latency=1e-4)
+    slow = Machine(**{**m.to_dict(), "p2p_latency": 2e-3})
+    measured = estimate(tasks, profile, slow, record_events=False).iteration_time
+    assert _message_cost(tasks, profile, m, measured) == pytest.approx(2e-3, rel=1e-3)
+    # a run faster than the probed cost explains keeps the probed cost
+    assert _message_cost(tasks, profile, m, 1e-6) == 1e-4
 
 
 def test_cpu_probe_result_round_trips(cpu_machine, tmp_path):

@@ -380,3 +380,55 @@ def test_a_training_iteration_finishes_and_adds_up(profile, capacity):
         free = estimate(g, profile, machine())
         assert est.fits and max(est.peak_memory.values()) <= capacity < max(free.peak_memory.values())
         assert est.iteration_time >= free.iteration_time
+
+
+# ------------------------------------------------------------------------------------ runtime costs
+def test_the_runtime_overheads_are_charged_per_task_and_per_microbatch(profile):
+    tasks = [fwd(i, 0, i, mbs=(4, 4)) for i in range(3)]  # 3 tasks of 2 microbatches, 4 ms each
+    plain = estimate(graph(tasks), profile, machine())
+    costly = estimate(graph(tasks), profile, machine(task_overhead=1 * MS, microbatch_overhead=0.25 * MS))
+    assert plain.iteration_time == pytest.approx(3 * 4 * MS)
+    assert costly.iteration_time == pytest.approx(3 * 4 * MS + 3 * 1 * MS + 6 * 0.25 * MS)
+    assert costly.busy[0]["compute"] == pytest.approx(costly.iteration_time)
+    # the first unit of each task carries the task's cost
+    first = sorted((e.start, e.end) for e in costly.events if e.stream == "compute")[0]
+    assert first[1] - first[0] == pytest.approx(2 * MS + 1 * MS + 0.25 * MS)
+
+
+def test_an_update_pays_the_update_overhead_fused_on_the_device_or_on_the_host(profile):
+    m = machine(shared=False, task_overhead=1 * MS, update_overhead=2 * MS)
+    upd = Task(id=0, device=0, kind=Kind.UPD, first=0, last=0, microbatches=[])
+    assert estimate(graph([upd]), profile, m).iteration_time == pytest.approx(UPD_DEVICE + 1 * MS + 2 * MS)
+    host = Task(id=0, device=HOST, kind=Kind.UPD, first=0, last=0, microbatches=[])
+    assert estimate(graph([host]), profile, m).iteration_time == pytest.approx(UPD_HOST + 2 * MS)
+    fused = Task(id=0, device=0, kind=Kind.BWD, first=0, last=0, microbatches=[4], update="device")
+    compute = 4 * (FWD_PER_SAMPLE + BWD_PER_SAMPLE) + UPD_DEVICE
+    assert estimate(graph([fused]), profile, m).iteration_time == pytest.approx(compute + 1 * MS + 2 * MS)
+
+
+def test_a_device_update_loads_its_inputs_after_the_previous_task_not_under_it(profile):
+    # the runtime loads W, dW and K when it starts the UPD task: 3 ms of copies after the 2 ms FWD
+    a = fwd(0, 0, 0)
+    upd = Task(id=1, device=0, kind=Kind.UPD, first=0, last=0, microbatches=[],
+               inputs=[swap_w(), Transfer("dW", Channel.SWAP, W), Transfer("K", Channel.SWAP, W)])
+    est = estimate(graph([a, upd]), profile, machine())
+    assert est.iteration_time == pytest.approx(2 * MS + 3 * MS + UPD_DEVICE)
+    # a FWD's weights still come in under the previous task
+    b = fwd(1, 0, 1, [swap_w()])
+    assert estimate(graph([a, b]), profile, machine()).iteration_time == pytest.approx(4 * MS)
+
+
+@pytest.mark.parametrize("cores, expected", [(None, 2 * MS), (2.0, 2 * MS), (1.0, 4 * MS), (1.5, 8 / 3 * MS)])
+def test_devices_computing_at_once_share_the_cores(profile, cores, expected):
+    tasks = [fwd(0, 0, 0), fwd(1, 1, 1)]  # 2 ms each on two devices at the same time
+    est = estimate(graph(tasks, devices=2), profile, machine(devices=2, cpu_cores=cores))
+    assert est.iteration_time == pytest.approx(expected)
+
+
+def test_shared_cores_speed_up_the_rest_when_one_unit_ends(profile):
+    # 2 ms and 4 ms of compute on one core: both at half speed until 4 ms, then the rest alone
+    tasks = [fwd(0, 0, 0), fwd(1, 1, 1, mbs=(8,))]
+    est = estimate(graph(tasks, devices=2), profile, machine(devices=2, cpu_cores=1.0))
+    ends = sorted(e.end for e in est.events if e.stream == "compute")
+    assert ends == pytest.approx([4 * MS, 6 * MS])
+    assert est.busy[0]["compute"] == pytest.approx(4 * MS) and est.busy[1]["compute"] == pytest.approx(6 * MS)

@@ -135,3 +135,39 @@ def test_bad_values_are_refused(overrides, words):
 def test_describe_mentions_the_numbers():
     text = make().describe()
     assert "4 x test cpu" in text and "10.00 GB/s" in text and "20.00 GB/s" in text
+
+
+def test_runtime_costs_round_trip_and_default_to_unmeasured(tmp_path):
+    m = make(task_overhead=1e-3, microbatch_overhead=2e-4, update_overhead=5e-4, cpu_cores=1.5)
+    m.save(tmp_path / "m")
+    assert Machine.load(tmp_path / "m") == m
+    plain = make()
+    assert (plain.task_overhead, plain.microbatch_overhead, plain.update_overhead, plain.cpu_cores) == (0, 0, 0, None)
+    assert "per task" in m.describe() and "1.50 cores" in m.describe()
+    assert "per task" not in plain.describe()
+
+
+def test_a_version_1_file_is_read_with_the_runtime_costs_unmeasured(tmp_path):
+    assert VERSION == 2
+    body = make().to_dict()
+    for name in ("task_overhead", "microbatch_overhead", "update_overhead", "cpu_cores"):
+        del body[name]
+    serialization.save(tmp_path / "old", KIND, 1, body)
+    old = Machine.load(tmp_path / "old")
+    assert old == make()
+    assert old.task_overhead == 0.0 and old.cpu_cores is None
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        ({"task_overhead": -1e-3}, "task_overhead"),
+        ({"microbatch_overhead": math.inf}, "microbatch_overhead"),
+        ({"update_overhead": "1ms"}, "update_overhead"),
+        ({"cpu_cores": 0}, "cpu_cores"),
+        ({"cpu_cores": True}, "cpu_cores"),
+    ],
+)
+def test_bad_runtime_costs_are_refused(overrides, words):
+    with pytest.raises(MachineError, match=words):
+        make(**overrides)

@@ -1,0 +1,268 @@
+"""The runtime's own costs, measured on its own path: what a task, a microbatch and an optimizer step
+cost beyond their compute and transfers, and how many cores the emulated devices' compute shares.
+
+The profile times each layer alone; the probe times copies alone. What neither sees is the executor's
+work around them (loading a pack's state, handing inputs and outputs between the compute thread and
+the stream threads, generator states, marking tasks done, building an optimizer for each step), and,
+on the emulated ``cpu`` backend, that all devices compute on the same cores. ``measure_overheads``
+runs the real :class:`~harmony.runtime.launcher.Launcher` on a chain of layers of near-zero compute,
+in two task graphs (Harmony DP: several microbatches per task and offloaded updates; per-device-swap
+DP: one microbatch per task and an update task per pack on each device), and takes each task's
+measured span minus the span the event-driven estimator gives it without overheads (compute and
+transfers as profiled and probed): the line ``task + microbatch * microbatches`` through the median
+residual of the FWD/BWD tasks of one microbatch and that of the tasks of ``MINIBATCH`` microbatches
+(medians: a shared machine delays a few tasks by whole scheduler slices) gives ``task_overhead``
+and ``microbatch_overhead``; the median
+residual of the device UPD tasks, less ``task_overhead``, gives ``update_overhead``. Last, a
+wrap-around pipeline on the same layers sends every microbatch from device to device through the
+runtime's p2p path (a stream thread, a queue, the receiver's mailbox thread, its p2p-in stream, the
+compute thread waiting): the per-message cost is the ``p2p_latency`` at which the estimator, with the
+overheads above, gives that pipeline's measured iteration time (found by bisection; the estimate
+grows with it). The probe's own half round trip between two processes sees none of those threads.
+
+``measure_cores`` times a fixed single-threaded loop in one forked process, then in ``devices + 1``
+processes at once: ``k`` processes on ``c`` free cores take ``k / c`` times as long, so
+``c = k * alone / together`` (at most ``k``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from harmony.decomposer.decompose import decompose
+from harmony.scheduler.estimator import estimate
+from harmony.scheduler.machine import Machine
+from harmony.scheduler.profiles import LayerProfile, LayerSample, Profile
+from harmony.scheduler.taskgraph import generate
+from harmony.scheduler.tasks import HOST, Configuration, Kind, TaskGraph
+
+from .device import CpuDevice
+from .executor import Batch
+from .hoststore import HostStore
+from .launcher import Launcher
+from .profiler import measure_layer, measure_update
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Overheads", "measure_overheads", "measure_cores"]
+
+WIDTH = 8  # features of the probe's layers: compute of a few microseconds
+LAYERS = 4
+MINIBATCH = 8  # per device
+_SIZES = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """Seconds the runtime spends per task, per microbatch and per optimizer step beyond compute and
+    transfers, with the evidence (``tasks``: how many task spans the fit used)."""
+
+    task: float
+    microbatch: float
+    update: float
+    message: float  # s, one p2p message on the runtime's path (the pipeline's calibration)
+    tasks: int
+
+
+def _optimizer(params):
+    return torch.optim.SGD(params, lr=0.01)
+
+
+def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((output - target) ** 2).mean()
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+
+
+def _profile(graph, device: CpuDevice) -> Profile:
+    """The probe's layers profiled as the profiler does it (so the residual is what it misses)."""
+    layers = []
+    samples: list[list[LayerSample]] = [[] for _ in graph.modules]
+    for u in _SIZES:
+        values: tuple = (torch.randn(u, WIDTH),)
+        for i, module in enumerate(graph.modules):
+            m, values = measure_layer(module, values, device, trials=3)
+            samples[i].append(LayerSample(u=u, fwd_time=m.fwd_time, bwd_time=m.bwd_time,
+                                          recompute_time=m.recompute_time, fwd_peak=m.fwd_peak, bwd_peak=m.bwd_peak,
+                                          x_bytes=m.x_bytes, y_bytes=m.y_bytes, dx_bytes=m.dx_bytes,
+                                          act_bytes=m.act_bytes))
+    for i, module in enumerate(graph.modules):
+        params = [p for p in module.parameters() if p.requires_grad]
+        upd_host, k_bytes = measure_update(params, _optimizer, CpuDevice("host"), 3)
+        upd_device, _ = measure_update(params, _optimizer, device, 3)
+        nbytes = sum(p.numel() * p.element_size() for p in params)
+        layers.append(LayerProfile(index=i, name=graph.layers[i].name, w_bytes=nbytes, dw_bytes=nbytes,
+                                   k_bytes=k_bytes, b_bytes=0, upd_time_device=upd_device, upd_time_host=upd_host,
+                                   fwd_samples=samples[i], bwd_samples=samples[i]))
+    return Profile(source="measured", device="cpu:overhead-probe", capacity=device.capacity,
+                   u_fmax=max(_SIZES), u_bmax=max(_SIZES), layers=layers)
+
+
+def _spans(graph, tasks: TaskGraph, iterations: int, timeout: float) -> tuple[dict[int, float], float]:
+    """Median measured span of every device task over ``iterations`` (after one warm-up), and the
+    median iteration time of the slowest worker."""
+    model = graph.state_dict()
+    store = HostStore.create(graph, tasks.devices, _optimizer, model)
+    launcher = Launcher(graph, tasks, store, _loss, _optimizer, device_type="cpu", timeout=timeout)
+    try:
+        per_task: dict[int, list[float]] = {}
+        slowest: list[float] = []
+        for step in range(iterations + 1):
+            gen = torch.Generator().manual_seed(step)
+            size = tasks.minibatch
+            batch = Batch(inputs=[torch.randn(size, WIDTH, generator=gen).share_memory_()],
+                          target=torch.randn(size, WIDTH, generator=gen).share_memory_(), size=size, seed=0)
+            result = launcher.step(batch)
+            if step == 0:
+                continue
+            slowest.append(max(w.seconds for w in result.workers))
+            for worker in result.workers:
+                for task_id, seconds in worker.task_seconds.items():
+                    per_task.setdefault(task_id, []).append(seconds)
+        return {t: statistics.median(v) for t, v in per_task.items()}, statistics.median(slowest)
+    finally:
+        launcher.close()
+
+
+def _estimated_spans(tasks: TaskGraph, profile: Profile, machine: Machine) -> dict[int, float]:
+    """Per device task, the estimator's span (from the end of the device's previous task to its own
+    end) on a machine without overheads."""
+    est = estimate(tasks, profile, machine, record_events=True)
+    ends: dict[int, float] = {}
+    for ev in est.events:
+        if ev.stream == "compute":
+            ends[ev.task] = max(ends.get(ev.task, 0.0), ev.end)
+    spans, previous = {}, {}
+    for task in tasks.tasks:
+        if task.device == HOST:
+            continue
+        start = previous.get(task.device, 0.0)
+        end = ends.get(task.id, start)
+        spans[task.id] = end - start
+        previous[task.device] = end
+    return spans
+
+
+def measure_overheads(machine: Machine, iterations: int = 4, timeout: float = 60.0) -> Overheads:
+    """Run the real launcher on near-zero compute and fit the runtime's own costs (module docs).
+    ``machine`` gives the probed links (its overheads are ignored); at least two devices are used."""
+    devices = max(2, machine.devices)
+    base = dataclasses.replace(machine, devices=devices, task_overhead=0.0, microbatch_overhead=0.0,
+                               update_overhead=0.0, cpu_cores=None)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # an emulated device computes on one thread, as the launcher's workers do
+    try:
+        graph = decompose(_model(), (torch.randn(2, WIDTH),))
+        profile = _profile(graph, CpuDevice("overhead-probe"))
+    finally:
+        torch.set_num_threads(before)
+    packs = [(i, i) for i in range(len(profile.layers))]
+    config = Configuration(u_f=1, packs_f=packs, u_b=1, packs_b=packs)
+    residuals: dict[int, list[float]] = {}
+    updates: list[float] = []
+    for mode in ("dp", "dp-swap"):
+        tasks = generate(mode, profile, config, devices, MINIBATCH * devices)
+        measured, _ = _spans(graph, tasks, iterations, timeout)
+        modelled = _estimated_spans(tasks, profile, base)
+        for task in tasks.tasks:
+            if task.id not in measured or task.id not in modelled:
+                continue
+            residual = measured[task.id] - modelled[task.id]
+            if task.kind == Kind.UPD:
+                updates.append(residual)
+            else:
+                residuals.setdefault(len(task.microbatches), []).append(residual)
+    one, many = min(residuals), max(residuals)
+    r_one, r_many = statistics.median(residuals[one]), statistics.median(residuals[many])
+    microbatch = max((r_many - r_one) / (many - one), 0.0) if many > one else 0.0
+    task = max(r_one - microbatch * one, 0.0)
+    counted = sum(len(v) for v in residuals.values())
+    update = max(statistics.median(updates) - task, 0.0) if updates else 0.0
+    with_overheads = dataclasses.replace(base, task_overhead=task, microbatch_overhead=microbatch,
+                                         update_overhead=update)
+    pipeline = generate("pp", profile, config, devices, MINIBATCH * devices)
+    _, seconds = _spans(graph, pipeline, iterations, timeout)
+    message = _message_cost(pipeline, profile, with_overheads, seconds)
+    log.info("runtime overheads: %.3f ms per task, %.3f ms per microbatch, %.3f ms per update (%d tasks), "
+             "%.3f ms per p2p message", task * 1e3, microbatch * 1e3, update * 1e3, counted, message * 1e3)
+    return Overheads(task=task, microbatch=microbatch, update=update, message=message, tasks=counted)
+
+
+def _message_cost(tasks: TaskGraph, profile: Profile, machine: Machine, measured: float,
+                  high: float = 0.05, steps: int = 30) -> float:
+    """The p2p message cost at which the estimate of ``tasks`` equals ``measured`` seconds; the
+    machine's own when even that one over-estimates, ``high`` when nothing below reaches it."""
+
+    def predicted(latency: float) -> float:
+        return estimate(tasks, profile, dataclasses.replace(machine, p2p_latency=latency),
+                        record_events=False).iteration_time
+
+    low = machine.p2p_latency if machine.p2p_latency is not None else machine.latency
+    if predicted(low) >= measured:
+        return low
+    if predicted(high) <= measured:
+        return high
+    for _ in range(steps):
+        mid = (low + high) / 2
+        if predicted(mid) < measured:
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2
+
+
+# ------------------------------------------------------------------ shared cores
+_LOOP_SIZE = 128
+_LOOP_REPEATS = 400
+
+
+def _loop(out) -> None:
+    torch.set_num_threads(1)
+    a = torch.randn(_LOOP_SIZE, _LOOP_SIZE, generator=torch.Generator().manual_seed(0))
+    a @ a  # warm-up
+    t0 = time.perf_counter()
+    for _ in range(_LOOP_REPEATS):
+        a @ a
+    out.put(time.perf_counter() - t0)
+
+
+def _loop_seconds(processes: int) -> float:
+    """Median seconds of the fixed loop in ``processes`` forked processes started together."""
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_loop, args=(out,), daemon=True) for _ in range(processes)]
+    for p in procs:
+        p.start()
+    try:
+        return statistics.median(out.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def measure_cores(devices: int, repeats: int = 3) -> float:
+    """The cores the devices' compute gets between them (module docs): measured with one process
+    more than devices, so that a machine with a free core per device still shows its limit."""
+    k = devices + 1
+    alone, together = [], []
+    for _ in range(repeats):  # interleaved, so that a change in the machine's load hits both alike
+        alone.append(_loop_seconds(1))
+        together.append(_loop_seconds(k))
+    alone, together = statistics.median(alone), statistics.median(together)
+    cores = min(float(k), k * alone / max(together, 1e-9))
+    log.info("shared cores: the loop takes %.1f ms alone, %.1f ms in %d processes at once: %.2f cores",
+             alone * 1e3, together * 1e3, k, cores)
+    return cores
