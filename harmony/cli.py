@@ -194,8 +194,9 @@ def _cmd_run(ns: argparse.Namespace) -> int:
 
     _check_run_args(ns)
     if under_torchrun():
-        if ns.checkpoint_every or ns.resume is not None:
-            raise HarmonyError("--checkpoint-every and --resume are not supported under torchrun yet; run without torchrun")
+        if ns.checkpoint_every or ns.checkpoint_dir is not None or ns.resume is not None:
+            raise HarmonyError("--checkpoint-every, --checkpoint-dir and --resume are not supported under torchrun yet; "
+                               "run without torchrun")
         return _cmd_run_spmd(ns)
     plan, mf = _plan_for_run(ns)
     _seed_everything(ns.seed)  # the initial weights and the batches too: two identical runs train identically
@@ -204,7 +205,9 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         raise HarmonyError(f"{mf.path}: build_model() made a model on the meta device; training needs real weights")
     if ns.checkpoint_dir is not None:
         ns.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    saver = ns.checkpointer = Checkpointer(ns.checkpoint_dir, ns.checkpoint_every)
+    guard = getattr(ns, "signal_guard", None)
+    saver = ns.checkpointer = Checkpointer(ns.checkpoint_dir, ns.checkpoint_every,
+                                           shield=guard.held_back if guard is not None else contextlib.nullcontext)
     with Trainer(plan, optimizer=mf.build_optimizer, loss_fn=mf.loss_fn, state_dict=model.state_dict(),
                  seed=ns.seed, timeout=ns.timeout) as trainer:
         del model
@@ -602,7 +605,8 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(ns, "batch_size", 1) is not None and getattr(ns, "batch_size", 1) < 1:
         parser.error("--batch-size must be a positive integer")
     try:
-        with _signals_raise():
+        with _signals_raise() as guard:
+            ns.signal_guard = guard
             return ns.func(ns)
     except HarmonyError as exc:
         if ns.verbose:
@@ -626,33 +630,58 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
-@contextlib.contextmanager
-def _signals_raise():
-    """While a command runs, SIGINT and SIGTERM raise ``Interrupted`` once, in this process only:
-    a second signal during the shutdown is logged and ignored so the workers are still joined, and
-    a process forked meanwhile (a worker) keeps the default behaviour."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    owner = os.getpid()
-    fired: list[int] = []
+class _SignalGuard:
+    """SIGINT and SIGTERM raise ``Interrupted`` once, in this process only (see ``_signals_raise``),
+    except inside ``held_back()``, whose work (writing a checkpoint and moving the pointer to it)
+    completes first, so that the message names the checkpoint a resume will really use."""
 
-    def handler(signum: int, frame) -> None:
-        if os.getpid() != owner:  # a forked worker: behave as if no handler were installed
+    def __init__(self) -> None:
+        self.owner = os.getpid()
+        self.fired = False
+        self.held = 0
+        self.pending: int | None = None
+
+    def handle(self, signum: int, frame) -> None:
+        if os.getpid() != self.owner:  # a forked worker: behave as if no handler were installed
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        if fired:
+        if self.fired:
             log.warning("%s received while shutting down; still stopping the workers", signal.Signals(signum).name)
             return
-        fired.append(signum)
+        self.fired = True
+        if self.held:
+            self.pending = signum
+            return
         raise Interrupted(signum)
 
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    @contextlib.contextmanager
+    def held_back(self):
+        self.held += 1
+        try:
+            yield
+        finally:
+            self.held -= 1
+            if not self.held and self.pending is not None:
+                signum, self.pending = self.pending, None
+                raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def _signals_raise():
+    """While a command runs, SIGINT and SIGTERM raise ``Interrupted`` (``_SignalGuard``): a second
+    signal during the shutdown is logged and ignored so the workers are still joined, and a process
+    forked meanwhile (a worker) keeps the default behaviour. Yields the guard (None off the main
+    thread, where signals cannot be handled)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield None
+        return
+    guard = _SignalGuard()
+    previous = {s: signal.signal(s, guard.handle) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield
+        yield guard
     finally:
         for s, h in previous.items():
             signal.signal(s, h)

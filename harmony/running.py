@@ -7,12 +7,13 @@ run shows at a glance how far the estimator was off.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import statistics
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 from harmony import checkpoint
 from harmony.plan import Plan
@@ -89,10 +90,12 @@ class Checkpointer:
     ``latest.json`` to each complete file, and remembers the last one for the message an
     interrupted run prints."""
 
-    def __init__(self, directory: Path | None, every: int | None, start: int = 0) -> None:
+    def __init__(self, directory: Path | None, every: int | None, start: int = 0,
+                 shield: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
         self.directory, self.every = directory, every
         self.start = start  # the step the run began at (a resumed run: the checkpoint's)
         self.last: tuple[Path, int] | None = None
+        self.shield = shield  # holds a signal back until a save and its bookkeeping are done
 
     def after_step(self, trainer) -> None:
         if self.directory is not None and self.every and trainer.iteration % self.every == 0:
@@ -101,9 +104,10 @@ class Checkpointer:
     def save(self, trainer) -> Path:
         """A checkpoint of the trainer's current step, published once complete."""
         step = trainer.iteration
-        path = trainer.save_checkpoint(checkpoint.step_path(self.directory, step))
-        checkpoint.publish(self.directory, path, step)
-        self.last = (path, step)
+        with self.shield():
+            path = trainer.save_checkpoint(checkpoint.step_path(self.directory, step))
+            checkpoint.publish(self.directory, path, step)
+            self.last = (path, step)
         log.info("checkpoint %s (step %d)", path, step)
         return path
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import harmony.compiler
+from harmony import serialization
 from harmony.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -152,7 +153,7 @@ def test_run_plan_whose_model_file_is_gone_exits_2_naming_it(first_run, monkeypa
     moved.mkdir()
     manifest = json.loads((directory / "manifest.json").read_text())
     manifest["model_file"] = str(tmp_path / "gone.py")
-    (moved / "manifest.json").write_text(json.dumps(manifest))
+    (moved / "manifest.json").write_bytes(serialization.json_seal(manifest))  # a manifest Harmony wrote
     assert main(["run", "--plan", str(moved)]) == 2
     printed = flat(capsys.readouterr().out)
     assert "gone.py" in printed and "harmony run MODEL_FILE --plan DIR" in printed
