@@ -247,7 +247,9 @@ class Replicator:
 
     def lost(self, peer: int, cause: str) -> None:
         """``PeerWatch``: another node's process ended without finishing."""
-        self._set_reason(f"rank {peer} ended without finishing the run ({cause.splitlines()[0][:200]})")
+        log.info("rank %d: the connection to rank %d failed: %s", self.rank, peer, cause)
+        self._set_reason(f"rank {peer} ended without finishing the run and without reporting an error (its "
+                         "process died or was killed; see that node's output)")
         Shared.set_abort(self.shared)
 
     def _set_reason(self, reason: str) -> bool:

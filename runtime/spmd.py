@@ -1,16 +1,26 @@
-"""Running under ``torchrun``: every process is one device's worker (SPMD), on one host.
+"""Running under ``torchrun``: every process is one device's worker (SPMD), on one host or more.
 
 ``torchrun --standalone --nproc-per-node N -m harmony.cli run MODEL_FILE ...`` (or
 ``torchrun ... $(which harmony) run ...``) starts N processes; they rendezvous through
-torch.distributed (``env://``, gloo) instead of being forked by a launcher. Rank 0 makes the host
-store, the shared flags and the message slabs as files in ``/dev/shm`` and the other ranks map the
-same files, so master weights and optimizer state still live once. Messages between workers go
-through the rendezvous's key-value store (only offsets and shapes; the tensors are in the slabs).
-Every rank reads the same minibatch from the model file's ``get_batch``; rank 0 also runs the
-plan's host-bound updates, and an all-reduce of the loss ends each iteration on every rank.
+torch.distributed (``env://``, gloo) instead of being forked by a launcher. On more than one host,
+``torchrun --nnodes H --nproc-per-node N --node-rank I --master-addr HOST0 --master-port P ...`` on
+every host (H x N devices in all; the plan directory given with ``--plan`` on each).
 
-Only one host: the host store is one host's shared memory. A run whose ranks span hosts is
-refused with a message saying so.
+Per node (the ranks of one host; ``topology``), the node's lowest rank makes the host store, the
+shared flags and the message slabs between its own ranks as files in ``/dev/shm``; the node's other
+ranks map the same files, and the files are unlinked as soon as every rank mapped them, so no exit,
+however abrupt, leaves one behind. Rank 0 builds the initial weights and sends them to the other
+nodes' stores. Messages between workers go through the rendezvous's key-value store (offsets and
+shapes into the slabs; a tensor between two hosts as bytes). Every rank reads the same minibatch
+from the model file's ``get_batch``; rank 0 also runs the plan's host-bound updates, and an
+all-reduce of the loss ends each iteration on every rank.
+
+On more than one node each node's host store is a replica, kept in step by ``replication.py``:
+every task's host-store writes travel to the other nodes before its done flag, and every rank waits
+before the all-reduce until the other nodes applied all it sent, so the replicas are equal at every
+iteration's end and the run trains exactly as on one host. A rank that fails publishes its rank and
+cause to every node, and a node whose process dies is noticed by the others at once: every rank
+stops within seconds with an error naming the failed rank.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -324,10 +335,14 @@ def _failure(exc: BaseException, topo: Topology, shared: Shared, replicator: Rep
         cause = replicator.reason(wait=2.0) if replicator is not None else None
         return WorkerError(f"rank {topo.rank} (node {topo.node}) stopped: "
                            f"{cause or 'another rank failed; its error is above'}")
-    text = f"rank {topo.rank} (node {topo.node}) failed: {exc if isinstance(exc, HarmonyError) else repr(exc)}"
+    cause = exc if isinstance(exc, HarmonyError) else f"{type(exc).__name__}: {exc}"
+    text = f"rank {topo.rank} (node {topo.node}) failed: {_SOURCE_LOCATION.sub('', str(cause))}"
     log.error("%s", text, exc_info=exc)
     fail(text)
     return WorkerError(text)
+
+
+_SOURCE_LOCATION = re.compile(r"\[/[^\]]*\]\s*")  # "[/path/pair.cc:561] " in gloo's messages
 
 
 def _peer_gone(exc: BaseException) -> bool:
