@@ -9,11 +9,13 @@ runs the real :class:`~harmony.runtime.launcher.Launcher` on a chain of layers o
 in two task graphs (Harmony DP: several microbatches per task and offloaded updates; per-device-swap
 DP: one microbatch per task and an update task per pack on each device), and takes each task's
 measured span minus the span the event-driven estimator gives it without overheads (compute and
-transfers as profiled and probed): the line ``task + microbatch * microbatches`` through the median
-residual of the FWD/BWD tasks of one microbatch and that of the tasks of ``MINIBATCH`` microbatches
-(medians: a shared machine delays a few tasks by whole scheduler slices) gives ``task_overhead``
-and ``microbatch_overhead``; the median
-residual of the device UPD tasks, less ``task_overhead``, gives ``update_overhead``. Last, a
+transfers as profiled and probed): the line ``task + microbatch * microbatches`` through the lower
+quartile of the residuals of the FWD/BWD tasks of one microbatch and that of the tasks of
+``MINIBATCH`` microbatches gives ``task_overhead`` and ``microbatch_overhead``; the lower quartile of
+the residuals of the device UPD tasks, less ``task_overhead``, gives ``update_overhead``. (Lower
+quartiles: on a shared machine other processes delay some tasks by whole scheduler slices, which
+is the machine's load at that moment, not the runtime's cost; a busy machine made the medians
+vary threefold from one probe to the next.) Last, a
 wrap-around pipeline on the same layers sends every microbatch from device to device through the
 runtime's p2p path (a stream thread, a queue, the receiver's mailbox thread, its p2p-in stream, the
 compute thread waiting): the per-message cost is the ``p2p_latency`` at which the estimator, with the
@@ -183,11 +185,11 @@ def measure_overheads(machine: Machine, iterations: int = 4, timeout: float = 60
             else:
                 residuals.setdefault(len(task.microbatches), []).append(residual)
     one, many = min(residuals), max(residuals)
-    r_one, r_many = statistics.median(residuals[one]), statistics.median(residuals[many])
+    r_one, r_many = _lower_quartile(residuals[one]), _lower_quartile(residuals[many])
     microbatch = max((r_many - r_one) / (many - one), 0.0) if many > one else 0.0
     task = max(r_one - microbatch * one, 0.0)
     counted = sum(len(v) for v in residuals.values())
-    update = max(statistics.median(updates) - task, 0.0) if updates else 0.0
+    update = max(_lower_quartile(updates) - task, 0.0) if updates else 0.0
     with_overheads = dataclasses.replace(base, task_overhead=task, microbatch_overhead=microbatch,
                                          update_overhead=update)
     pipeline = generate("pp", profile, config, devices, MINIBATCH * devices)
@@ -196,6 +198,10 @@ def measure_overheads(machine: Machine, iterations: int = 4, timeout: float = 60
     log.info("runtime overheads: %.3f ms per task, %.3f ms per microbatch, %.3f ms per update (%d tasks), "
              "%.3f ms per p2p message", task * 1e3, microbatch * 1e3, update * 1e3, counted, message * 1e3)
     return Overheads(task=task, microbatch=microbatch, update=update, message=message, tasks=counted)
+
+
+def _lower_quartile(values: list[float]) -> float:
+    return statistics.quantiles(values, n=4, method="inclusive")[0] if len(values) > 1 else values[0]
 
 
 def _message_cost(tasks: TaskGraph, profile: Profile, machine: Machine, measured: float,
