@@ -80,6 +80,9 @@ def _add_device_args(p: argparse.ArgumentParser, count_help: str = "number of de
     g.add_argument("--devices", type=int, default=2, help=count_help)
     g.add_argument("--device-memory", help="capacity per device, e.g. 8GiB (default: free GPU memory; emulated cpu: "
                    "a quarter of the model's training footprint)")
+    g.add_argument("--memory-margin", type=float, default=0.1,
+                   help="share of device memory the plan leaves unplanned, for what the estimate misses (default "
+                        "0.1; raise it if a run runs out of memory)")
 
 
 def _cmd_decompose(ns: argparse.Namespace) -> int:
@@ -134,7 +137,7 @@ def _cmd_compile(ns: argparse.Namespace) -> int:
     options = CompileOptions(
         minibatch=ns.minibatch, devices=ns.devices, device_memory=ns.device_memory, mode=ns.mode,
         device_type=ns.device, analytic=ns.analytic, compare=not ns.no_compare, trials=ns.trials,
-        probe=not ns.no_probe, extra={"args": ns.args},
+        probe=not ns.no_probe, memory_margin=ns.memory_margin, extra={"args": ns.args},
     )
     options.validate()
     mf, model, graph = _load_and_decompose(ns, meta=bool(ns.analytic))
@@ -304,10 +307,12 @@ def _plan_for_run(ns: argparse.Namespace):
     mf = load_model_file(ns.model_file, parse_options(ns.args))
     key = {"minibatch": ns.minibatch, "devices": ns.devices, "device_memory": ns.device_memory, "mode": ns.mode,
            "device_type": ns.device, "probe": not ns.no_probe, "args": sorted(ns.args), "depth": ns.depth,
-           "modules": ns.modules, "opaque": sorted(ns.opaque), "method": ns.method}
+           "modules": ns.modules, "opaque": sorted(ns.opaque), "method": ns.method,
+           "memory_margin": ns.memory_margin}
     options = CompileOptions(
         minibatch=ns.minibatch, devices=ns.devices, device_memory=ns.device_memory, mode=ns.mode,
         device_type=ns.device, compare=False, trials=ns.trials, probe=not ns.no_probe,
+        memory_margin=ns.memory_margin,
         extra={"args": ns.args, "run_options": key},
     )
     options.validate()

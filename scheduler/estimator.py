@@ -566,6 +566,21 @@ def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: in
                     else:
                         last_unit.release_end += held
 
+    # an update steps the summed gradient: it waits for every backward that deposits one of its
+    # parameters' gradients, on any device, not only the one its dW input names (dp-swap's replicas)
+    # (a device runs its tasks in order, so its last such backward per pack is the one to wait for)
+    last_bwd = {(b.device, b.first, b.last): b for b in tasks if b.kind == Kind.BWD and not _jit(b)}
+    for task in tasks:
+        if task.kind != Kind.UPD:
+            continue
+        cu = units_of[task.id][0]
+        for b in last_bwd.values():
+            if b.first <= task.last and task.first <= b.last:
+                source = units_of[b.id][-1]
+                source.end_units.append(cu)
+                cu.need += 1
+                cu.waits.append((Transfer("dW", Channel.SWAP, 0, task=b.id), b.id, source))
+
     # outputs nobody read: P2P sends still happen; LOCAL tensors stay until their named task ends
     for recs in (*to_consumer_any.values(), *to_host.values()):
         for o, pu, x, used, s in recs:
@@ -895,6 +910,11 @@ def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: in
         events=events,
         capacity=cap,
     )
+
+
+def _jit(task: Task) -> bool:
+    """A backward that steps its own pack (jit-update on the device): it deposits no gradient."""
+    return task.update == "device" and any(t.tensor == "K" for t in task.inputs)
 
 
 def _unit_label(u: _Unit) -> str:

@@ -46,6 +46,8 @@ def refused(args: list[str], capsys, *expected: str) -> str:
     ("--devices", "-1", "device count must be a positive integer, got -1"),
     ("--device-memory", "0", "device memory must be positive"),
     ("--device-memory", "lots", "cannot read 'lots' as a memory size"),
+    ("--memory-margin", "1.5", "the memory margin must be in [0, 1), got 1.5"),
+    ("--memory-margin", "-0.1", "the memory margin must be in [0, 1), got -0.1"),
 ])
 def test_a_non_positive_size_or_count_is_refused_naming_it(command, flag, value, expected, capsys, tmp_path):
     out = ["--out", str(tmp_path / "plan")]

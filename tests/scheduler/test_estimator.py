@@ -418,6 +418,19 @@ def test_a_device_update_loads_its_inputs_after_the_previous_task_not_under_it(p
     assert estimate(graph([a, b]), profile, machine()).iteration_time == pytest.approx(4 * MS)
 
 
+def test_a_replicated_update_waits_for_every_device_backward_of_its_pack(profile):
+    # dp-swap: dev0's UPD names only its own backward, but steps the gradient summed over both
+    # devices, so (as the runtime does) it waits for dev1's slower backward (4 samples vs 1)
+    def bwd(tid, device, samples):
+        return Task(id=tid, device=device, kind=Kind.BWD, first=0, last=0, microbatches=[samples],
+                    outputs=[Transfer("dW", Channel.SWAP, 0)])
+
+    upd = Task(id=2, device=0, kind=Kind.UPD, first=0, last=0, microbatches=[],
+               inputs=[Transfer("dW", Channel.SWAP, 0, task=0)])
+    est = estimate(graph([bwd(0, 0, 1), bwd(1, 1, 4), upd], devices=2), profile, machine())
+    assert est.iteration_time == pytest.approx(4 * (BWD_PER_SAMPLE + FWD_PER_SAMPLE) + UPD_DEVICE)  # with recompute
+
+
 @pytest.mark.parametrize("cores, expected", [(None, 2 * MS), (2.0, 2 * MS), (1.0, 4 * MS), (1.5, 8 / 3 * MS)])
 def test_devices_computing_at_once_share_the_cores(profile, cores, expected):
     tasks = [fwd(0, 0, 0), fwd(1, 1, 1)]  # 2 ms each on two devices at the same time
