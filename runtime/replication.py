@@ -18,9 +18,9 @@ collective that ends every iteration. So each node replicates write-through:
 - ``Replicator.flush`` (before the collective that ends an iteration) waits until every other node
   applied everything this process sent: no iteration reads a stale weight.
 - A failure is published once, with its rank and cause, under one store key and as a message to
-  every node (``fail``); ``PeerWatch`` notices a node whose process ended without a word (a pending
-  gloo receive fails the moment its peer's socket closes). Either sets every node's abort flag, so
-  every worker stops waiting within moments.
+  every node (``fail``); ``PeerWatch`` notices a node whose process ended without a word (a TCP
+  connection between node leaders closes with the process). Either sets every node's abort flag,
+  so every worker stops waiting within moments.
 
 Transitivity is what two nodes get for free: with three or more, a reader that depends on a region
 only through another node's flag (not the writer's own) could see it late; the plans' readers wait
@@ -30,16 +30,17 @@ for the writers themselves (gradient sources, the previous buffer writer).
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import socket
 import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable
 
 import msgpack
 import numpy as np
-import torch
-import torch.distributed as dist
 
 from harmony.decomposer.layer_graph import LayerGraph
 from harmony.runtime.channels import Aborted
@@ -51,6 +52,7 @@ from harmony.scheduler.tasks import HOST, Kind, Task
 log = logging.getLogger(__name__)
 
 ABORT_KEY = "harmony/abort"
+IDLE_LIMIT = timedelta(days=7)  # an applier may wait this long for the next message
 
 
 @dataclass
@@ -163,7 +165,8 @@ class Replicator:
         self._queued = 0
         self._pushed = 0
         self._error: BaseException | None = None
-        self._reason: str | None = None
+        self._reason: str | None = None  # the first failure reported: by this process or in a message
+        self._lost: str | None = None  # a node that ended without a report (PeerWatch)
         self._closing = False
         self._sender = threading.Thread(target=self._send_loop, args=(store.clone(),), name="harmony-repl-send",
                                         daemon=True)
@@ -246,10 +249,11 @@ class Replicator:
             log.warning("rank %d could not publish its failure: %s", self.rank, exc)
 
     def lost(self, peer: int, cause: str) -> None:
-        """``PeerWatch``: another node's process ended without finishing."""
+        """``PeerWatch``: another node's process ended without finishing. Its own report, if it
+        made one, arrives through the store and is preferred (``reason``)."""
         log.info("rank %d: the connection to rank %d failed: %s", self.rank, peer, cause)
-        self._set_reason(f"rank {peer} ended without finishing the run and without reporting an error (its "
-                         "process died or was killed; see that node's output)")
+        self._lost = self._lost or (f"rank {peer} ended without finishing the run and without reporting an error "
+                                    "(its process died or was killed; see that node's output)")
         Shared.set_abort(self.shared)
 
     def _set_reason(self, reason: str) -> bool:
@@ -272,23 +276,25 @@ class Replicator:
             except Exception:  # noqa: BLE001 - the store may be gone; fall back to what we know
                 pass
             if self._reason is not None or time.monotonic() >= deadline:
-                return self._reason
+                return self._reason or self._lost
             time.sleep(0.05)
 
     # ------------------------------------------------------------ applying
     def _apply_loop(self, store: Any) -> None:
+        store.set_timeout(IDLE_LIMIT)  # waiting for the next message is not a stall: stalls are timed elsewhere
         key = _queue_key(self.node)
         while True:
             try:
                 message = msgpack.unpackb(store.queue_pop(key), raw=False)
-            except Exception as exc:  # noqa: BLE001 - the store is gone (its node stopped)
+                if message[0] == "stop":
+                    return
+                self._apply(message)
+            except Exception as exc:  # noqa: BLE001 - the store is gone (its node stopped), or a bad message
                 if not self._closing and not self.shared.aborted():
-                    self._set_reason(f"node {self.node} lost the rendezvous store ({exc}); did node 0 stop?")
+                    self._set_reason(f"node {self.node} could not apply the other nodes' writes ({exc}); "
+                                     "did node 0 stop?")
                     Shared.set_abort(self.shared)
                 return
-            if message[0] == "stop":
-                return
-            self._apply(message)
             if message[0] in ("done", "read"):
                 try:
                     store.add(_ack_key(message[1], self.node), 1)
@@ -311,15 +317,16 @@ class Replicator:
             Shared.set_abort(self.shared)
 
     def close(self) -> None:
-        """Stop the threads (after the last flush and collective: nothing is in flight)."""
+        """Stop the threads: after the last flush and collective (nothing is in flight), or after a
+        failure (a thread left inside a store call when the process exits aborts the exit)."""
         self._closing = True
         self._outbox.put(None)
         self._sender.join(timeout=10)
         if self._applier is not None:
             try:
                 self.store.queue_push(_queue_key(self.node), msgpack.packb(["stop"]))
-            except Exception as exc:  # noqa: BLE001 - the applier is a daemon; it ends with the process
-                log.warning("rank %d could not stop its applier: %s", self.rank, exc)
+            except Exception as exc:  # noqa: BLE001 - the store is gone, and the applier's wait on it with it
+                log.debug("rank %d could not stop its applier: %s", self.rank, exc)
                 return
             self._applier.join(timeout=10)
 
@@ -333,36 +340,77 @@ def _ack_key(src: int, node: int) -> str:
 
 
 class PeerWatch:
-    """Notices the moment another node's process ends: a gloo receive from each peer is posted at
-    the start and fails as soon as the peer's socket closes; at a clean end every peer sends the
-    byte that completes it."""
+    """Notices the moment another node's process ends: each pair of node leaders holds a plain TCP
+    connection, which the kernel closes when a process ends however abruptly (killed, crashed), so
+    the other side's blocked read returns at once. A clean end sends one byte first.
 
-    def __init__(self, group: Any, peers: list[int], on_lost: Callable[[int, str], None]) -> None:
-        self.group = group
-        self.peers = peers
+    Plain sockets rather than a pending gloo receive: a process group destroyed with a receive
+    still pending aborts the process at exit, which every failure path would hit."""
+
+    BYE = b"\x01"
+
+    def __init__(self, store: Any, rank: int, peers: list[int], on_lost: Callable[[int, str], None],
+                 timeout: float) -> None:
+        self.rank = rank
+        self._on_lost = on_lost
         self._closing = False
+        self._sockets: dict[int, socket.socket] = {}
+        with socket.create_server((_reachable_address(), 0)) as server:
+            host, port = server.getsockname()[:2]
+            store.set(f"harmony/watch/{rank}", f"{host}:{port}")
+            for peer in [p for p in peers if p < rank]:  # the higher rank of a pair connects
+                address, _, port_text = store.get(f"harmony/watch/{peer}").decode().rpartition(":")
+                conn = socket.create_connection((address, int(port_text)), timeout=timeout)
+                conn.sendall(rank.to_bytes(4, "little"))
+                self._sockets[peer] = conn
+            server.settimeout(timeout)
+            for _ in [p for p in peers if p > rank]:
+                conn, _ = server.accept()
+                conn.settimeout(timeout)
+                self._sockets[int.from_bytes(_read_exactly(conn, 4), "little")] = conn
         self._threads = []
-        for peer in peers:
-            work = dist.irecv(torch.zeros(1), src=peer, group=group)
-            thread = threading.Thread(target=self._watch, args=(peer, work, on_lost), name=f"harmony-watch-{peer}",
-                                      daemon=True)
+        for peer, conn in self._sockets.items():
+            conn.settimeout(None)
+            thread = threading.Thread(target=self._watch, args=(peer, conn), name=f"harmony-watch-{peer}", daemon=True)
             thread.start()
             self._threads.append(thread)
 
-    def _watch(self, peer: int, work: Any, on_lost: Callable[[int, str], None]) -> None:
+    def _watch(self, peer: int, conn: socket.socket) -> None:
         try:
-            work.wait()
-        except Exception as exc:  # noqa: BLE001 - the peer is gone: that is what we watch for
-            if not self._closing:
-                on_lost(peer, str(exc))
+            said = conn.recv(1)
+            cause = "its connection closed"
+        except OSError as exc:
+            said, cause = b"", str(exc)
+        if said != self.BYE and not self._closing:
+            self._on_lost(peer, cause)
 
     def close(self) -> None:
-        """A clean end: complete every peer's receive, and wait for ours to complete."""
-        self._closing = True
-        try:
-            for work in [dist.isend(torch.ones(1), dst=peer, group=self.group) for peer in self.peers]:
-                work.wait()
-        except Exception as exc:  # noqa: BLE001 - a peer ended after the run completed; nothing is lost
-            log.warning("a peer ended before the run's last handshake: %s", exc)
+        """A clean end: say goodbye to every peer and wait for theirs."""
+        for peer, conn in self._sockets.items():
+            try:
+                conn.sendall(self.BYE)
+            except OSError as exc:
+                log.warning("rank %d ended before the run's last handshake: %s", peer, exc)
         for thread in self._threads:
             thread.join(timeout=10)
+        self._closing = True
+        for conn in self._sockets.values():
+            conn.close()
+
+
+def _reachable_address() -> str:
+    """This host's address on the interface that reaches the rendezvous host (what the other nodes
+    can connect to); no packet is sent."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))))
+        return probe.getsockname()[0]
+
+
+def _read_exactly(conn: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("a peer closed its watch connection while introducing itself")
+        data += chunk
+    return data

@@ -201,10 +201,12 @@ def run_spmd(plan, loss_fn: Callable, build_optimizer: Callable, get_batch: Call
         if topo.leader:
             _remove(files)  # every rank of the node mapped them: the memory lives on, the names go
         replicator, watch = _replication(topo, plan, routes, store, host, shared, timeout)
-        history = _train(topo, plan, routes, host, shared, slabs, store, replicator, loss_fn, build_optimizer,
-                         get_batch, iterations, seed, timeout, on_step)
-        if replicator is not None:
-            replicator.close()
+        try:
+            history = _train(topo, plan, routes, host, shared, slabs, store, replicator, loss_fn, build_optimizer,
+                             get_batch, iterations, seed, timeout, on_step)
+        finally:
+            if replicator is not None:  # also on failure: a thread left in a store call aborts the exit
+                replicator.close()
         if watch is not None:
             watch.close()
         return history
@@ -252,12 +254,11 @@ def _replication(topo: Topology, plan, routes, store, host: HostStore, shared: S
     if len(topo.nodes) == 1:
         return None, None
     writes = {t.id: task_writes(t, routes, plan.graph, host) for t in plan.tasks.tasks}
-    group = dist.new_group(ranks=topo.leaders, backend="gloo")
     replicator = Replicator(store, topo.rank, topo.node, topo.nodes, host, shared, writes, timeout)
     shared.attach(replicator)
     watch = None
     if topo.leader:
-        watch = PeerWatch(group, [r for r in topo.leaders if r != topo.rank], replicator.lost)
+        watch = PeerWatch(store, topo.rank, [r for r in topo.leaders if r != topo.rank], replicator.lost, timeout)
     dist.barrier()
     return replicator, watch
 

@@ -131,19 +131,21 @@ FAULTY_MODEL = """
 
 
     def loss_fn(output, target):
-        if os.environ.get("GROUP_RANK") == "1" and STEP[0] == 2:
+        if os.environ.get("GROUP_RANK") == os.environ["FAULT_NODE"] and STEP[0] == 2:
             with open(os.environ["FAULT_STAMP"], "w") as f:
                 f.write(str(time.time()))
             if os.environ["FAULT"] == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
-            raise RuntimeError("injected failure on node 1")
+            raise RuntimeError(f"injected failure on node {os.environ['FAULT_NODE']}")
         return gpt2.loss_fn(output, target)
 """
 
 
 @needs_torchrun
-@pytest.mark.parametrize("fault", ["raise", "kill"])
-def test_a_failure_on_one_node_ends_both_within_seconds_naming_the_rank(tmp_path, monkeypatch, fault):
+@pytest.mark.parametrize("fault,node", [("raise", 1), ("kill", 0)])
+def test_a_failure_on_one_node_ends_both_within_seconds_naming_the_rank(tmp_path, monkeypatch, fault, node):
+    """A loss function that raises, or kills its own process (node 0: the one hosting the
+    rendezvous store), at the third iteration in dp (every device computes a loss)."""
     model = tmp_path / "faulty.py"
     model.write_text(textwrap.dedent(FAULTY_MODEL))
     plan = tmp_path / "plan"
@@ -152,17 +154,18 @@ def test_a_failure_on_one_node_ends_both_within_seconds_naming_the_rank(tmp_path
     stamp = tmp_path / "failed-at"
     monkeypatch.setenv("FAULT_STAMP", str(stamp))
     monkeypatch.setenv("FAULT", fault)
+    monkeypatch.setenv("FAULT_NODE", str(node))
     before = shm_files()
     nodes = two_nodes(["run", str(model), *ARGS, "--plan", str(plan), "--iters", "5", "--timeout", "120"], RUN_LIMIT)
-    assert stamp.exists(), "the fault was never injected:\n" + nodes[1][1][-3000:]
+    assert stamp.exists(), "the fault was never injected:\n" + nodes[node][1][-3000:]
     failed_at = float(stamp.read_text())
     for rc, out, end in nodes:
         assert rc != 0, out[-3000:]
         assert end - failed_at < FAULT_LIMIT, out[-3000:]
-    survivor = nodes[0][1]
-    assert "rank 1" in survivor, survivor[-3000:]
+    survivor = nodes[1 - node][1]
+    assert f"stopped: rank {node}" in survivor, survivor[-3000:]
     if fault == "raise":
-        assert "injected failure on node 1" in survivor, survivor[-3000:]
+        assert f"injected failure on node {node}" in survivor, survivor[-3000:]
     assert shm_files() <= before, "shared-memory files left behind"
 
 
