@@ -27,6 +27,31 @@ PAPER_SECONDS = {"BERT96": 1.4, "GPT-2 1.5B": 0.7, "VGG416": 17.7, "ResNet1K": 3
 CASES = [("BERT96", "bert", "96"), ("GPT-2 1.5B", "gpt2", "1.5b"), ("VGG416", "vgg", "vgg416"), ("ResNet1K", "resnet", "resnet1k")]
 
 
+def search_times(names: tuple[str, ...] | None = None, minibatch: int = 64, devices: int = 4) -> list[dict]:
+    """One row per model: layers, decompose / profile / search seconds, Table 1's seconds, the
+    configuration chosen and its estimated iteration time."""
+    machine = Machine.from_spec("1080ti", devices)
+    rows = []
+    for name, file, preset in CASES:
+        if names is not None and name not in names:
+            continue
+        mf = load_model_file(MODELS / f"{file}.py", {"preset": preset})
+        with torch.device("meta"):
+            model = mf.build_model()
+        t0 = time.perf_counter()
+        graph = harmony.decompose(model, mf.get_batch(1, 0)[0])
+        t1 = time.perf_counter()
+        profile = analytic_profile(graph, "1080ti", max_microbatch=minibatch)
+        t2 = time.perf_counter()
+        result = search(profile, machine, "pp", devices, minibatch)
+        t3 = time.perf_counter()
+        rows.append({"model": name, "layers": len(graph.layers), "decompose_seconds": t1 - t0,
+                     "profile_seconds": t2 - t1, "search_seconds": t3 - t2, "paper_seconds": PAPER_SECONDS[name],
+                     "speedup": PAPER_SECONDS[name] / (t3 - t2), "explored": result.explored,
+                     "estimated_iteration_seconds": result.estimate.iteration_time, "configuration": str(result.config)})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="GPT-2 1.5B only")
@@ -37,23 +62,12 @@ def main() -> None:
     table = Table(title=f"Search time, mode pp, {ns.devices} x 1080 Ti (analytic), minibatch {ns.minibatch}")
     for col in ("model", "layers", "decompose s", "profile s", "search s", "paper s", "speed-up", "explored", "estimate s", "configuration"):
         table.add_column(col, justify="left" if col in ("model", "configuration") else "right")
-    machine = Machine.from_spec("1080ti", ns.devices)
-    for name, file, preset in CASES[1:2] if ns.quick else CASES:
-        mf = load_model_file(MODELS / f"{file}.py", {"preset": preset})
-        with torch.device("meta"):
-            model = mf.build_model()
-        t0 = time.perf_counter()
-        graph = harmony.decompose(model, mf.get_batch(1, 0)[0])
-        t1 = time.perf_counter()
-        profile = analytic_profile(graph, "1080ti", max_microbatch=ns.minibatch)
-        t2 = time.perf_counter()
-        result = search(profile, machine, "pp", ns.devices, ns.minibatch)
-        t3 = time.perf_counter()
-        config = str(result.config)
+    for r in search_times(("GPT-2 1.5B",) if ns.quick else None, ns.minibatch, ns.devices):
+        config = r["configuration"]
         table.add_row(
-            name, str(len(graph.layers)), f"{t1 - t0:.1f}", f"{t2 - t1:.1f}", f"{t3 - t2:.2f}", f"{PAPER_SECONDS[name]}",
-            f"{PAPER_SECONDS[name] / (t3 - t2):.2f}x", str(result.explored), f"{result.estimate.iteration_time:.2f}",
-            config if len(config) < 70 else config[:67] + "...",
+            r["model"], str(r["layers"]), f"{r['decompose_seconds']:.1f}", f"{r['profile_seconds']:.1f}",
+            f"{r['search_seconds']:.2f}", f"{r['paper_seconds']}", f"{r['speedup']:.2f}x", str(r["explored"]),
+            f"{r['estimated_iteration_seconds']:.2f}", config if len(config) < 70 else config[:67] + "...",
         )
     console.print(table)
     console.print("goal: search at most the paper's Table 1 time, aiming for 10x faster (speed-up ≥ 10x)")
