@@ -1,0 +1,109 @@
+"""``python -m bench [--quick] [--out bench/results]``: every benchmark in one run, then the results
+folder (README.md with the figures and their goals, results.json, PNG plots).
+
+The full run is sized for under 20 minutes on two cores, ``--quick`` for under 3 (a subset: fewer
+models, minibatches, configurations and rounds). A benchmark that fails is reported in the README
+and the others still run. Benchmarks are not tests; they do not run in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+from rich.console import Console
+from rich.table import Table
+
+from bench import ablation, accuracy, overhead, peers, report, search_time, throughput
+from bench.common import TINY, Stopwatch, machine_info
+
+console = Console(width=160)
+log = logging.getLogger("bench")
+
+
+def _throughput(quick: bool) -> dict[str, Any]:
+    big = ("GPT-2 1.5B",) if quick else tuple(throughput.BIG)
+    return {"estimated": throughput.estimated(big, (32, 64) if quick else (16, 32, 64), budget_s=60 if quick else 240),
+            "measured": throughput.measured(("gpt2-tiny",) if quick else tuple(TINY), iterations=3 if quick else 4)}
+
+
+def _accuracy(quick: bool) -> dict[str, Any]:
+    rows = accuracy.measure(accuracy.QUICK if quick else accuracy.SAMPLE, iterations=4 if quick else 5)
+    return {"rows": rows, "summary": accuracy.summary(rows)}
+
+
+def _peers(quick: bool) -> dict[str, Any]:
+    return peers.compare(4, steps=4, rounds=1 if quick else 2, budget=32 << 20,
+                         depths=(4, 8) if quick else (2, 4, 8, 16, 32), harmony_deadline_s=20 if quick else 200)
+
+
+BENCHMARKS: dict[str, Callable[[bool], Any]] = {
+    "overhead": lambda quick: overhead.measure(steps=6 if quick else 10),
+    "search": lambda quick: search_time.search_times(("GPT-2 1.5B",) if quick else None),
+    "throughput": _throughput,
+    "accuracy": _accuracy,
+    "ablation": lambda quick: ablation.measure(("pp",) if quick else ("pp", "dp"), rounds=1 if quick else 2,
+                                                iterations=3 if quick else 4),
+    "peers": _peers,
+}
+
+
+def run(quick: bool, only: list[str] | None = None) -> dict[str, Any]:
+    """Every benchmark (or ``only`` those), each timed; failures recorded, not raised."""
+    clock = Stopwatch()
+    results: dict[str, Any] = {"machine": machine_info(), "quick": quick, "failures": {}, "seconds": {}}
+    for name, bench in BENCHMARKS.items():
+        if only and name not in only:
+            continue
+        started = clock()
+        with console.status(f"[bold]{name}[/bold] ({clock():.0f} s so far)"):
+            try:
+                results[name] = bench(quick)
+            except Exception as exc:  # noqa: BLE001 - one failing benchmark must not stop the others
+                log.debug("%s", traceback.format_exc())
+                results["failures"][name] = f"{type(exc).__name__}: {exc}"
+        results["seconds"][name] = clock() - started
+        status = "[red]failed[/red]" if name in results["failures"] else "done"
+        console.print(f"{name}: {status} in {results['seconds'][name]:.0f} s")
+    results["wall_seconds"] = clock()
+    return results
+
+
+def summary_table(results: dict[str, Any]) -> Table:
+    table = Table(title="Harmony benchmarks")
+    for col in ("benchmark", "seconds", "figure"):
+        table.add_column(col)
+    figures = {
+        "overhead": lambda r: f"throughput ratio {r['throughput_ratio']:.3f} (goal ≥ 0.90)",
+        "peers": lambda r: f"Harmony / best pipelining schedule {r['ratio_to_best_peer']:.2f} (goal ≥ 1)",
+        "search": lambda r: "speed-up over Table 1: " + ", ".join(f"{x['model']} {x['speedup']:.1f}x" for x in r),
+        "throughput": lambda r: f"{len(r['estimated'])} estimated and {len(r['measured'])} measured rows",
+        "accuracy": lambda r: (f"mean error {r['summary']['mean_relative_error']:.1%} over "
+                               f"{r['summary']['configurations']} configurations (goal ≤ 5%)"
+                               if r["summary"]["mean_relative_error"] is not None else "no configuration ran"),
+        "ablation": lambda r: ", ".join(f"{x['mode']} {x['variant']} {x['slowdown']:.2f}" for x in r if "slowdown" in x),
+    }
+    for name, seconds in results["seconds"].items():
+        text = results["failures"].get(name) or figures[name](results[name])
+        table.add_row(name, f"{seconds:.0f}", text)
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a subset, under 3 minutes on two cores")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--only", nargs="*", choices=sorted(BENCHMARKS), help="run only these benchmarks")
+    ns = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    results = run(ns.quick, ns.only)
+    console.print(summary_table(results))
+    readme = report.write(results, ns.out, ns.quick)
+    console.print(f"results written to {readme.parent} (README.md, results.json, plots)")
+
+
+if __name__ == "__main__":
+    main()
