@@ -26,6 +26,8 @@ stops within seconds with an error naming the failed rank.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import os
 import re
@@ -187,6 +189,7 @@ def run_spmd(plan, loss_fn: Callable, build_optimizer: Callable, get_batch: Call
         raise HarmonyError(f"the plan is for {plan.tasks.devices} device(s) but torchrun started {world} process(es); "
                            f"start {plan.tasks.devices} in all (--nnodes times --nproc-per-node)")
     topo = topology(rank, world)
+    _check_same_plan(plan, topo)
     store = dist.distributed_c10d._get_default_store()
     graph, tasks = plan.graph, plan.tasks
     routes = build_routes(tasks, graph)
@@ -212,6 +215,18 @@ def run_spmd(plan, loss_fn: Callable, build_optimizer: Callable, get_batch: Call
         return history
     finally:
         _remove(files)
+
+
+def _check_same_plan(plan, topo: Topology) -> None:
+    """Every rank must run the same plan: on several hosts each loads its own copy of it (a plan
+    compiled on each host would differ: profiles are measurements)."""
+    body = json.dumps([plan.graph.fingerprint(), plan.tasks.to_dict()], sort_keys=True, default=str)
+    digests: list[str | None] = [None] * sum(len(ranks) for ranks in topo.nodes)
+    dist.all_gather_object(digests, hashlib.sha256(body.encode()).hexdigest())
+    others = [r for r, d in enumerate(digests) if d != digests[0]]
+    if others:
+        raise HarmonyError(f"rank(s) {others} loaded another plan than rank 0; give every host the same plan "
+                           "directory (compile once, copy it, and pass --plan DIR on every host)")
 
 
 def _node_state(topo: Topology, plan, build_optimizer: Callable, build_model: Callable, seed: int, prefix: str,
@@ -315,7 +330,10 @@ def _train(topo: Topology, plan, routes, host, shared, slabs, store, replicator,
             on_step(step, float(loss), seconds)
     except BaseException as exc:
         own = next((e for e in errors if not isinstance(e, Aborted)), None)  # the host update's
-        raise _failure(own or exc, topo, shared, replicator, fail, own is not None) from exc
+        error = _failure(own or exc, topo, shared, replicator, fail, own is not None)
+        if error is exc:
+            raise
+        raise error from exc
     finally:
         executor.close()
     return history

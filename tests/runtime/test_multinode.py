@@ -22,11 +22,13 @@ import torch
 
 from harmony.cli import main
 from harmony.compiler import CompileOptions, _nominal_machine
+from harmony.modelfile import load_model_file, parse_options
 from harmony.plan import Plan
 from harmony.runtime.hoststore import HostStore
-from harmony.runtime.replication import _merge, task_writes
+from harmony.runtime.replication import _merge, _stamp_index, task_writes
 from harmony.runtime.routes import build_routes
 from harmony.scheduler.search import search
+from harmony.trainer import Trainer
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "gpt2.py"
 ARGS = ["--arg", "preset=tiny", "--arg", "dtype=float64"]
@@ -173,14 +175,9 @@ def test_a_failure_on_one_node_ends_both_within_seconds_naming_the_rank(tmp_path
 def test_replicated_regions_cover_every_host_store_write(base_plan, tmp_path, mode, update):
     """What ``task_writes`` ships is at least what an iteration changes in the store: a write it
     did not name would leave the other node's replica stale."""
-    from harmony.trainer import Trainer
-
     plan = Plan.load(variant(base_plan, tmp_path / "plan", mode, update))
-    from harmony.modelfile import load_model_file, parse_options
-
     mf = load_model_file(MODEL, parse_options(ARGS[1::2]))
     torch.manual_seed(0)
-    plan.loss_fn = mf.loss_fn
     with Trainer(plan, optimizer=mf.build_optimizer, loss_fn=mf.loss_fn,
                  state_dict=mf.build_model().state_dict()) as trainer:
         store: HostStore = trainer.store
@@ -198,10 +195,6 @@ def test_replicated_regions_cover_every_host_store_write(base_plan, tmp_path, mo
 
 def test_stamp_indices_agree_with_the_host_store(base_plan):
     plan = Plan.load(base_plan)
-    from harmony.runtime.replication import _stamp_index
-
-    from harmony.modelfile import load_model_file, parse_options
-
     mf = load_model_file(MODEL, parse_options(ARGS[1::2]))
     store = HostStore.create(plan.graph, 2, mf.build_optimizer, mf.build_model().state_dict())
     index = {name: i for i, name in enumerate(store.layout.params)}
