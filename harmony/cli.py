@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from harmony import checkpoint
@@ -260,6 +261,10 @@ def _cmd_run_spmd(ns: argparse.Namespace) -> int:
     from harmony.running import run_report
     from harmony.runtime.spmd import run_spmd
 
+    world, local = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if world != local and ns.plan is None:
+        raise HarmonyError("a run on more than one host needs one plan on every host: compile it once "
+                           "(harmony compile MODEL_FILE ... --out DIR), copy DIR to each host, and run with --plan DIR")
     dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=ns.timeout))
     rank = dist.get_rank()
     try:
@@ -616,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
     except HarmonyError as exc:
         if ns.verbose:
             console.print_exception()
-        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
         return 2
     except KeyboardInterrupt as exc:
         signum = getattr(exc, "signum", signal.SIGINT)

@@ -121,3 +121,16 @@ def test_the_python_api_refuses_more_cuda_devices_than_visible():
     with pytest.raises(harmony.HarmonyError, match="CUDA devices"):
         harmony.compile(model, torch.nn.functional.mse_loss, lambda s, i: (torch.zeros(s, 4), torch.zeros(s, 4)),
                         minibatch_size=4, devices=1, device_type="cuda", probe=False)
+
+
+def test_a_run_across_hosts_without_a_plan_is_refused_before_the_rendezvous(monkeypatch, capsys):
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}  # nothing listens there: a rendezvous would hang
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    refused(["run", str(MODEL), *BASE], capsys, "more than one host needs one plan on every host", "--plan DIR")
+
+
+def test_an_error_message_with_markup_like_brackets_is_printed_as_is(capsys):
+    flat = refused(["run", "/nonexistent/[/bold]model.py", *BASE], capsys)
+    assert "[/bold]model.py" in flat
