@@ -63,7 +63,7 @@ def run(quick: bool, only: list[str] | None = None) -> dict[str, Any]:
             try:
                 results[name] = bench(quick)
             except Exception as exc:  # noqa: BLE001 - one failing benchmark must not stop the others
-                log.debug("%s", traceback.format_exc())
+                log.warning("%s failed:\n%s", name, traceback.format_exc())
                 results["failures"][name] = f"{type(exc).__name__}: {exc}"
         results["seconds"][name] = clock() - started
         status = "[red]failed[/red]" if name in results["failures"] else "done"

@@ -8,8 +8,8 @@ p2p swaps (``p2p=False``: activations through host memory; pp) and configuration
 hand-picked configuration instead: equal-sized packs, two per device, and microbatches of a
 quarter of the minibatch, finer packs only if that does not fit). Each switched-off plan is
 searched again with the switch, so the rest stays optimized. Variants run interleaved, round after
-round, each round starting one variant later, after a warm-up run; a row's figure is its median iteration time over the all-on one's (higher is worse), beside
-the estimator's ratio.
+round, each round starting one variant later, after a warm-up run; a row's figure is its median
+iteration time over the all-on one's (higher is worse), beside the estimator's ratio.
 
     python -m bench.ablation [--quick]
 """

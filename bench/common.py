@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import functools
-import logging
 import os
 import platform
 import statistics
@@ -25,8 +24,6 @@ from harmony.compiler import CompileOptions, compile_plan
 from harmony.models import bert, gpt2, resnet, vgg
 from harmony.plan import Plan
 from harmony.scheduler.search import SearchResult, search
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
