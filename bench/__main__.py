@@ -25,8 +25,8 @@ log = logging.getLogger("bench")
 
 
 def _throughput(quick: bool) -> dict[str, Any]:
-    big = ("GPT-2 1.5B",) if quick else tuple(throughput.BIG)
-    return {"estimated": throughput.estimated(big, (32, 64) if quick else (16, 32, 64), budget_s=60 if quick else 240),
+    sizes = throughput.QUICK_MINIBATCHES if quick else throughput.MINIBATCHES
+    return {"estimated": throughput.estimated(sizes, budget_s=60 if quick else 480),
             "measured": throughput.measured(("gpt2-tiny",) if quick else tuple(TINY), iterations=3 if quick else 4)}
 
 

@@ -58,11 +58,16 @@ def measure(minibatch: int = 16, steps: int = 8, model: Model = SMALL) -> dict[s
             model.loss_fn(eager_model(inputs), target).backward()
             opt.step()
             eager_s.append(time.perf_counter() - t0)
+        history = trainer.history[1:]
     h, e = statistics.median(harmony_s[1:]), statistics.median(eager_s[1:])
+    # where Harmony's step goes: its tasks' compute, the rest of the worker's iteration, the launcher
+    tasks = statistics.median(sum(step.workers[0].task_seconds.values()) for step in history)
+    worker = statistics.median(step.workers[0].seconds for step in history)
     return {"model": model.name, "minibatch": minibatch, "steps": steps, "configuration": str(plan.tasks.config),
             "harmony_seconds": h, "eager_seconds": e, "harmony_samples_per_second": minibatch / h,
             "eager_samples_per_second": minibatch / e, "throughput_ratio": e / h, "overhead": h / e - 1,
-            "harmony_steps": harmony_s, "eager_steps": eager_s}
+            "harmony_steps": harmony_s, "eager_steps": eager_s,
+            "breakdown": {"task_seconds": tasks, "worker_seconds": worker, "step_seconds": h}}
 
 
 def describe(r: dict[str, Any]) -> str:

@@ -135,7 +135,7 @@ def _machine(m: dict[str, Any]) -> str:
 
 def _section_overhead(r: dict[str, Any]) -> list[str]:
     verdict = "met" if r["overhead"] <= 0.10 else "not met"
-    return [
+    lines = [
         "## 1. Runtime overhead vs eager PyTorch", "",
         f"Goal: overhead ≤ 10% — **{verdict}**. {r['model']}, minibatch {r['minibatch']}, one thread each, "
         f"{r['steps']} interleaved steps (first left out, medians).", "",
@@ -144,6 +144,12 @@ def _section_overhead(r: dict[str, Any]) -> list[str]:
         f"| Harmony, 1 emulated device (1 GiB) | {r['harmony_samples_per_second']:.1f} | {r['configuration']} |", "",
         f"Throughput ratio Harmony / eager: **{r['throughput_ratio']:.3f}** (overhead {r['overhead']:+.1%}).", "",
     ]
+    b = r.get("breakdown")
+    if b:
+        lines += [f"Where a Harmony step goes (medians): its tasks compute {b['task_seconds'] * 1e3:.1f} ms, the worker's "
+                  f"iteration takes {b['worker_seconds'] * 1e3:.1f} ms, the whole `trainer.step` {b['step_seconds'] * 1e3:.1f} ms "
+                  f"(eager step: {r['eager_seconds'] * 1e3:.1f} ms).", ""]
+    return lines
 
 
 def _section_peers(r: dict[str, Any]) -> list[str]:
