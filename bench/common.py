@@ -102,11 +102,7 @@ def summarize(history: list, minibatch: int) -> Run:
     seconds = [h.seconds for h in history]
     steady = seconds[1:] or seconds
     median = statistics.median(steady)
-    last: dict[str, int] = {}
-    for worker in history[-1].workers:
-        for key, value in worker.bytes_by_channel.items():
-            if not key.startswith("TARGET"):
-                last[key] = last.get(key, 0) + value
+    last = history[-1].bytes_by_channel()
     return Run(seconds=median, samples_per_second=minibatch / median,
                peak=[max(h.workers[r].peak for h in history) for r in range(len(history[-1].workers))],
                swap_bytes=last.get("SWAP in", 0) + last.get("SWAP out", 0), bytes_by_channel=last,

@@ -52,11 +52,7 @@ def run_report(plan: Plan, history: list[StepResult], warmup: int = 1, first: in
             "capacity": plan.options.get("device_memory"),
             "busy_seconds": statistics.fmean(sum(step.workers[rank].task_seconds.values()) for step in steady),
         })
-    total: dict[str, int] = {}
-    for d in devices:
-        for key, value in d["bytes_by_channel"].items():
-            if not key.startswith("TARGET"):
-                total[key] = total.get(key, 0) + value
+    total = history[-1].bytes_by_channel()
     estimated = est.get("iteration_time")
     return {
         "mode": plan.tasks.mode, "devices": plan.tasks.devices, "minibatch": plan.tasks.minibatch,

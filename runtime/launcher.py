@@ -62,6 +62,16 @@ class StepResult:
     seconds: float
     workers: list[IterationResult] = field(default_factory=list)
 
+    def bytes_by_channel(self) -> dict[str, int]:
+        """Bytes all workers moved per channel ("SWAP in", "P2P out", ...), as the plan counts them:
+        the loss target's copy to the device is left out (the plan does not model it)."""
+        total: dict[str, int] = {}
+        for worker in self.workers:
+            for key, value in worker.bytes_by_channel.items():
+                if not key.startswith("TARGET"):
+                    total[key] = total.get(key, 0) + value
+        return total
+
 
 @dataclass
 class _WorkerContext:

@@ -98,12 +98,7 @@ def assert_same_training(losses, expected, state, reference, tolerance: float) -
 
 
 def counted_bytes(history) -> dict[str, int]:
-    total: dict[str, int] = {}
-    for worker in history[-1].workers:
-        for key, value in worker.bytes_by_channel.items():
-            if not key.startswith("TARGET"):
-                total[key] = total.get(key, 0) + value
-    return total
+    return history[-1].bytes_by_channel()
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

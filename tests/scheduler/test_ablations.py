@@ -107,12 +107,7 @@ def _compiled():
 
 
 def _counted(history) -> dict[str, int]:
-    total: dict[str, int] = {}
-    for worker in history[-1].workers:
-        for key, value in worker.bytes_by_channel.items():
-            if not key.startswith("TARGET"):
-                total[key] = total.get(key, 0) + value
-    return total
+    return history[-1].bytes_by_channel()
 
 
 @pytest.mark.parametrize("mode,switches", [
