@@ -43,13 +43,14 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
 import harmony
+from bench.common import Model
 from harmony.errors import HarmonyError
 from harmony.models import gpt2, resnet, vgg
 from harmony.models.common import token_sequences
@@ -74,14 +75,9 @@ def _small_gpt_batch(batch_size: int, step: int) -> tuple[torch.Tensor, torch.Te
 
 
 @dataclass(frozen=True)
-class Case:
-    """A model with its loss, batches, optimizer and minibatch size."""
+class Case(Model):
+    """A model (``bench.common.Model``) and its minibatch size."""
 
-    name: str
-    build: Callable[[], torch.nn.Module]
-    loss_fn: Callable
-    get_batch: Callable[[int, int], tuple]
-    build_optimizer: Callable
     minibatch: int
 
 

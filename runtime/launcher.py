@@ -244,6 +244,7 @@ class Launcher:
         self.shared = Shared.create(len(tasks.tasks))
         self.slabs = Slabs(slab_sizes(tasks, self.routes))
         self.planned = planned_memory(tasks, profile)
+        working = working_memory(tasks, profile)  # the same for every worker: computed once
         self.iteration = 0
         self._closed = False
         method = "fork" if device_type == "cpu" else "spawn"
@@ -263,7 +264,7 @@ class Launcher:
                 rank=rank, device_type=device_type, capacity=capacity, threads=threads, seed=seed, timeout=timeout,
                 graph_data=graph_data, graph=graph if method == "fork" else None, tasks=tasks, store=store,
                 shared=self.shared, inboxes=self.inboxes, commands=self.commands[rank], results=self.results,
-                loss_fn=loss_fn, build_optimizer=build_optimizer, working_memory=working_memory(tasks, profile),
+                loss_fn=loss_fn, build_optimizer=build_optimizer, working_memory=working,
                 slabs=self.slabs, prefetch=prefetch,
             )
             process = mpctx.Process(target=_worker_main, args=(ctx,), name=f"harmony-dev{rank}", daemon=True)

@@ -211,30 +211,23 @@ def _queue_pair(rank: int, size: int, repeats: int, timeout: float, links: Any, 
     def receive() -> None:
         dev.to_device(slabs.decode(inbox.get(timeout=timeout), peer, rank)[0])
 
-    def round_trip(t: torch.Tensor) -> float:
+    def round_trip(t: torch.Tensor, back: torch.Tensor | None = None) -> float:
+        """``t`` from rank 0 to rank 1 and ``back`` (default ``t``) the other way."""
         t0 = time.perf_counter()
         if rank == 0:
             send(t)
             receive()
         else:
             receive()
-            send(t)
+            send(t if back is None else back)
         return time.perf_counter() - t0
 
     big = dev.to_device(_host_buffer(size))
     tiny = dev.to_device(_host_buffer(TINY))
     round_trip(tiny)  # warm-up: queue feeder threads, first touch of the slabs
     tiny_trips = [round_trip(tiny) for _ in range(_TINY_REPEATS)]
-    one_way = []
-    for _ in range(repeats):  # the big message one way, the tiny one back: subtract half a round trip
-        t0 = time.perf_counter()
-        if rank == 0:
-            send(big)
-            receive()
-        else:
-            receive()
-            send(tiny)
-        one_way.append(time.perf_counter() - t0)
+    # the big message one way, the tiny one back: subtract half a round trip
+    one_way = [round_trip(big, back=tiny) for _ in range(repeats)]
     half = _median(tiny_trips) / 2
     if rank == 0:
         return {"p2p": [max(t - half, 1e-9) for t in one_way], "p2p_latency": half}

@@ -177,9 +177,7 @@ def _parameters(r: Routes, layers: LayerGraph) -> None:
         if task.kind == Kind.UPD:
             r.updates[task.id] = owned
         elif task.kind == Kind.BWD:
-            # a jit-update brings the optimizer state in; a BWD whose pack is stepped by a separate
-            # UPD task (dp's replicated update) only leaves its gradient
-            if task.update == "device" and any(t.tensor == "K" for t in task.inputs):
+            if task.jit_update():
                 r.jit.add(task.id)
                 r.updates[task.id] = owned
                 r.deposits[task.id] = [p for p in inside if p not in owned]

@@ -569,7 +569,7 @@ def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: in
     # an update steps the summed gradient: it waits for every backward that deposits one of its
     # parameters' gradients, on any device, not only the one its dW input names (dp-swap's replicas)
     # (a device runs its tasks in order, so its last such backward per pack is the one to wait for)
-    last_bwd = {(b.device, b.first, b.last): b for b in tasks if b.kind == Kind.BWD and not _jit(b)}
+    last_bwd = {(b.device, b.first, b.last): b for b in tasks if b.kind == Kind.BWD and not b.jit_update()}
     for task in tasks:
         if task.kind != Kind.UPD:
             continue
@@ -910,11 +910,6 @@ def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: in
         events=events,
         capacity=cap,
     )
-
-
-def _jit(task: Task) -> bool:
-    """A backward that steps its own pack (jit-update on the device): it deposits no gradient."""
-    return task.update == "device" and any(t.tensor == "K" for t in task.inputs)
 
 
 def _unit_label(u: _Unit) -> str:

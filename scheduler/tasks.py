@@ -83,6 +83,11 @@ class Task:
     def samples(self) -> int:
         return sum(self.microbatches)
 
+    def jit_update(self) -> bool:
+        """A backward that steps its own pack right after its last microbatch (it brings the
+        optimizer state in); a BWD stepped by a separate UPD task only leaves its gradient."""
+        return self.kind == Kind.BWD and self.update == "device" and any(t.tensor == "K" for t in self.inputs)
+
     def deps(self) -> set[int]:
         """Tasks that must have produced an input before this task can use it."""
         return {t.task for t in self.inputs if t.task is not None}
