@@ -22,9 +22,11 @@ compute thread waiting): the per-message cost is the ``p2p_latency`` at which th
 overheads above, gives that pipeline's measured iteration time (found by bisection; the estimate
 grows with it). The probe's own half round trip between two processes sees none of those threads.
 
-``measure_cores`` times a fixed single-threaded loop in one forked process, then in ``devices + 1``
-processes at once: ``k`` processes on ``c`` free cores take ``k / c`` times as long, so
-``c = k * alone / together`` (at most ``k``).
+``measure_cores`` runs a fixed single-threaded loop for a fixed window in one forked process, then in
+``devices + 1`` processes released together by a barrier: ``k`` processes on ``c`` free cores do ``c``
+times the work of one (at most ``k``). Counting work in one window, rather than timing a fixed amount
+of work, keeps every process running for the whole measurement: timed runs that fork started one
+after another overlapped only in part, and a 2-core machine read as 2.8-3 cores.
 """
 
 from __future__ import annotations
@@ -229,28 +231,34 @@ def _message_cost(tasks: TaskGraph, profile: Profile, machine: Machine, measured
 
 # ------------------------------------------------------------------ shared cores
 _LOOP_SIZE = 128
-_LOOP_REPEATS = 400
+_WINDOW = 0.15  # seconds each process computes; a process that finished early would free its core
 
 
-def _loop(out) -> None:
+def _loop(barrier, out) -> None:
+    """Fixed single-threaded work for ``_WINDOW`` seconds after every process is ready: the units
+    done in the window (a count, not a duration, so that every process is measured over the same
+    stretch of time, whenever fork happened to start it)."""
     torch.set_num_threads(1)
     a = torch.randn(_LOOP_SIZE, _LOOP_SIZE, generator=torch.Generator().manual_seed(0))
     a @ a  # warm-up
-    t0 = time.perf_counter()
-    for _ in range(_LOOP_REPEATS):
+    barrier.wait(timeout=60)
+    done = 0
+    end = time.perf_counter() + _WINDOW
+    while time.perf_counter() < end:
         a @ a
-    out.put(time.perf_counter() - t0)
+        done += 1
+    out.put(done)
 
 
-def _loop_seconds(processes: int) -> float:
-    """Median seconds of the fixed loop in ``processes`` forked processes started together."""
+def _loop_units(processes: int) -> int:
+    """Units of the fixed loop that ``processes`` forked processes do between them in the window."""
     ctx = multiprocessing.get_context("fork")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_loop, args=(out,), daemon=True) for _ in range(processes)]
+    out, barrier = ctx.Queue(), ctx.Barrier(processes)
+    procs = [ctx.Process(target=_loop, args=(barrier, out), daemon=True) for _ in range(processes)]
     for p in procs:
         p.start()
     try:
-        return statistics.median(out.get(timeout=120) for _ in procs)
+        return sum(out.get(timeout=120) for _ in procs)
     finally:
         for p in procs:
             p.join(timeout=10)
@@ -260,15 +268,15 @@ def _loop_seconds(processes: int) -> float:
 
 
 def measure_cores(devices: int, repeats: int = 3) -> float:
-    """The cores the devices' compute gets between them (module docs): measured with one process
-    more than devices, so that a machine with a free core per device still shows its limit."""
+    """The cores the devices' compute gets between them (module docs): the work ``devices + 1``
+    processes do at once in a window over what one does alone in the same window; one process more
+    than devices, so that a machine with a free core per device still shows its limit."""
     k = devices + 1
-    alone, together = [], []
+    ratios = []
     for _ in range(repeats):  # interleaved, so that a change in the machine's load hits both alike
-        alone.append(_loop_seconds(1))
-        together.append(_loop_seconds(k))
-    alone, together = statistics.median(alone), statistics.median(together)
-    cores = min(float(k), k * alone / max(together, 1e-9))
-    log.info("shared cores: the loop takes %.1f ms alone, %.1f ms in %d processes at once: %.2f cores",
-             alone * 1e3, together * 1e3, k, cores)
+        alone = _loop_units(1)
+        together = _loop_units(k)
+        ratios.append(together / max(alone, 1))
+    cores = min(float(k), statistics.median(ratios))
+    log.info("shared cores: %d processes at once do %.2f times the work of one: %.2f cores", k, cores, cores)
     return cores

@@ -486,7 +486,7 @@ def _with_runtime_costs(machine: Machine, timeout: float) -> Machine:
                      "estimator's, median residuals of one-microbatch and many-microbatch tasks",
         "p2p_latency": f"the larger of the half round trip ({probed * 1e6:.0f} us) and the message cost that "
                        f"makes the estimate of a near-zero pipeline match its run ({costs.message * 1e6:.0f} us)",
-        "cpu_cores": f"{machine.devices + 1} single-threaded loops at once vs one alone",
+        "cpu_cores": f"work of {machine.devices + 1} single-threaded loops at once over one alone, in one window",
     }
     return dataclasses.replace(machine, task_overhead=costs.task, microbatch_overhead=costs.microbatch,
                                update_overhead=costs.update, p2p_latency=max(probed, costs.message),

@@ -113,3 +113,15 @@ def test_cuda_probe():
         assert math.isfinite(value) and value > 0, name
     assert m.capacity > 0 and 0 < m.latency < 1.0
     assert multiprocessing.active_children() == []
+
+
+def test_shared_cores_never_exceed_the_machine_cores():
+    """Processes started one after another by fork overlap only in part; counted in one window after
+    a barrier, the work of more processes than cores is at most the cores' worth (noise aside)."""
+    import os
+
+    from harmony.runtime.overheads import measure_cores
+
+    cores = measure_cores(os.cpu_count() or 1, repeats=1)
+    assert 0 < cores <= (os.cpu_count() or 1) * 1.25
+    assert multiprocessing.active_children() == []
