@@ -8,6 +8,9 @@
 Each ``step`` is one synchronous SGD iteration over the minibatch: the same losses and weights
 as eager training of the model on one process with the plan's microbatches (``runtime/reference``).
 The trainer owns the worker processes; ``close()`` (or leaving the ``with`` block) stops them.
+``p2p`` picks how activations and gradients travel between devices: "shm" (through shared host
+memory), "dist" (torch.distributed: NCCL between GPUs, gloo between emulated devices) or "auto"
+(torch.distributed on GPUs, shared memory on emulated devices).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ class Trainer:
 
     def __init__(self, plan: Plan, optimizer: Callable | None = None, loss_fn: Callable | None = None,
                  state_dict: dict[str, torch.Tensor] | None = None, seed: int = 0, timeout: float = 600.0,
-                 prefetch: bool = True) -> None:
+                 prefetch: bool = True, p2p: str = "auto") -> None:
         self.plan = plan
         self.loss_fn = loss_fn or getattr(plan, "loss_fn", None)
         if self.loss_fn is None:
@@ -56,7 +59,7 @@ class Trainer:
         capacity = plan.options.get("device_memory") or plan.profile.capacity
         self.launcher = Launcher(graph, plan.tasks, self.store, self.loss_fn, self.build_optimizer,
                                  device_type=device_type, capacity=capacity, seed=seed, timeout=timeout,
-                                 profile=plan.profile, prefetch=prefetch)
+                                 profile=plan.profile, prefetch=prefetch, p2p=p2p)
 
     # ------------------------------------------------------------ training
     def step(self, inputs: Any, target: Any) -> float:

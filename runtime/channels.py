@@ -3,9 +3,12 @@ how many bytes each moved.
 
 - SWAP: host memory <-> device memory (the master state in the host store, stashes, activations
   parked in host memory, the minibatch).
-- P2P: device -> device. On emulated CPU devices the sender copies into a shared-memory segment
-  and hands its handle to the receiver's inbox (a ``torch.multiprocessing`` queue); the receiver
-  copies it into its device memory. On GPUs the same interface carries NCCL/CUDA-IPC copies.
+- P2P: device -> device, by one of two transports behind the executor's send and receive. Through
+  shared memory (the default on emulated CPU devices): the sender copies into a shared-memory slab
+  (``Slabs``) and hands its place to the receiver's inbox (a ``torch.multiprocessing`` queue); the
+  receiver copies it into its device memory. Over torch.distributed (``p2p.py``; the default on
+  GPUs): NCCL between GPUs, gloo between emulated devices, straight into the receiver's device
+  memory, with only a small header through the inbox.
 - MSG: host -> host between worker processes (activations parked in one worker's host memory and
   read by another worker), through the same inboxes.
 - SHM: shared host memory read in place (the master state, gradient slots): no copy, no bytes.
@@ -83,7 +86,7 @@ class Mailbox:
         self._items: dict[Hashable, Any] = {}
         self._cond = threading.Condition()
         self._stop = False
-        self._thread = threading.Thread(target=self._drain, name="harmony-p2p-recv", daemon=True)
+        self._thread = threading.Thread(target=self._drain, name="harmony-inbox", daemon=True)
         self._thread.start()
 
     def _drain(self) -> None:

@@ -4,7 +4,9 @@ The compute thread runs FWD, BWD and UPD tasks; four stream threads beside it mo
 ``streams.py``): swap-in (host -> device, prefetching the next task's weights and the next
 microbatch's inputs while the current one computes), swap-out (device -> host: updated weights and
 optimizer state, buffers, gradients, stashes), p2p-in (receiving activations and gradients from
-other devices) and p2p-out (sending them).
+other devices) and p2p-out (sending them). P2P messages travel through shared memory
+(``channels.Slabs``) or, with a ``DistTransport`` (``p2p.py``), as torch.distributed sends
+straight into the receiver's device memory.
 
 Semantics, each matching one-process eager training (``reference.py``):
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from concurrent.futures import Future
@@ -45,6 +48,7 @@ from harmony.runtime.channels import (Aborted, Counters, Mailbox, Slabs, shared_
                                       tensor_bytes)
 from harmony.runtime.device import Device
 from harmony.runtime.hoststore import HostStore
+from harmony.runtime.p2p import DistTransport, Received
 from harmony.runtime.routes import OutStream, Routes, ranges, stash_layers
 from harmony.runtime.streams import Stream
 from harmony.scheduler.tasks import Channel, Kind, Task
@@ -189,7 +193,7 @@ class Executor:
                  shared: Shared, mailbox: Mailbox, peers: list[Any], loss_fn: Callable,
                  build_optimizer: Callable, seed: int, timeout: float = 600.0,
                  working_memory: dict[int, int] | None = None, slabs: Slabs | None = None,
-                 prefetch: bool = True) -> None:
+                 prefetch: bool = True, transport: DistTransport | None = None) -> None:
         self.rank = rank
         self.prefetch = prefetch  # off only to measure what prefetching buys (bench, Fig. 14)
         self.device = device
@@ -214,6 +218,8 @@ class Executor:
         self._headroom = 0  # bytes the running task may still allocate beyond its state (planned)
         self.working_memory = working_memory or {}
         self.slabs = slabs
+        self.transport = transport  # P2P over torch.distributed; None: through shared memory
+        self._awaited: dict[tuple[int, bool], int] = {}  # (sender, on the compute thread) -> P2P waits
         threads = torch.get_num_threads()
         scope = device.memory_scope
 
@@ -235,8 +241,12 @@ class Executor:
         device.pin_host(store.buffer)
         for slab in (slabs.buffers.values() if slabs is not None else ()):
             device.pin_host(slab)
+        if transport is not None:
+            transport.start(self._p2p_buffers, setup)
 
     def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
         for stream in (self.swap_in, self.swap_out, self.p2p_in, self.p2p_out):
             stream.close()
         self.device.unpin_host()
@@ -371,32 +381,78 @@ class Executor:
         """A counted copy into device memory that waits while memory is short and work that can
         free it is still running; gives up (out of memory) once the compute thread is blocked on
         it and nothing was freed for a second."""
-        stalled_since = None
         nbytes = t.numel() * t.element_size()
+        out = self._with_room(nbytes, lambda: self.device.to_device(t), self._compute_blocked, wait)
+        if count:
+            self.counters.add(channel, "in", tensor, nbytes)
+        return out
+
+    def _compute_blocked(self) -> bool:
+        """Whether the copy being made is one the compute thread waits for (or makes itself)."""
+        return self._waiting or _on_compute_thread()
+
+    def _with_room(self, nbytes: int, make: Callable[[], Any], urgent: Callable[[], bool], wait: bool = True) -> Any:
+        """``make()`` (an allocation of ``nbytes`` on the device) once there is room: while it is not
+        ``urgent`` it leaves room for what the running task still allocates and waits while memory
+        is short; once urgent (the compute thread waits for it) it takes what there is, and gives up
+        (out of memory) when nothing was freed for a second."""
+        stalled_since = None
         while True:
             try:
-                urgent = self._waiting or _on_compute_thread()
-                if not urgent and self.device.allocated() + nbytes + self._headroom > self.device.capacity:
-                    # a prefetch leaves room for what the running task still allocates
+                if not urgent() and self.device.allocated() + nbytes + self._headroom > self.device.capacity:
                     raise DeviceOutOfMemoryError(self.device.name, nbytes, self.device.allocated(), self.device.capacity)
-                out = self.device.to_device(t)
-                break
-            except DeviceOutOfMemoryError:
+                return make()
+            except (DeviceOutOfMemoryError, torch.cuda.OutOfMemoryError) as exc:
                 if not wait:
                     raise _NoRoom from None
                 if self.shared.aborted():
                     raise Aborted("the run was aborted by another worker's failure") from None
-                if self._waiting or _on_compute_thread():
+                if urgent():
                     now = time.monotonic()
                     stalled_since = stalled_since or now
                     if now - stalled_since > 1.0:
-                        raise
+                        if isinstance(exc, DeviceOutOfMemoryError):
+                            raise
+                        raise DeviceOutOfMemoryError(self.device.name, nbytes, self.device.allocated(),
+                                                     self.device.capacity) from exc
                 else:
                     stalled_since = None
                 time.sleep(0.001)
-        if count:
-            self.counters.add(channel, "in", tensor, t.numel() * t.element_size())
-        return out
+
+    def _p2p_buffers(self, src: int, specs: list[tuple[list[int], torch.dtype]]) -> list[torch.Tensor]:
+        """Receive buffers on the device for a P2P message from ``src`` (the transport's receiving
+        thread, inside the device's memory scope): received ahead of its consumer, a message waits
+        for room like a prefetch, unless the compute thread waits for a message from ``src`` (this
+        one, or one behind it in the sender's order)."""
+        nbytes = sum(torch.empty((), dtype=dtype).element_size() * math.prod(shape) for shape, dtype in specs)
+        where = self.device.torch_device
+
+        def make() -> list[torch.Tensor]:
+            return [torch.empty(shape, dtype=dtype, device=where) for shape, dtype in specs]
+
+        start = time.perf_counter()
+        buffers = self._with_room(nbytes, make, lambda: self._awaits(src))
+        waited = time.perf_counter() - start
+        if waited > 0.001:
+            log.debug("dev%d: a P2P message of %d bytes from dev%d waited %.3f s for room", self.rank, nbytes, src, waited)
+        return buffers
+
+    def _awaits(self, src: int) -> bool:
+        """Whether the compute thread is blocked on a P2P message from ``src``."""
+        with self._activity_lock:
+            return self._awaited.get((src, True), 0) > 0 or (self._waiting and self._awaited.get((src, False), 0) > 0)
+
+    @contextlib.contextmanager
+    def _awaiting(self, src: int):
+        """Mark a wait for a P2P message from ``src`` (see ``_awaits``)."""
+        key = (src, _on_compute_thread())
+        with self._activity_lock:
+            self._awaited[key] = self._awaited.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            with self._activity_lock:
+                self._awaited[key] -= 1
 
     def _values_to_device(self, values: Values, channel: str, tensor: str) -> Values:
         return [self._to_device(v, channel, tensor) if isinstance(v, torch.Tensor) else v for v in values]
@@ -557,6 +613,9 @@ class Executor:
             self.local[key] = (values, state)
             return
         dst = consumer.device
+        if channel == Channel.P2P and self.transport is not None:
+            self._after_compute(self.p2p_out, self.transport.send, key, values, state, dst)
+            return
         if channel == Channel.P2P:
             def send() -> None:
                 self.peers[dst].put((key, (self._encode(values, dst), state_bytes(state), self.rank)))
@@ -580,16 +639,20 @@ class Executor:
             return [("tensor", shared_copy(v)) if isinstance(v, torch.Tensor) else ("obj", v) for v in values]
         return self.slabs.encode(values, self.rank, dst)
 
-    def _receive(self, key: tuple, what: str) -> tuple[Values, torch.Tensor | None]:
-        """A message from the inbox: host tensors (slab views or own segments) and the state."""
+    def _receive(self, key: tuple, what: str) -> tuple[Values, torch.Tensor | None, bool]:
+        """A message from the inbox: its values, the state, and whether the tensors are on the
+        device already (received by the ``DistTransport``) or in host memory (slab views or own
+        segments)."""
         with self._waiting_for(what):
             message = self.mailbox.take(key, what, self.timeout)
+        if isinstance(message, Received):
+            return message.values, message.state, True
         if len(message) == 2:  # parked by this worker for itself
-            return message
+            return *message, False
         items, state, src = message
         if self.slabs is None:
-            return [item[1] for item in items], state_tensor(state)
-        return self.slabs.decode(items, src, self.rank), state_tensor(state)
+            return [item[1] for item in items], state_tensor(state), False
+        return self.slabs.decode(items, src, self.rank), state_tensor(state), False
 
     def _fetch(self, task: Task, stream: str, mb: int) -> tuple[Values, torch.Tensor | None]:
         """Microbatch ``mb`` of an input stream on the device, with its generator state."""
@@ -612,10 +675,16 @@ class Executor:
             if source.channel == Channel.LOCAL:
                 values, piece_state = self._take_local(key, what)
             else:
-                host, piece_state = self._receive(key, what)
                 label = "P2P" if source.channel == Channel.P2P else source.channel.value
                 tensor = {"X": "X", "dY": "dY"}.get(stream, "Xs")
-                values = self._values_to_device(host, label, tensor)
+                dist = label == "P2P" and self.transport is not None
+                with self._awaiting(producer.device) if dist else contextlib.nullcontext():
+                    host, piece_state, on_device = self._receive(key, what)
+                if on_device:  # counted here, not on arrival: the counters restart every iteration
+                    values = self._adopt(host)
+                    self.counters.add(label, "in", tensor, tensor_bytes(host))
+                else:
+                    values = self._values_to_device(host, label, tensor)
                 del host
             state = piece_state if state is None else state
             parts.append(values)

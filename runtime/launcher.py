@@ -16,6 +16,13 @@ for (every worker publishes its current task and waits in the shared flags). Eac
 raises ``WorkerError`` naming the device, the task and the cause, and every worker is stopped.
 Workers ignore SIGINT (a terminal's Ctrl-C reaches the whole process group; the launcher alone
 decides how to stop them) and exit by themselves if the launcher dies.
+
+P2P messages travel through shared memory (``p2p="shm"``) or over torch.distributed
+(``p2p="dist"``: NCCL between GPUs, gloo between emulated devices; ``p2p.py``); "auto" takes
+torch.distributed on GPUs and shared memory on emulated devices. For the latter the launcher holds
+the rendezvous store (a ``TCPStore`` on a free loopback port) that the workers' process groups meet
+at; a transport error stops the run like any worker failure, and gloo's operations time out after
+``timeout`` seconds as the workers' other waits do.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -38,6 +46,7 @@ import torch.multiprocessing as mp
 
 from harmony.decomposer.layer_graph import LayerGraph
 from harmony.errors import DeviceOutOfMemoryError, HarmonyError
+from harmony.runtime import p2p as p2p_transport
 from harmony.runtime.channels import Aborted, Mailbox, Slabs
 from harmony.runtime.device import CpuDevice, CudaDevice, Device
 from harmony.runtime.executor import Batch, Executor, IterationResult, Shared, describe, host_update
@@ -97,15 +106,19 @@ class _WorkerContext:
     working_memory: dict[int, int]
     slabs: Slabs
     prefetch: bool
+    p2p_port: int | None = None  # the rendezvous store's port when P2P goes over torch.distributed
+    p2p_pairs: list[tuple[int, int]] = field(default_factory=list)
 
 
-def slab_sizes(tasks: TaskGraph, routes: Routes) -> dict[tuple[int, int], int]:
+def slab_sizes(tasks: TaskGraph, routes: Routes, p2p: bool = True) -> dict[tuple[int, int], int]:
     """Bytes per iteration each (sender, receiver) pair of workers exchanges in messages, with room
-    to spare: the plan's sizes are interpolated, and pieces are aligned."""
+    to spare: the plan's sizes are interpolated, and pieces are aligned. ``p2p=False``: P2P
+    messages go over torch.distributed, not through the slabs."""
+    channels = (Channel.P2P, Channel.SWAP, Channel.MSG) if p2p else (Channel.SWAP, Channel.MSG)
     sizes: dict[tuple[int, int], int] = {}
     for task in tasks.tasks:
         for t in task.inputs:
-            if t.task is None or t.channel not in (Channel.P2P, Channel.SWAP, Channel.MSG):
+            if t.task is None or t.channel not in channels:
                 continue
             src = routes.by_id[t.task].device
             if src == task.device or src == HOST or task.device == HOST or t.tensor not in ("X", "Xs", "dY"):
@@ -166,7 +179,7 @@ def _failure(ctx: _WorkerContext, exc: BaseException) -> dict[str, Any]:
         "kind": "oom" if oom else "stall" if isinstance(exc, TimeoutError) else "error",
         "task": ctx.shared.current_task(ctx.rank),
         "error": f"{type(exc).__name__}: {exc}",
-        "traceback": traceback.format_exc(),
+        "traceback": "".join(traceback.format_exception(exc)),
         "memory": [exc.requested, exc.current, exc.capacity] if oom else None,
     }
 
@@ -181,6 +194,7 @@ def _worker_main(ctx: _WorkerContext) -> None:
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)  # the launcher asks for them on a stall
     mailbox = None
     executor = None
+    transport = None
     try:
         graph = ctx.graph
         if graph is None:
@@ -190,9 +204,16 @@ def _worker_main(ctx: _WorkerContext) -> None:
         routes = build_routes(ctx.tasks, graph)
         device = _make_device(ctx)
         mailbox = Mailbox(ctx.inboxes[ctx.rank], ctx.shared.aborted)
+        if ctx.p2p_port is not None:
+            if ctx.device_type == "cuda":
+                torch.cuda.set_device(device.torch_device)
+            groups = p2p_transport.init_local(ctx.rank, len(ctx.inboxes), ctx.p2p_port, ctx.device_type, ctx.p2p_pairs,
+                                              ctx.timeout)
+            transport = p2p_transport.DistTransport(ctx.rank, device, groups, ctx.inboxes, mailbox, ctx.shared.aborted,
+                                                    ctx.shared.set_abort)
         executor = Executor(ctx.rank, device, graph, routes, ctx.store, ctx.shared, mailbox, ctx.inboxes,
                             ctx.loss_fn, ctx.build_optimizer, ctx.seed, ctx.timeout, ctx.working_memory, ctx.slabs,
-                            prefetch=ctx.prefetch)
+                            prefetch=ctx.prefetch, transport=transport)
         ctx.results.put(("ready", ctx.rank, None))
         while True:
             command = ctx.commands.get()
@@ -202,13 +223,20 @@ def _worker_main(ctx: _WorkerContext) -> None:
             result = executor.run_iteration(iteration, batch)
             ctx.results.put(("done", ctx.rank, (iteration, result)))
     except Aborted:
-        ctx.results.put(("aborted", ctx.rank, None))
+        if transport is not None and transport.failure is not None:  # this worker's own P2P failed
+            ctx.results.put(("failed", ctx.rank, _failure(ctx, transport.failure)))
+        else:
+            ctx.results.put(("aborted", ctx.rank, None))
     except BaseException as exc:  # reported to the launcher, which raises it
         ctx.shared.set_abort()
         ctx.results.put(("failed", ctx.rank, _failure(ctx, exc)))
     finally:
         if executor is not None:
             executor.close()
+        elif transport is not None:
+            transport.close()
+        if transport is not None and transport.idle:  # (a thread left inside a receive: the exit ends it)
+            p2p_transport.shutdown()
         if mailbox is not None:
             mailbox.close()
         faulthandler.unregister(signal.SIGUSR1)
@@ -233,7 +261,7 @@ class Launcher:
     def __init__(self, graph: LayerGraph, tasks: TaskGraph, store: HostStore, loss_fn: Callable,
                  build_optimizer: Callable, device_type: str = "cpu", capacity: int | None = None,
                  seed: int = 0, timeout: float = 600.0, threads: int | None = None,
-                 profile: Profile | None = None, prefetch: bool = True) -> None:
+                 profile: Profile | None = None, prefetch: bool = True, p2p: str = "auto") -> None:
         self.graph = graph
         self.tasks = tasks
         self.store = store
@@ -242,7 +270,13 @@ class Launcher:
         self.timeout = timeout
         self.devices = tasks.devices
         self.shared = Shared.create(len(tasks.tasks))
-        self.slabs = Slabs(slab_sizes(tasks, self.routes))
+        self.p2p = p2p_transport.resolve(p2p, device_type)
+        pairs = p2p_transport.p2p_pairs(tasks) if self.p2p == "dist" else []
+        self._rendezvous = None  # the workers' process groups meet at this store (P2P over torch.distributed)
+        if pairs:
+            self._rendezvous = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                                          timeout=timedelta(seconds=max(60.0, timeout)))
+        self.slabs = Slabs(slab_sizes(tasks, self.routes, p2p=self.p2p == "shm"))
         self.planned = planned_memory(tasks, profile)
         working = working_memory(tasks, profile)  # the same for every worker: computed once
         self.iteration = 0
@@ -265,7 +299,8 @@ class Launcher:
                 graph_data=graph_data, graph=graph if method == "fork" else None, tasks=tasks, store=store,
                 shared=self.shared, inboxes=self.inboxes, commands=self.commands[rank], results=self.results,
                 loss_fn=loss_fn, build_optimizer=build_optimizer, working_memory=working,
-                slabs=self.slabs, prefetch=prefetch,
+                slabs=self.slabs, prefetch=prefetch, p2p_pairs=pairs,
+                p2p_port=self._rendezvous.port if self._rendezvous is not None else None,
             )
             process = mpctx.Process(target=_worker_main, args=(ctx,), name=f"harmony-dev{rank}", daemon=True)
             process.start()
@@ -427,6 +462,7 @@ class Launcher:
         for q in [*self.inboxes, *self.commands, self.results]:
             q.close()
             q.cancel_join_thread()
+        self._rendezvous = None
 
     def __del__(self) -> None:
         try:

@@ -21,6 +21,11 @@ before the all-reduce until the other nodes applied all it sent, so the replicas
 iteration's end and the run trains exactly as on one host. A rank that fails publishes its rank and
 cause to every node, and a node whose process dies is noticed by the others at once: every rank
 stops within seconds with an error naming the failed rank.
+
+With ``p2p="dist"`` (the default on GPUs) P2P messages go over torch.distributed instead
+(``p2p.py``): every rank creates the pair groups on top of the rendezvous's default group (NCCL
+between GPUs, gloo between emulated devices, also between hosts), and the message headers travel
+through the store like the other messages.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from harmony.runtime.device import CpuDevice, CudaDevice
 from harmony.runtime.executor import Batch, Executor, IterationResult, Shared, host_update
 from harmony.runtime.hoststore import HostStore, Layout
 from harmony.runtime.launcher import StepResult, WorkerError, slab_sizes, working_memory
+from harmony.runtime.p2p import DistTransport, backend_for, p2p_pairs, pair_groups, resolve
 from harmony.runtime.replication import PeerWatch, ReplicatedShared, Replicator, task_writes
 from harmony.runtime.routes import build_routes
 from harmony.scheduler.tasks import HOST
@@ -179,9 +185,11 @@ def topology(rank: int, world: int) -> Topology:
 
 def run_spmd(plan, loss_fn: Callable, build_optimizer: Callable, get_batch: Callable, build_model: Callable,
              iterations: int, seed: int = 0, timeout: float = 600.0,
-             on_step: Callable[[int, float, float], None] = lambda step, loss, seconds: None) -> list[StepResult]:
+             on_step: Callable[[int, float, float], None] = lambda step, loss, seconds: None,
+             p2p: str = "auto") -> list[StepResult]:
     """Train ``iterations`` minibatches as one rank of a torchrun job; returns, on rank 0, every
-    iteration's results with every rank's measurements (other ranks get their own only)."""
+    iteration's results with every rank's measurements (other ranks get their own only). ``p2p``:
+    "shm", "dist" or "auto", as for ``Launcher``."""
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -193,10 +201,11 @@ def run_spmd(plan, loss_fn: Callable, build_optimizer: Callable, get_batch: Call
     store = dist.distributed_c10d._get_default_store()
     graph, tasks = plan.graph, plan.tasks
     routes = build_routes(tasks, graph)
+    p2p = resolve(p2p, plan.options.get("device_type", "cpu"))
     token = [uuid.uuid4().hex[:12] if rank == 0 else None]
     dist.broadcast_object_list(token, src=0)
     prefix = os.path.join(SHM_DIR, f"harmony-{token[0]}-node{topo.node}")
-    sizes = {pair: n for pair, n in slab_sizes(tasks, routes).items()
+    sizes = {pair: n for pair, n in slab_sizes(tasks, routes, p2p=p2p == "shm").items()
              if topo.node_of(pair[0]) == topo.node_of(pair[1]) == topo.node}
     files = [f"{prefix}-store", f"{prefix}-flags", f"{prefix}-shared"] + [f"{prefix}-slab-{a}-{b}" for a, b in sizes]
     try:
@@ -206,7 +215,7 @@ def run_spmd(plan, loss_fn: Callable, build_optimizer: Callable, get_batch: Call
         replicator, watch = _replication(topo, plan, routes, store, host, shared, timeout)
         try:
             history = _train(topo, plan, routes, host, shared, slabs, store, replicator, loss_fn, build_optimizer,
-                             get_batch, iterations, seed, timeout, on_step)
+                             get_batch, iterations, seed, timeout, on_step, p2p)
         finally:
             if replicator is not None:  # also on failure: a thread left in a store call aborts the exit
                 replicator.close()
@@ -290,7 +299,7 @@ def _remove(files: list[str]) -> None:
 
 
 def _train(topo: Topology, plan, routes, host, shared, slabs, store, replicator, loss_fn, build_optimizer, get_batch,
-           iterations, seed, timeout, on_step) -> list[StepResult]:
+           iterations, seed, timeout, on_step, p2p: str = "shm") -> list[StepResult]:
     rank, world = topo.rank, sum(len(ranks) for ranks in topo.nodes)
     tasks = plan.tasks
     capacity = plan.options.get("device_memory") or plan.profile.capacity
@@ -298,8 +307,11 @@ def _train(topo: Topology, plan, routes, host, shared, slabs, store, replicator,
     device = (CudaDevice(int(os.environ["LOCAL_RANK"]), capacity) if plan.options.get("device_type") == "cuda"
               else CpuDevice(f"cpu{rank}", capacity))
     mailbox = StoreMailbox(store, shared.aborted)
-    executor = Executor(rank, device, plan.graph, routes, host, shared, mailbox, [StorePeer(store)] * world,
-                        loss_fn, build_optimizer, seed, timeout, working_memory(tasks, plan.profile), slabs)
+    peers = [StorePeer(store)] * world
+    transport = _transport(p2p, tasks, rank, device, peers, mailbox, shared, timeout)
+    executor = Executor(rank, device, plan.graph, routes, host, shared, mailbox, peers,
+                        loss_fn, build_optimizer, seed, timeout, working_memory(tasks, plan.profile), slabs,
+                        transport=transport)
     fail = replicator.fail if replicator is not None else lambda reason: shared.set_abort()
     history: list[StepResult] = []
     errors: list[BaseException] = []
@@ -330,6 +342,8 @@ def _train(topo: Topology, plan, routes, host, shared, slabs, store, replicator,
             on_step(step, float(loss), seconds)
     except BaseException as exc:
         own = next((e for e in errors if not isinstance(e, Aborted)), None)  # the host update's
+        if own is None and transport is not None:
+            own = transport.failure  # this rank's P2P failed (and stopped the rest)
         error = _failure(own or exc, topo, shared, replicator, fail, own is not None)
         if error is exc:
             raise
@@ -337,6 +351,22 @@ def _train(topo: Topology, plan, routes, host, shared, slabs, store, replicator,
     finally:
         executor.close()
     return history
+
+
+def _transport(p2p: str, tasks, rank: int, device, peers: list, mailbox: StoreMailbox, shared: Shared,
+               timeout: float) -> DistTransport | None:
+    """P2P over torch.distributed, when asked for and the plan has P2P messages: the pair groups
+    (created by every rank, in one order) and this rank's transport, whose headers go through the
+    store. A transport error stops this node's workers at once; the training loop then publishes
+    it as this rank's failure."""
+    pairs = p2p_pairs(tasks) if p2p == "dist" else []
+    if not pairs:
+        return None
+    if device.kind == "cuda":
+        torch.cuda.set_device(device.torch_device)
+    groups = pair_groups(pairs, backend_for(device.kind), timeout)
+    return DistTransport(rank, device, groups, peers, mailbox, shared.aborted, lambda: Shared.set_abort(shared),
+                         idle_poll=0.005)
 
 
 def _failure(exc: BaseException, topo: Topology, shared: Shared, replicator: Replicator | None,
