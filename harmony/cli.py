@@ -213,7 +213,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     saver = ns.checkpointer = Checkpointer(ns.checkpoint_dir, ns.checkpoint_every,
                                            shield=guard.held_back if guard is not None else contextlib.nullcontext)
     with Trainer(plan, optimizer=mf.build_optimizer, loss_fn=mf.loss_fn, state_dict=model.state_dict(),
-                 seed=ns.seed, timeout=ns.timeout) as trainer:
+                 seed=ns.seed, timeout=ns.timeout, p2p=ns.p2p) as trainer:
         del model
         if ns.resume is not None:
             path = checkpoint.latest(ns.resume or ns.checkpoint_dir)
@@ -280,7 +280,7 @@ def _cmd_run_spmd(ns: argparse.Namespace) -> int:
                 console.print(f"iteration {step}: loss {loss:.6f}, {plan.tasks.minibatch / seconds:,.1f} samples/s")
 
         history = run_spmd(plan, mf.loss_fn, mf.build_optimizer, mf.get_batch, mf.build_model, ns.iters,
-                           seed=ns.seed, timeout=ns.timeout, on_step=on_step)
+                           seed=ns.seed, timeout=ns.timeout, on_step=on_step, p2p=ns.p2p)
         if rank == 0:
             _finish_run(ns, run_report(plan, history))
     finally:
@@ -552,6 +552,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "--iters iterations in all; the losses are those of a run never stopped")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds a worker may wait for another before the run is declared stalled (default 600)")
+    p.add_argument("--p2p", choices=("auto", "shm", "dist"), default="auto",
+                   help="how activations and gradients travel between devices: shm (through shared host memory), "
+                   "dist (torch.distributed send/recv: NCCL between GPUs, gloo between emulated cpu devices) or auto "
+                   "(dist on cuda, shm on cpu; the default)")
     p.set_defaults(func=_cmd_run)
 
     p = sub.add_parser("show", help="print a plan's tasks per device and its mode comparison",
