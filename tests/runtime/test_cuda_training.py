@@ -1,7 +1,9 @@
 """The CUDA path of the runtime: the same plan semantics on GPUs (skipped without one).
 
 Workers are spawned (CUDA cannot be forked), streams are CUDA streams, and the results must
-match eager training on the CPU up to the GPU's own rounding.
+match eager training on the CPU up to the GPU's own rounding, with P2P messages through shared
+host memory and over NCCL (``runtime/p2p.py``; the same code runs over gloo in
+``test_p2p_dist.py``).
 """
 
 from __future__ import annotations
@@ -22,23 +24,42 @@ def get_batch(batch_size: int, step: int):
     return gpt2.get_batch(batch_size, step, preset="tiny")
 
 
-@pytest.mark.parametrize("mode", ["pp", "dp"])
-def test_cuda_training_matches_eager_reference(mode):
+def train_on_gpus(mode: str, devices: int, p2p: str = "auto"):
+    """(runtime losses, reference losses, runtime state, reference state, history, plan) of 3
+    iterations of gpt2-tiny in float64 on ``devices`` GPUs."""
     torch.manual_seed(0)
     model = gpt2.build_model("tiny", dtype="float64")
-    devices = min(2, torch.cuda.device_count())
     plan = harmony.compile(model, gpt2.loss_fn, get_batch, minibatch_size=8, devices=devices, mode=mode,
                            device_type="cuda", device_memory="64MiB", build_optimizer=gpt2.build_optimizer,
                            probe=False)
     batches = [get_batch(8, step) for step in range(3)]
-    with harmony.Trainer(plan, optimizer=gpt2.build_optimizer, timeout=120) as trainer:
+    with harmony.Trainer(plan, optimizer=gpt2.build_optimizer, timeout=120, p2p=p2p) as trainer:
         losses = [trainer.step(*batch) for batch in batches]
         state = trainer.state_dict()
+        history = trainer.history
     reference = copy.deepcopy(model)
     expected = reference_train(reference, gpt2.loss_fn, gpt2.build_optimizer, batches, microbatches_of(plan.tasks))
+    return losses, expected, state, reference.state_dict(), history, plan
+
+
+@pytest.mark.parametrize("mode", ["pp", "dp"])
+def test_cuda_training_matches_eager_reference(mode):
+    """P2P messages through shared host memory (the default on GPUs is NCCL: tested below)."""
+    losses, expected, state, reference, _, _ = train_on_gpus(mode, min(2, torch.cuda.device_count()), p2p="shm")
     assert losses == pytest.approx(expected, rel=1e-7)
-    for name, want in reference.state_dict().items():
+    for name, want in reference.items():
         assert torch.allclose(state[name], want, rtol=1e-6, atol=1e-9), name
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="P2P needs two GPUs")
+@pytest.mark.parametrize("mode", ["pp", "1f1b-swap"])
+def test_cuda_training_over_nccl_matches_eager_reference_and_moves_the_planned_bytes(mode):
+    losses, expected, state, reference, history, plan = train_on_gpus(mode, torch.cuda.device_count(), p2p="dist")
+    assert plan.tasks.bytes_by_channel().get("P2P in"), "the plan sends no P2P message"
+    assert losses == pytest.approx(expected, rel=1e-7)
+    for name, want in reference.items():
+        assert torch.allclose(state[name], want, rtol=1e-6, atol=1e-9), name
+    assert history[-1].bytes_by_channel() == {k: v for k, v in plan.tasks.bytes_by_channel().items() if v}
 
 
 def test_pinned_host_regions_make_copies_from_them_asynchronous():

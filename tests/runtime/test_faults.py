@@ -1,6 +1,7 @@
 """Worker faults end a run quickly and cleanly: an exception in a task, a worker killed by a signal,
 a stalled worker, Ctrl-C and SIGTERM at the launcher. Each ends within 30 s with an error naming
-the device, the task and the cause, and leaves no worker process and no shared-memory file."""
+the device, the task and the cause, and leaves no worker process and no shared-memory file; with
+P2P over torch.distributed (gloo) as with shared memory."""
 
 from __future__ import annotations
 
@@ -112,9 +113,10 @@ def assert_clean(trainer, before: set[str]) -> None:
     assert shm_files() <= before, shm_files() - before
 
 
-def test_exception_in_a_task_names_device_task_and_traceback(plan):
+@pytest.mark.parametrize("p2p", ["shm", "dist"])
+def test_exception_in_a_task_names_device_task_and_traceback(plan, p2p):
     before = shm_files()
-    with harmony.Trainer(plan, optimizer=sgd, loss_fn=Raising(iteration=1), timeout=20) as trainer:
+    with harmony.Trainer(plan, optimizer=sgd, loss_fn=Raising(iteration=1), timeout=20, p2p=p2p) as trainer:
         error, seconds = run_until_failure(trainer)
     message = str(error)
     loss_device = next(t.device for t in plan.tasks.tasks if t.loss)
@@ -125,10 +127,11 @@ def test_exception_in_a_task_names_device_task_and_traceback(plan):
     assert_clean(trainer, before)
 
 
-def test_worker_killed_by_sigkill_mid_iteration_is_reported_and_the_rest_stop(plan, tmp_path):
+@pytest.mark.parametrize("p2p", ["shm", "dist"])
+def test_worker_killed_by_sigkill_mid_iteration_is_reported_and_the_rest_stop(plan, tmp_path, p2p):
     marker = tmp_path / "sleeping"
     before = shm_files()
-    with harmony.Trainer(plan, optimizer=sgd, loss_fn=Sleeping(marker, seconds=60), timeout=60) as trainer:
+    with harmony.Trainer(plan, optimizer=sgd, loss_fn=Sleeping(marker, seconds=60), timeout=60, p2p=p2p) as trainer:
         def kill() -> None:
             deadline = time.monotonic() + LIMIT
             while not marker.exists() and time.monotonic() < deadline:
