@@ -19,10 +19,11 @@ decides how to stop them) and exit by themselves if the launcher dies.
 
 P2P messages travel through shared memory (``p2p="shm"``) or over torch.distributed
 (``p2p="dist"``: NCCL between GPUs, gloo between emulated devices; ``p2p.py``); "auto" takes
-torch.distributed on GPUs and shared memory on emulated devices. For the latter the launcher holds
-the rendezvous store (a ``TCPStore`` on a free loopback port) that the workers' process groups meet
-at; a transport error stops the run like any worker failure, and gloo's operations time out after
-``timeout`` seconds as the workers' other waits do.
+torch.distributed on GPUs and shared memory on emulated devices. For the latter the workers' process
+groups meet at a ``FileStore`` in a directory of the launcher's (not a ``TCPStore`` served by the
+launcher: a server thread alive while the workers are forked left about one start in five with a
+worker hung in its store client, measured); a transport error stops the run like any worker
+failure, and gloo's operations time out after ``timeout`` seconds as the workers' other waits do.
 """
 
 from __future__ import annotations
@@ -34,11 +35,12 @@ import os
 import signal
 import sys
 import queue
+import shutil
+import tempfile
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -106,7 +108,7 @@ class _WorkerContext:
     working_memory: dict[int, int]
     slabs: Slabs
     prefetch: bool
-    p2p_port: int | None = None  # the rendezvous store's port when P2P goes over torch.distributed
+    p2p_store: str | None = None  # the rendezvous FileStore's path when P2P goes over torch.distributed
     p2p_pairs: list[tuple[int, int]] = field(default_factory=list)
 
 
@@ -204,11 +206,11 @@ def _worker_main(ctx: _WorkerContext) -> None:
         routes = build_routes(ctx.tasks, graph)
         device = _make_device(ctx)
         mailbox = Mailbox(ctx.inboxes[ctx.rank], ctx.shared.aborted)
-        if ctx.p2p_port is not None:
+        if ctx.p2p_store is not None:
             if ctx.device_type == "cuda":
                 torch.cuda.set_device(device.torch_device)
-            groups = p2p_transport.init_local(ctx.rank, len(ctx.inboxes), ctx.p2p_port, ctx.device_type, ctx.p2p_pairs,
-                                              ctx.timeout)
+            groups = p2p_transport.init_local(ctx.rank, len(ctx.inboxes), ctx.p2p_store, ctx.device_type,
+                                              ctx.p2p_pairs, ctx.timeout)
             transport = p2p_transport.DistTransport(ctx.rank, device, groups, ctx.inboxes, mailbox, ctx.shared.aborted,
                                                     ctx.shared.set_abort)
         executor = Executor(ctx.rank, device, graph, routes, ctx.store, ctx.shared, mailbox, ctx.inboxes,
@@ -272,10 +274,8 @@ class Launcher:
         self.shared = Shared.create(len(tasks.tasks))
         self.p2p = p2p_transport.resolve(p2p, device_type)
         pairs = p2p_transport.p2p_pairs(tasks) if self.p2p == "dist" else []
-        self._rendezvous = None  # the workers' process groups meet at this store (P2P over torch.distributed)
-        if pairs:
-            self._rendezvous = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                                          timeout=timedelta(seconds=max(60.0, timeout)))
+        # the directory of the FileStore the workers' process groups meet at (P2P over torch.distributed)
+        self._rendezvous = tempfile.mkdtemp(prefix="harmony-p2p-") if pairs else None
         self.slabs = Slabs(slab_sizes(tasks, self.routes, p2p=self.p2p == "shm"))
         self.planned = planned_memory(tasks, profile)
         working = working_memory(tasks, profile)  # the same for every worker: computed once
@@ -300,7 +300,7 @@ class Launcher:
                 shared=self.shared, inboxes=self.inboxes, commands=self.commands[rank], results=self.results,
                 loss_fn=loss_fn, build_optimizer=build_optimizer, working_memory=working,
                 slabs=self.slabs, prefetch=prefetch, p2p_pairs=pairs,
-                p2p_port=self._rendezvous.port if self._rendezvous is not None else None,
+                p2p_store=os.path.join(self._rendezvous, "store") if self._rendezvous is not None else None,
             )
             process = mpctx.Process(target=_worker_main, args=(ctx,), name=f"harmony-dev{rank}", daemon=True)
             process.start()
@@ -462,7 +462,8 @@ class Launcher:
         for q in [*self.inboxes, *self.commands, self.results]:
             q.close()
             q.cancel_join_thread()
-        self._rendezvous = None
+        if self._rendezvous is not None:
+            shutil.rmtree(self._rendezvous, ignore_errors=True)
 
     def __del__(self) -> None:
         try:

@@ -116,17 +116,18 @@ def loopback_interface() -> str | None:
     return next((name for name in ("lo", "lo0") if name in names), None)
 
 
-def init_local(rank: int, world: int, port: int, device_type: str, pairs: list[tuple[int, int]],
+def init_local(rank: int, world: int, path: str, device_type: str, pairs: list[tuple[int, int]],
                timeout: float) -> dict[tuple[int, int], Any]:
-    """In a worker of the launcher (all on one host): join the launcher's rendezvous store, start
-    the default process group (gloo over loopback, used only to create the others) and the pair
-    groups."""
+    """In a worker of the launcher (all on one host): meet the others at the ``FileStore`` at
+    ``path``, start the default process group (gloo over loopback, used only to create the others)
+    and the pair groups."""
     if "GLOO_SOCKET_IFNAME" not in os.environ:
         name = loopback_interface()
         if name is not None:
             os.environ["GLOO_SOCKET_IFNAME"] = name
     wait = timedelta(seconds=timeout)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=wait)
+    store = dist.FileStore(path, world)
+    store.set_timeout(wait)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=wait)
     return pair_groups(pairs, backend_for(device_type), timeout)
 

@@ -98,13 +98,15 @@ def test_the_launcher_uses_the_transport_it_was_given():
     _, _, plan = plan_for("gpt2", "pp", 2)
     with Trainer(plan, timeout=20, p2p="dist") as trainer:
         launcher = trainer.launcher
-        assert launcher.p2p == "dist" and launcher._rendezvous is not None
+        rendezvous = launcher._rendezvous
+        assert launcher.p2p == "dist" and Path(rendezvous).is_dir()
         # no slab carries P2P messages: they travel over gloo
         p2p_pairs = set(p2p.p2p_pairs(plan.tasks))
         others = {(trainer.launcher.routes.by_id[t.task].device, task.device)
                   for task in plan.tasks.tasks for t in task.inputs
                   if t.task is not None and t.channel in (Channel.SWAP, Channel.MSG)}
         assert not (set(launcher.slabs.buffers) & (p2p_pairs - others))
+    assert not Path(rendezvous).exists(), "the rendezvous directory was left behind"
     with Trainer(plan, timeout=20) as trainer:
         assert trainer.launcher.p2p == "shm" and trainer.launcher._rendezvous is None
 
