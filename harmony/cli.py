@@ -234,7 +234,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
             train(trainer, mf.get_batch, todo, on_step, saver)
         if ns.checkpoint_dir is not None and (saver.last is None or saver.last[1] != trainer.iteration):
             saver.save(trainer)  # the final state too, when the last step was not a multiple of K
-        report = run_report(plan, trainer.history, first=saver.start)
+        report = run_report(plan, trainer.history, first=saver.start, p2p=trainer.launcher.p2p)
         if ns.checkpoint:
             trainer.save_checkpoint(ns.checkpoint)
     _finish_run(ns, report)
@@ -259,6 +259,7 @@ def _cmd_run_spmd(ns: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from harmony.running import run_report
+    from harmony.runtime.p2p import resolve
     from harmony.runtime.spmd import run_spmd
 
     world, local = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -282,7 +283,7 @@ def _cmd_run_spmd(ns: argparse.Namespace) -> int:
         history = run_spmd(plan, mf.loss_fn, mf.build_optimizer, mf.get_batch, mf.build_model, ns.iters,
                            seed=ns.seed, timeout=ns.timeout, on_step=on_step, p2p=ns.p2p)
         if rank == 0:
-            _finish_run(ns, run_report(plan, history))
+            _finish_run(ns, run_report(plan, history, p2p=resolve(ns.p2p, plan.options.get("device_type", "cpu"))))
     finally:
         dist.destroy_process_group()
     return 0

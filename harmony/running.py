@@ -30,10 +30,12 @@ def cache_dir(model_sha256: str, options: dict[str, Any], root: Path = CACHE_DIR
     return root / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def run_report(plan: Plan, history: list[StepResult], warmup: int = 1, first: int = 0) -> dict[str, Any]:
+def run_report(plan: Plan, history: list[StepResult], warmup: int = 1, first: int = 0,
+               p2p: str | None = None) -> dict[str, Any]:
     """Measured figures beside the plan's estimates; the first ``warmup`` iterations (process and
     allocator start-up) are left out of the mean time. ``first``: the step of ``history[0]`` (not 0
-    when the run resumed from a checkpoint)."""
+    when the run resumed from a checkpoint); ``p2p``: the transport that carried P2P messages
+    ("shm" or "dist"), recorded since it changes the times but not the bytes."""
     est = plan.estimate or {}
     steady = history[warmup:] or history
     mean = statistics.fmean(r.seconds for r in steady) if steady else float("nan")
@@ -56,7 +58,7 @@ def run_report(plan: Plan, history: list[StepResult], warmup: int = 1, first: in
     estimated = est.get("iteration_time")
     return {
         "mode": plan.tasks.mode, "devices": plan.tasks.devices, "minibatch": plan.tasks.minibatch,
-        "configuration": str(plan.tasks.config),
+        "configuration": str(plan.tasks.config), "p2p": p2p,
         "iterations": [{"iteration": i, "loss": r.loss, "seconds": r.seconds} for i, r in enumerate(history, first)],
         "mean_iteration_seconds": mean, "estimated_iteration_seconds": estimated,
         "relative_error": (estimated - mean) / mean if estimated and mean else None,

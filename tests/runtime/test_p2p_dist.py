@@ -185,7 +185,7 @@ def test_run_over_gloo_forked_and_under_torchrun_trains_alike(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     forked = json.loads((tmp_path / "forked.json").read_text())
     spmd = json.loads((tmp_path / "torchrun.json").read_text())
-    assert forked["bytes_by_channel"].get("P2P in")
+    assert forked["p2p"] == spmd["p2p"] == "dist" and forked["bytes_by_channel"].get("P2P in")
     assert forked["bytes_by_channel"] == forked["planned_bytes_by_channel"] == spmd["bytes_by_channel"]
     assert [i["loss"] for i in spmd["iterations"]] == [i["loss"] for i in forked["iterations"]]
     assert shm_files() <= before, "shared-memory files left behind"
