@@ -67,7 +67,8 @@ PEER_GONE_GRACE = 2.0  # seconds a transport waits for the launcher to report a 
 def resolve(p2p: str, device_type: str) -> str:
     """The transport for ``p2p`` ("auto", "shm" or "dist") on ``device_type`` devices: "auto" is
     torch.distributed on GPUs (NCCL; shared memory would bounce through the host) and shared memory
-    on emulated CPU devices (a copy between two regions of host memory, no sockets)."""
+    on emulated CPU devices (a copy between two regions of host memory, no sockets: gloo over
+    loopback took 4-40% longer per iteration of the tiny models, measured on 2 cores)."""
     if p2p not in CHOICES:
         raise HarmonyError(f"unknown p2p transport {p2p!r}; choose one of {', '.join(CHOICES)}")
     if p2p == "auto":

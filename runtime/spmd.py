@@ -366,7 +366,7 @@ def _transport(p2p: str, tasks, rank: int, device, peers: list, mailbox: StoreMa
         torch.cuda.set_device(device.torch_device)
     groups = pair_groups(pairs, backend_for(device.kind), timeout)
     return DistTransport(rank, device, groups, peers, mailbox, shared.aborted, lambda: Shared.set_abort(shared),
-                         idle_poll=0.005)
+                         idle_poll=0.002)
 
 
 def _failure(exc: BaseException, topo: Topology, shared: Shared, replicator: Replicator | None,
