@@ -19,7 +19,7 @@ import sys
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 
@@ -137,6 +137,11 @@ class Device(ABC):
     def unpin_host(self) -> None:
         """Undo every ``pin_host`` (before the regions are unmapped)."""
 
+    def host_side(self) -> AbstractContextManager:
+        """A block whose ops touch host memory only (copies into the host store or a message slab):
+        nothing to count on a GPU, whose allocator sees device memory only."""
+        return nullcontext()
+
     def stream_setup(self) -> None:
         """Called once on each stream thread: give the thread a stream of its own (CUDA)."""
 
@@ -217,6 +222,11 @@ class CpuDevice(Device):
 
     def empty_cache(self) -> None:
         """Nothing is cached: a freed storage leaves the device at once."""
+
+    def host_side(self) -> AbstractContextManager:
+        """Ops in this block touch host memory only (copies into the host store or a message
+        slab): not counted, and run without the tracker's Python dispatch."""
+        return self.tracker.paused()
 
 
 _CUDA_REQUEST = re.compile(r"Tried to allocate ([0-9.]+) ([KMGT]?i?B)")

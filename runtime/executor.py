@@ -458,7 +458,7 @@ class Executor:
         return [self._to_device(v, channel, tensor) if isinstance(v, torch.Tensor) else v for v in values]
 
     def _to_host_into(self, dst: torch.Tensor, src: torch.Tensor, tensor: str) -> None:
-        with torch.no_grad():
+        with torch.no_grad(), self.device.host_side():
             dst.copy_(src.detach())
         self.counters.add("SWAP", "out", tensor, src.numel() * src.element_size())
 
@@ -635,9 +635,10 @@ class Executor:
         self._after_compute(self.swap_out, park)
 
     def _encode(self, values: Values, dst: int) -> list:
-        if self.slabs is None:
-            return [("tensor", shared_copy(v)) if isinstance(v, torch.Tensor) else ("obj", v) for v in values]
-        return self.slabs.encode(values, self.rank, dst)
+        with self.device.host_side():
+            if self.slabs is None:
+                return [("tensor", shared_copy(v)) if isinstance(v, torch.Tensor) else ("obj", v) for v in values]
+            return self.slabs.encode(values, self.rank, dst)
 
     def _receive(self, key: tuple, what: str) -> tuple[Values, torch.Tensor | None, bool]:
         """A message from the inbox: its values, the state, and whether the tensors are on the

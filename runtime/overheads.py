@@ -22,6 +22,14 @@ compute thread waiting): the per-message cost is the ``p2p_latency`` at which th
 overheads above, gives that pipeline's measured iteration time (found by bisection; the estimate
 grows with it). The probe's own half round trip between two processes sees none of those threads.
 
+``measure_compute_scaling`` runs data parallelism over transformer MLP blocks (matrix products and
+the memory-bound element-wise ops around them, as in the models trained here) on the real launcher,
+on one device and on all: the runtime's task spans over the estimator's (with the overheads above),
+as a median over the tasks, is ``compute_scale`` on one device (the worker's compute thread shares
+the interpreter lock with its stream threads, which a layer profiled alone never does); its growth
+on all devices at once is ``compute_interference`` (the memory bus and caches the devices share).
+Both depend on the workload; the blocks are one point, chosen to look like the models in ``models/``.
+
 ``measure_cores`` runs a fixed single-threaded loop for a fixed window in one forked process, then in
 ``devices + 1`` processes released together by a barrier: ``k`` processes on ``c`` free cores do ``c``
 times the work of one (at most ``k``). Counting work in one window, rather than timing a fixed amount
@@ -55,7 +63,7 @@ from .profiler import measure_layer, measure_update
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Overheads", "measure_overheads", "measure_cores"]
+__all__ = ["Overheads", "measure_overheads", "measure_cores", "measure_compute_scaling"]
 
 WIDTH = 8  # features of the probe's layers: compute of a few microseconds
 LAYERS = 4
@@ -88,12 +96,37 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
 
 
-def _profile(graph, device: CpuDevice) -> Profile:
-    """The probe's layers profiled as the profiler does it (so the residual is what it misses)."""
+class _Block(torch.nn.Module):
+    """A transformer MLP block: the mix of matrix products and memory-bound element-wise ops (and
+    the number of small ops per millisecond) that the models trained here have."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(width, 4 * width)
+        self.down = torch.nn.Linear(4 * width, width)
+        self.norm = torch.nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.down(torch.nn.functional.gelu(self.up(x))))
+
+
+BLOCK_WIDTH = 64
+BLOCK_TOKENS = 32
+BLOCKS = 4
+
+
+def _blocks() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[_Block(BLOCK_WIDTH) for _ in range(BLOCKS)])
+
+
+def _profile(graph, device: CpuDevice, shape: tuple[int, ...] = (WIDTH,)) -> Profile:
+    """The probe's layers profiled as the profiler does it (so the residual is what it misses);
+    ``shape``: one sample's input."""
     layers = []
     samples: list[list[LayerSample]] = [[] for _ in graph.modules]
     for u in _SIZES:
-        values: tuple = (torch.randn(u, WIDTH),)
+        values: tuple = (torch.randn(u, *shape),)
         for i, module in enumerate(graph.modules):
             m, values = measure_layer(module, values, device, trials=3)
             samples[i].append(LayerSample(u=u, fwd_time=m.fwd_time, bwd_time=m.bwd_time,
@@ -112,9 +145,10 @@ def _profile(graph, device: CpuDevice) -> Profile:
                    u_fmax=max(_SIZES), u_bmax=max(_SIZES), layers=layers)
 
 
-def _spans(graph, tasks: TaskGraph, iterations: int, timeout: float) -> tuple[dict[int, float], float]:
+def _spans(graph, tasks: TaskGraph, iterations: int, timeout: float,
+           shape: tuple[int, ...] = (WIDTH,)) -> tuple[dict[int, float], float]:
     """Median measured span of every device task over ``iterations`` (after one warm-up), and the
-    median iteration time of the slowest worker."""
+    median iteration time of the slowest worker; ``shape``: one sample's input (and target)."""
     model = graph.state_dict()
     store = HostStore.create(graph, tasks.devices, _optimizer, model)
     launcher = Launcher(graph, tasks, store, _loss, _optimizer, device_type="cpu", timeout=timeout)
@@ -124,8 +158,8 @@ def _spans(graph, tasks: TaskGraph, iterations: int, timeout: float) -> tuple[di
         for step in range(iterations + 1):
             gen = torch.Generator().manual_seed(step)
             size = tasks.minibatch
-            batch = Batch(inputs=[torch.randn(size, WIDTH, generator=gen).share_memory_()],
-                          target=torch.randn(size, WIDTH, generator=gen).share_memory_(), size=size, seed=0)
+            batch = Batch(inputs=[torch.randn(size, *shape, generator=gen).share_memory_()],
+                          target=torch.randn(size, *shape, generator=gen).share_memory_(), size=size, seed=0)
             result = launcher.step(batch)
             if step == 0:
                 continue
@@ -200,6 +234,38 @@ def measure_overheads(machine: Machine, iterations: int = 4, timeout: float = 60
     log.info("runtime overheads: %.3f ms per task, %.3f ms per microbatch, %.3f ms per update (%d tasks), "
              "%.3f ms per p2p message", task * 1e3, microbatch * 1e3, update * 1e3, counted, message * 1e3)
     return Overheads(task=task, microbatch=microbatch, update=update, message=message, tasks=counted)
+
+
+def measure_compute_scaling(machine: Machine, iterations: int = 8, timeout: float = 60.0) -> tuple[float, float]:
+    """``(compute_scale, compute_interference)`` (module docs): data parallelism over transformer
+    blocks on the real launcher, one device alone and then all of ``machine``'s devices at once (at
+    least two); per run, the median over the tasks of the measured span over the span the
+    estimator gives with ``machine``'s overheads and shared cores, as profiled. The first median is
+    the scale; the second over the first, less one, spread over the other devices, the
+    interference."""
+    devices = max(2, machine.devices)
+    base = dataclasses.replace(machine, devices=devices, compute_scale=1.0, compute_interference=0.0)
+    shape = (BLOCK_TOKENS, BLOCK_WIDTH)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        graph = decompose(_blocks(), (torch.randn(2, *shape),))
+        profile = _profile(graph, CpuDevice("interference-probe"), shape)
+    finally:
+        torch.set_num_threads(before)
+    packs = [(0, len(profile.layers) - 1)]
+    config = Configuration(u_f=MINIBATCH // 2, packs_f=packs, u_b=MINIBATCH // 2, packs_b=packs)
+    ratios = []
+    for count in (1, devices):
+        tasks = generate("dp", profile, config, count, MINIBATCH * count, update="host")
+        measured, _ = _spans(graph, tasks, iterations, timeout, shape)
+        modelled = _estimated_spans(tasks, profile, dataclasses.replace(base, devices=count))
+        ratios.append(statistics.median(measured[t.id] / modelled[t.id] for t in tasks.tasks
+                                        if t.kind != Kind.UPD and t.id in measured and modelled.get(t.id, 0) > 0))
+    interference = max(0.0, (ratios[1] / ratios[0] - 1.0) / (devices - 1))
+    log.info("compute scaling: tasks run %.2fx their estimate on one device, %.2fx on %d at once: %.3f "
+             "per other device computing", ratios[0], ratios[1], devices, interference)
+    return ratios[0], interference
 
 
 def _lower_quartile(values: list[float]) -> float:

@@ -29,7 +29,9 @@ The runtime's own costs (``runtime=True``, ``cpu`` only; ``harmony.runtime.overh
 launcher runs near-zero compute to give ``task_overhead``, ``microbatch_overhead``,
 ``update_overhead`` and the per-message cost of its p2p path (``p2p_latency`` becomes the larger of
 that and the half round trip above), and a fixed loop in more processes than devices gives
-``cpu_cores``, the cores the devices' compute shares.
+``cpu_cores``, the cores the devices' compute shares; data parallelism over transformer blocks on the
+real launcher, on one device and on all, gives ``compute_scale`` and ``compute_interference``, how
+much slower the runtime computes than the profile alone and beside the other devices.
 
 ``cuda``: in this process, with pinned host buffers: ``h2d``/``d2h`` on device 0 alone;
 ``h2d_all``/``d2h_all`` issue one non-blocking copy per device back to back and wait for all;
@@ -472,11 +474,14 @@ def probe_machine(kind: str, devices: int, capacity: int | None, size: int = DEF
 
 def _with_runtime_costs(machine: Machine, timeout: float) -> Machine:
     """``machine`` with the runtime's measured overheads and shared cores (module docs)."""
-    from .overheads import measure_cores, measure_overheads  # the launcher, only when asked for
+    from .overheads import measure_compute_scaling, measure_cores, measure_overheads  # the launcher, when asked for
 
     cores = measure_cores(machine.devices)
     try:
         costs = measure_overheads(machine, timeout=timeout)
+        measured = dataclasses.replace(machine, task_overhead=costs.task, microbatch_overhead=costs.microbatch,
+                                       update_overhead=costs.update, cpu_cores=cores)
+        scale, interference = measure_compute_scaling(measured, timeout=timeout)
     except HarmonyError as exc:
         raise ProbeError(f"measuring the runtime's overheads failed: {exc}") from exc
     probed = machine.p2p_latency if machine.p2p_latency is not None else machine.latency
@@ -487,7 +492,10 @@ def _with_runtime_costs(machine: Machine, timeout: float) -> Machine:
         "p2p_latency": f"the larger of the half round trip ({probed * 1e6:.0f} us) and the message cost that "
                        f"makes the estimate of a near-zero pipeline match its run ({costs.message * 1e6:.0f} us)",
         "cpu_cores": f"work of {machine.devices + 1} single-threaded loops at once over one alone, in one window",
+        "compute_scale": "the real launcher's tasks on transformer MLP blocks, one device, over their estimate "
+                         "from the same blocks profiled (median)",
+        "compute_interference": f"the same on {max(2, machine.devices)} devices at once over one device, "
+                                "less one, per other device",
     }
-    return dataclasses.replace(machine, task_overhead=costs.task, microbatch_overhead=costs.microbatch,
-                               update_overhead=costs.update, p2p_latency=max(probed, costs.message),
-                               cpu_cores=cores, notes=notes)
+    return dataclasses.replace(measured, p2p_latency=max(probed, costs.message), compute_scale=scale,
+                               compute_interference=interference, notes=notes)

@@ -31,14 +31,18 @@ What is simulated (the runtime's semantics, which this module must keep in step 
   task-wide inputs (W, B, K, ...) and its own microbatch's inputs have arrived. A UPD task on a
   device is the exception to the lookahead: the runtime loads its weights, summed gradient and
   optimizer state when it starts it, so its inputs are issued when the previous task ends.
-- **The runtime's own costs.** A unit lasts its profiled compute plus the machine's measured
+- **The runtime's own costs.** A unit on a device lasts its profiled compute times
+  ``machine.compute_scale`` (the runtime's compute over the profiler's, measured; 1 where nobody
+  did) plus the machine's measured
   overheads (``Machine.task_overhead`` on a task's first unit, ``microbatch_overhead`` on each
   microbatch, ``update_overhead`` on each optimizer step, fused or not, device or host); zero on a
   machine nobody measured.
 - **Shared cores.** With ``machine.cpu_cores`` set (emulated devices computing on the host's
   cores), the units computing at one moment on all devices and the host share that many cores:
   each progresses at ``min(1, cpu_cores / k)`` for the k units computing at the moment, rates
-  recomputed whenever one starts or ends (processor sharing, as for the host link).
+  recomputed whenever one starts or ends (processor sharing, as for the host link); with
+  ``machine.compute_interference`` (units computing at once slowing each other through the memory
+  bus and caches, measured), that rate is divided by ``1 + compute_interference * (k - 1)``.
 - **Host-link contention.** On a shared host link (``machine.host_link_shared``) the active h2d
   copies of all devices share the link (likewise d2h): each progresses at
   ``machine.bandwidth(channel, k)`` for the k copies active at the moment, rates recomputed whenever
@@ -297,9 +301,10 @@ def unit_overheads(task: Task, machine: Machine, units: int) -> list[float]:
 
 def task_seconds(task: Task, profile: Profile, machine: Machine) -> float:
     """Seconds the task keeps its device's compute stream busy when nothing else computes: its
-    compute and the runtime's overheads."""
+    compute (scaled to the runtime's, on a device) and the runtime's overheads."""
     durs = _task_costs(task, profile, _profile_cache(profile))[0]
-    return sum(durs) + sum(unit_overheads(task, machine, len(durs)))
+    scale = 1.0 if task.device == HOST else machine.compute_scale
+    return sum(durs) * scale + sum(unit_overheads(task, machine, len(durs)))
 
 
 # ---------------------------------------------------------------------------------------- estimate
@@ -355,7 +360,8 @@ def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: in
         s = slot_of[task.device]
         durs, peak = _task_costs(task, profile, cache)
         extra = unit_overheads(task, machine, len(durs))
-        us = [_Unit(s, task, j, d + e) for j, (d, e) in enumerate(zip(durs, extra))]
+        scale = 1.0 if s == host_slot else machine.compute_scale
+        us = [_Unit(s, task, j, d * scale + e) for j, (d, e) in enumerate(zip(durs, extra))]
         su = slot_units[s]
         for u in us:
             u.order = len(su)
@@ -655,6 +661,9 @@ def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: in
                 enqueue(x)
 
     cores = machine.cpu_cores
+    interference = machine.compute_interference
+    if cores is None and interference:
+        cores = math.inf  # no core sharing, but the rates still follow the units computing at once
     running: list[_Unit] = []  # units computing at this moment, sharing the cores
     cpu = [0.0, 0.0]  # time of the last rate change, the rate of each running unit since
 
@@ -669,7 +678,8 @@ def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: in
     def cpu_reschedule() -> None:
         if not running:
             return
-        rate = min(1.0, cores / len(running))
+        k = len(running)
+        rate = min(1.0, cores / k) / (1.0 + interference * (k - 1))
         cpu[1] = rate
         for a in running:
             a.version += 1

@@ -34,6 +34,15 @@ on layers of near-zero compute, ``harmony.runtime.overheads``; zero when nobody 
   do the host's offloaded updates: the number of cores they get between them (measured: a fixed
   single-threaded loop run in more processes than cores). ``None``: each device has its own
   hardware (GPUs), no sharing.
+- ``compute_scale``: on the emulated ``cpu`` backend, a device's compute in the runtime over the
+  profiler's for the same layers, one device computing alone: the worker's compute thread shares
+  the interpreter lock with its stream threads, and dispatch-bound layers feel it (measured: the real
+  launcher's tasks on transformer blocks against the same blocks profiled). 1: as profiled.
+- ``compute_interference``: on the emulated ``cpu`` backend, devices computing at once slow each
+  other down beyond sharing cores (the memory bus and caches, the other workers' copies): each of
+  ``k`` units computing at once runs ``1 + compute_interference * (k - 1)`` times slower than the
+  profile, which timed one layer alone (measured: the real launcher's tasks on all devices at once
+  against the same layers profiled alone). Zero: no interference (GPUs, or nobody measured it).
 
 The scheduler must not import the runtime, so this module imports only the standard library,
 ``harmony.errors``, ``harmony.serialization`` and the device specs.
@@ -58,8 +67,8 @@ log = logging.getLogger(__name__)
 __all__ = ["Machine", "MachineError", "KIND", "VERSION", "CHANNELS", "ANALYTIC_LATENCY"]
 
 KIND = "machine"
-VERSION = 2  # 2: task_overhead, microbatch_overhead, update_overhead, cpu_cores
-_OLDER = (1,)  # versions read with the fields they lack at their defaults (not measured)
+VERSION = 3  # 2: task_overhead, microbatch_overhead, update_overhead, cpu_cores; 3: compute_scale, compute_interference
+_OLDER = (2, 1)  # versions read with the fields they lack at their defaults (not measured)
 
 CHANNELS = ("h2d", "d2h", "d2d", "msg")
 _KINDS = ("cpu", "cuda", "analytic")
@@ -117,6 +126,8 @@ class Machine:
     microbatch_overhead: float = 0.0  # s, the runtime's fixed cost per microbatch of a task
     update_overhead: float = 0.0  # s, per optimizer step, beyond the step's own compute
     cpu_cores: float | None = None  # cores the devices' compute shares (cpu backend); None: no sharing
+    compute_scale: float = 1.0  # the runtime's compute over the profile's, one device alone (cpu backend)
+    compute_interference: float = 0.0  # slowdown per other unit computing at once (cpu backend)
 
     def __post_init__(self) -> None:
         problems = []
@@ -149,6 +160,10 @@ class Machine:
                 problems.append(f"{name} must be a finite number of seconds >= 0, got {getattr(self, name)!r}")
         if self.cpu_cores is not None and not _positive_number(self.cpu_cores):
             problems.append(f"cpu_cores must be a positive number or null, got {self.cpu_cores!r}")
+        if not _positive_number(self.compute_scale):
+            problems.append(f"compute_scale must be a positive number, got {self.compute_scale!r}")
+        if not _seconds(self.compute_interference):
+            problems.append(f"compute_interference must be a finite number >= 0, got {self.compute_interference!r}")
         if not isinstance(self.host_link_shared, bool):
             problems.append(f"host_link_shared must be true or false, got {self.host_link_shared!r}")
         if self.source not in _SOURCES:
@@ -167,6 +182,8 @@ class Machine:
             setattr(self, name, float(getattr(self, name)))
         if self.cpu_cores is not None:
             self.cpu_cores = float(self.cpu_cores)
+        self.compute_scale = float(self.compute_scale)
+        self.compute_interference = float(self.compute_interference)
         self.notes = dict(self.notes)
 
     # ------------------------------------------------------------------ transfer model
@@ -280,11 +297,15 @@ class Machine:
             f"  d2d {self.d2d / gb:.2f} GB/s, msg {self.msg / gb:.2f} GB/s, latency {self.latency * 1e6:.1f} us"
             + (f" (p2p message {self.p2p_latency * 1e6:.0f} us)" if self.p2p_latency is not None else ""),
         ]
-        if any(getattr(self, name) for name in _OVERHEADS) or self.cpu_cores is not None:
+        if (any(getattr(self, name) for name in _OVERHEADS) or self.cpu_cores is not None
+                or self.compute_scale != 1.0 or self.compute_interference):
             lines.append(
                 f"  runtime overhead {self.task_overhead * 1e3:.2f} ms per task, "
                 f"{self.microbatch_overhead * 1e3:.2f} ms per microbatch, {self.update_overhead * 1e3:.2f} ms per update"
                 + (f"; {self.cpu_cores:.2f} cores shared by the devices' compute" if self.cpu_cores is not None else "")
+                + (f"; compute {self.compute_scale:.2f}x the profile" if self.compute_scale != 1.0 else "")
+                + (f"; each other device computing at once slows one by {self.compute_interference:.0%}"
+                   if self.compute_interference else "")
             )
         return "\n".join(lines)
 

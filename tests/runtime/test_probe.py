@@ -51,11 +51,15 @@ def test_cpu_probe_measures_the_runtime_costs_on_its_own_path(cpu_machine):
     assert m.cpu_cores is not None and 0 < m.cpu_cores <= m.devices + 1
     assert m.p2p_latency < 0.05
     assert "overheads" in m.notes and "cpu_cores" in m.notes
+    # the runtime computes no faster than the profile (noise aside) and not wildly slower
+    assert 0.8 < m.compute_scale < 5 and 0 <= m.compute_interference < 2
+    assert "compute_scale" in m.notes and "compute_interference" in m.notes
 
 
 def test_the_runtime_costs_can_be_left_out():
     m = probe_machine("cpu", 2, 64 * MiB, size=1 * MiB, repeats=1, runtime=False)
     assert (m.task_overhead, m.microbatch_overhead, m.update_overhead, m.cpu_cores) == (0.0, 0.0, 0.0, None)
+    assert (m.compute_scale, m.compute_interference) == (1.0, 0.0)
     assert multiprocessing.active_children() == []
 
 

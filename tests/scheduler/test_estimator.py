@@ -445,3 +445,24 @@ def test_shared_cores_speed_up_the_rest_when_one_unit_ends(profile):
     ends = sorted(e.end for e in est.events if e.stream == "compute")
     assert ends == pytest.approx([4 * MS, 6 * MS])
     assert est.busy[0]["compute"] == pytest.approx(4 * MS) and est.busy[1]["compute"] == pytest.approx(6 * MS)
+
+
+@pytest.mark.parametrize("cores", [None, 2.0])
+def test_units_computing_at_once_slow_each_other_by_the_interference(profile, cores):
+    # 2 ms and 4 ms on two devices, 25% slower each while both compute: both at 1/1.25 until the
+    # first ends at 2.5 ms (2 ms of work), then the other alone for its last 2 ms
+    tasks = [fwd(0, 0, 0), fwd(1, 1, 1, mbs=(8,))]
+    est = estimate(graph(tasks, devices=2), profile, machine(devices=2, cpu_cores=cores, compute_interference=0.25))
+    ends = sorted(e.end for e in est.events if e.stream == "compute")
+    assert ends == pytest.approx([2.5 * MS, 4.5 * MS])
+
+
+def test_a_unit_computing_alone_is_not_slowed_by_the_interference(profile):
+    est = estimate(graph([fwd(0, 0, 0)], devices=1), profile, machine(devices=1, compute_interference=0.5))
+    assert est.iteration_time == pytest.approx(2 * MS)
+
+
+def test_device_compute_is_scaled_to_the_runtimes_and_host_compute_is_not(profile):
+    plain = estimate(graph([fwd(0, 0, 0)], devices=1), profile, machine(devices=1))
+    scaled = estimate(graph([fwd(0, 0, 0)], devices=1), profile, machine(devices=1, compute_scale=1.5))
+    assert scaled.iteration_time == pytest.approx(1.5 * plain.iteration_time)

@@ -148,14 +148,24 @@ def test_runtime_costs_round_trip_and_default_to_unmeasured(tmp_path):
 
 
 def test_a_version_1_file_is_read_with_the_runtime_costs_unmeasured(tmp_path):
-    assert VERSION == 2
+    assert VERSION == 3
     body = make().to_dict()
-    for name in ("task_overhead", "microbatch_overhead", "update_overhead", "cpu_cores"):
+    for name in ("task_overhead", "microbatch_overhead", "update_overhead", "cpu_cores", "compute_scale",
+                 "compute_interference"):
         del body[name]
     serialization.save(tmp_path / "old", KIND, 1, body)
     old = Machine.load(tmp_path / "old")
     assert old == make()
-    assert old.task_overhead == 0.0 and old.cpu_cores is None
+    assert old.task_overhead == 0.0 and old.cpu_cores is None and old.compute_interference == 0.0
+
+
+def test_a_version_2_file_is_read_with_the_compute_as_profiled(tmp_path):
+    body = make(task_overhead=1e-3, cpu_cores=2.0).to_dict()
+    del body["compute_interference"], body["compute_scale"]
+    serialization.save(tmp_path / "v2", KIND, 2, body)
+    old = Machine.load(tmp_path / "v2")
+    assert old == make(task_overhead=1e-3, cpu_cores=2.0)
+    assert (old.compute_scale, old.compute_interference) == (1.0, 0.0)
 
 
 @pytest.mark.parametrize(
@@ -166,6 +176,8 @@ def test_a_version_1_file_is_read_with_the_runtime_costs_unmeasured(tmp_path):
         ({"update_overhead": "1ms"}, "update_overhead"),
         ({"cpu_cores": 0}, "cpu_cores"),
         ({"cpu_cores": True}, "cpu_cores"),
+        ({"compute_interference": -0.1}, "compute_interference"),
+        ({"compute_scale": 0}, "compute_scale"),
     ],
 )
 def test_bad_runtime_costs_are_refused(overrides, words):
