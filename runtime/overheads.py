@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -236,13 +237,15 @@ def measure_overheads(machine: Machine, iterations: int = 4, timeout: float = 60
     return Overheads(task=task, microbatch=microbatch, update=update, message=message, tasks=counted)
 
 
-def measure_compute_scaling(machine: Machine, iterations: int = 8, timeout: float = 60.0) -> tuple[float, float]:
+def measure_compute_scaling(machine: Machine, iterations: int = 5, rounds: int = 2,
+                            timeout: float = 60.0) -> tuple[float, float]:
     """``(compute_scale, compute_interference)`` (module docs): data parallelism over transformer
     blocks on the real launcher, one device alone and then all of ``machine``'s devices at once (at
-    least two); per run, the median over the tasks of the measured span over the span the
-    estimator gives with ``machine``'s overheads and shared cores, as profiled. The first median is
-    the scale; the second over the first, less one, spread over the other devices, the
-    interference."""
+    least two), ``rounds`` times interleaved; per run, the median over the tasks of the measured
+    span over the span the estimator gives with ``machine``'s overheads and shared cores, as
+    profiled. The lowest one-device ratio is the scale (other processes on a shared machine only
+    ever slow a run down: the lowest is the runtime's own); the lowest all-devices ratio over it,
+    less one, spread over the other devices, the interference."""
     devices = max(2, machine.devices)
     base = dataclasses.replace(machine, devices=devices, compute_scale=1.0, compute_interference=0.0)
     shape = (BLOCK_TOKENS, BLOCK_WIDTH)
@@ -255,17 +258,20 @@ def measure_compute_scaling(machine: Machine, iterations: int = 8, timeout: floa
         torch.set_num_threads(before)
     packs = [(0, len(profile.layers) - 1)]
     config = Configuration(u_f=MINIBATCH // 2, packs_f=packs, u_b=MINIBATCH // 2, packs_b=packs)
-    ratios = []
-    for count in (1, devices):
-        tasks = generate("dp", profile, config, count, MINIBATCH * count, update="host")
-        measured, _ = _spans(graph, tasks, iterations, timeout, shape)
-        modelled = _estimated_spans(tasks, profile, dataclasses.replace(base, devices=count))
-        ratios.append(statistics.median(measured[t.id] / modelled[t.id] for t in tasks.tasks
-                                        if t.kind != Kind.UPD and t.id in measured and modelled.get(t.id, 0) > 0))
-    interference = max(0.0, (ratios[1] / ratios[0] - 1.0) / (devices - 1))
+    ratios: dict[int, list[float]] = {1: [], devices: []}
+    for _ in range(rounds):
+        for count in ratios:
+            tasks = generate("dp", profile, config, count, MINIBATCH * count, update="host")
+            measured, _ = _spans(graph, tasks, iterations, timeout, shape)
+            modelled = _estimated_spans(tasks, profile, dataclasses.replace(base, devices=count))
+            ratios[count].append(statistics.median(
+                measured[t.id] / modelled[t.id] for t in tasks.tasks
+                if t.kind != Kind.UPD and t.id in measured and modelled.get(t.id, 0) > 0))
+    alone, together = min(ratios[1]), min(ratios[devices])
+    interference = max(0.0, (together / alone - 1.0) / (devices - 1))
     log.info("compute scaling: tasks run %.2fx their estimate on one device, %.2fx on %d at once: %.3f "
-             "per other device computing", ratios[0], ratios[1], devices, interference)
-    return ratios[0], interference
+             "per other device computing", alone, together, devices, interference)
+    return alone, interference
 
 
 def _lower_quartile(values: list[float]) -> float:
@@ -335,14 +341,16 @@ def _loop_units(processes: int) -> int:
 
 def measure_cores(devices: int, repeats: int = 3) -> float:
     """The cores the devices' compute gets between them (module docs): the work ``devices + 1``
-    processes do at once in a window over what one does alone in the same window; one process more
-    than devices, so that a machine with a free core per device still shows its limit."""
+    processes do at once in a window over what one does alone in the same window (the highest of
+    ``repeats`` readings); one process more than devices, so that a machine with a free core per
+    device still shows its limit."""
     k = devices + 1
     ratios = []
     for _ in range(repeats):  # interleaved, so that a change in the machine's load hits both alike
         alone = _loop_units(1)
         together = _loop_units(k)
         ratios.append(together / max(alone, 1))
-    cores = min(float(k), statistics.median(ratios))
+    # load from other processes only lowers a reading; noise may raise one past the machine's cores
+    cores = min(float(k), float(len(os.sched_getaffinity(0))), max(ratios))
     log.info("shared cores: %d processes at once do %.2f times the work of one: %.2f cores", k, cores, cores)
     return cores
