@@ -213,8 +213,9 @@ class MemoryTracker:
         """Ops run in this block (on this thread) are not counted: for host-side copies made while
         the tracker is entered. They skip Python dispatch altogether (``_DisableTorchDispatch``, a
         C++ guard): a copy then holds the GIL only for its call, not for the Python of a dispatch
-        mode around it. A stream thread copying through the mode made a dispatch-bound compute
-        thread of the same process 2.7-3.5x slower; with the guard, 1.7x (bench/README.md)."""
+        mode around it. A stream thread copying back to back slows a dispatch-bound compute thread
+        of its process less that way, though the hand-overs of the lock remain
+        (``python -m bench.stream_gil``)."""
         self._local.paused = getattr(self._local, "paused", 0) + 1
         try:
             with torch._C._DisableTorchDispatch():
