@@ -20,7 +20,7 @@ import torch
 from harmony.decomposer.layer_graph import LayerGraph
 from harmony.errors import DeviceOutOfMemoryError, HarmonyError
 from harmony.runtime.device import CpuDevice, Device
-from harmony.runtime.profiler import Measurement, measure_layer, measure_update
+from harmony.runtime.profiler import Measurement, measure_layer, measure_update, torch_threads
 from harmony.scheduler.profiles import LayerProfile, LayerSample, Profile
 
 log = logging.getLogger(__name__)
@@ -180,25 +180,6 @@ class Profiler:
             dw_bytes=sum(p.numel() * p.element_size() for p in params), k_bytes=k_bytes, b_bytes=b_bytes,
             upd_time_device=upd_device, upd_time_host=upd_host,
         )
-
-
-@contextmanager
-def torch_threads(n: int | None):
-    """Run with ``n`` torch intra-op threads (None: leave as is), restoring the count afterwards.
-
-    N emulated devices share the host's cores, each worker with its share; measuring one device
-    with all the cores would time a device faster than the runtime will have, and on a shared
-    machine two threads contending also make timings several times noisier.
-    """
-    if n is None:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(max(1, n))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def training_footprint(graph: LayerGraph, get_batch: Callable[[int, int], tuple], minibatch: int, k_per_w: float = 2.0) -> int:

@@ -613,10 +613,11 @@ class Executor:
             self.local[key] = (values, state)
             return
         dst = consumer.device
-        if channel == Channel.P2P and self.transport is not None:
-            self._after_compute(self.p2p_out, self.transport.send, key, values, state, dst)
-            return
         if channel == Channel.P2P:
+            if self.transport is not None:
+                self._after_compute(self.p2p_out, self.transport.send, key, values, state, dst)
+                return
+
             def send() -> None:
                 self.peers[dst].put((key, (self._encode(values, dst), state_bytes(state), self.rank)))
 

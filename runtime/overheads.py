@@ -60,7 +60,7 @@ from .device import CpuDevice
 from .executor import Batch
 from .hoststore import HostStore
 from .launcher import Launcher
-from .profiler import measure_layer, measure_update
+from .profiler import measure_layer, measure_update, torch_threads
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +146,14 @@ def _profile(graph, device: CpuDevice, shape: tuple[int, ...] = (WIDTH,)) -> Pro
                    u_fmax=max(_SIZES), u_bmax=max(_SIZES), layers=layers)
 
 
+def _profiled(model: torch.nn.Module, shape: tuple[int, ...]):
+    """The probe's model decomposed and profiled on one thread, as an emulated device computes in
+    the launcher's workers; ``shape``: one sample's input."""
+    with torch_threads(1):
+        graph = decompose(model, (torch.randn(2, *shape),))
+        return graph, _profile(graph, CpuDevice("overhead-probe"), shape)
+
+
 def _spans(graph, tasks: TaskGraph, iterations: int, timeout: float,
            shape: tuple[int, ...] = (WIDTH,)) -> tuple[dict[int, float], float]:
     """Median measured span of every device task over ``iterations`` (after one warm-up), and the
@@ -198,13 +206,7 @@ def measure_overheads(machine: Machine, iterations: int = 4, timeout: float = 60
     devices = max(2, machine.devices)
     base = dataclasses.replace(machine, devices=devices, task_overhead=0.0, microbatch_overhead=0.0,
                                update_overhead=0.0, cpu_cores=None)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # an emulated device computes on one thread, as the launcher's workers do
-    try:
-        graph = decompose(_model(), (torch.randn(2, WIDTH),))
-        profile = _profile(graph, CpuDevice("overhead-probe"))
-    finally:
-        torch.set_num_threads(before)
+    graph, profile = _profiled(_model(), (WIDTH,))
     packs = [(i, i) for i in range(len(profile.layers))]
     config = Configuration(u_f=1, packs_f=packs, u_b=1, packs_b=packs)
     residuals: dict[int, list[float]] = {}
@@ -249,21 +251,17 @@ def measure_compute_scaling(machine: Machine, iterations: int = 5, rounds: int =
     devices = max(2, machine.devices)
     base = dataclasses.replace(machine, devices=devices, compute_scale=1.0, compute_interference=0.0)
     shape = (BLOCK_TOKENS, BLOCK_WIDTH)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        graph = decompose(_blocks(), (torch.randn(2, *shape),))
-        profile = _profile(graph, CpuDevice("interference-probe"), shape)
-    finally:
-        torch.set_num_threads(before)
+    graph, profile = _profiled(_blocks(), shape)
     packs = [(0, len(profile.layers) - 1)]
     config = Configuration(u_f=MINIBATCH // 2, packs_f=packs, u_b=MINIBATCH // 2, packs_b=packs)
-    ratios: dict[int, list[float]] = {1: [], devices: []}
+    runs = {}  # per device count: its task graph and the estimator's span of each task (the same every round)
+    for count in (1, devices):
+        tasks = generate("dp", profile, config, count, MINIBATCH * count, update="host")
+        runs[count] = tasks, _estimated_spans(tasks, profile, dataclasses.replace(base, devices=count))
+    ratios: dict[int, list[float]] = {count: [] for count in runs}
     for _ in range(rounds):
-        for count in ratios:
-            tasks = generate("dp", profile, config, count, MINIBATCH * count, update="host")
+        for count, (tasks, modelled) in runs.items():
             measured, _ = _spans(graph, tasks, iterations, timeout, shape)
-            modelled = _estimated_spans(tasks, profile, dataclasses.replace(base, devices=count))
             ratios[count].append(statistics.median(
                 measured[t.id] / modelled[t.id] for t in tasks.tasks
                 if t.kind != Kind.UPD and t.id in measured and modelled.get(t.id, 0) > 0))
