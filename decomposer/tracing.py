@@ -181,6 +181,11 @@ def _export(model: torch.nn.Module, example_inputs: tuple) -> TracedModel:
             env[node] = graph.node_copy(node, lambda n: env[n])
         else:
             env[node] = graph.node_copy(node, lambda n: env[n])
+            if node.target is torch.ops.aten.view.default:
+                # export can drop a contiguous() it judged a no-op for the symbolic batch size
+                # (torch 2.11, torchvision's ViT attention: permute then view fails at batch 2);
+                # reshape is that same view wherever a view exists, and a copy elsewhere
+                env[node].target = torch.ops.aten.reshape.default
             if isinstance(node.kwargs.get("device"), torch.device):
                 # export bakes the tracing device in; ask the running layer for its own instead
                 with graph.inserting_before(env[node]):

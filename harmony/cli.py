@@ -26,6 +26,7 @@ from rich.table import Table
 from harmony import checkpoint
 from harmony.errors import HarmonyError
 from harmony.scheduler.taskgraph import MODES
+from harmony.runtime.device import SHARE_GPUS, visible_gpus
 
 console = Console(width=None if sys.stdout.isatty() else 160)
 log = logging.getLogger("harmony")
@@ -74,11 +75,18 @@ def _load_and_decompose(ns: argparse.Namespace, meta: bool):
     return mf, model, graph
 
 
-def _add_device_args(p: argparse.ArgumentParser, count_help: str = "number of devices N (default 2)") -> None:
+def default_device() -> str:
+    """The backend when --device is not given: the GPUs where there are any, else emulated devices."""
+    return "cuda" if visible_gpus() else "cpu"
+
+
+def _add_device_args(p: argparse.ArgumentParser, what: str = "number of devices N") -> None:
     g = p.add_argument_group("devices")
-    g.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="device backend (default: cuda if available, else emulated cpu)")
-    g.add_argument("--devices", type=int, default=2, help=count_help)
+    g.add_argument("--device", choices=("cpu", "cuda"),
+                   help="device backend (default: cuda if a GPU is visible, else emulated cpu devices)")
+    g.add_argument("--devices", type=int, help=f"{what} (default: every visible GPU with --device cuda, 2 emulated "
+                   f"cpu devices; more workers than GPUs need {SHARE_GPUS}=1)")
+    p.set_defaults(device_defaults=True)
     g.add_argument("--device-memory", help="capacity per device, e.g. 8GiB (default: free GPU memory; emulated cpu: "
                    "a quarter of the model's training footprint)")
     g.add_argument("--memory-margin", type=float, default=0.1,
@@ -283,7 +291,7 @@ def _cmd_run_spmd(ns: argparse.Namespace) -> int:
         history = run_spmd(plan, mf.loss_fn, mf.build_optimizer, mf.get_batch, mf.build_model, ns.iters,
                            seed=ns.seed, timeout=ns.timeout, on_step=on_step, p2p=ns.p2p)
         if rank == 0:
-            _finish_run(ns, run_report(plan, history, p2p=resolve(ns.p2p, plan.options.get("device_type", "cpu"))))
+            _finish_run(ns, run_report(plan, history, p2p=resolve(ns.p2p, plan.options.get("device_type", "cpu"), plan.tasks.devices)))
     finally:
         dist.destroy_process_group()
     return 0
@@ -476,7 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_model_args(p)
     _add_granularity_args(p)
-    _add_device_args(p, count_help="devices the machine description covers (default 2)")
+    _add_device_args(p, what="devices the machine description covers")
     p.add_argument("--minibatch", type=int, default=64,
                    help="minibatch size D: no microbatch is larger, and the default emulated capacity is a quarter of "
                    "the footprint of training D samples on one device (default 64)")
@@ -619,6 +627,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if getattr(ns, "batch_size", 1) is not None and getattr(ns, "batch_size", 1) < 1:
         parser.error("--batch-size must be a positive integer")
+    if getattr(ns, "device_defaults", False):
+        ns.device = ns.device or default_device()
+        if ns.devices is None:
+            ns.devices = max(1, visible_gpus()) if ns.device == "cuda" else 2
     try:
         with _signals_raise() as guard:
             ns.signal_guard = guard

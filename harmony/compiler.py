@@ -19,7 +19,7 @@ from harmony.decomposer.layer_graph import LayerGraph, dtype_from_str
 from harmony.errors import HarmonyError
 from harmony.plan import Plan
 from harmony.profiling import Profiler, training_footprint
-from harmony.runtime.device import make_devices, parse_bytes
+from harmony.runtime.device import check_gpus, make_devices, parse_bytes
 from harmony.scheduler.analytic import analytic_profile
 from harmony.scheduler.devicespec import load_spec
 from harmony.scheduler.estimator import chrome_trace
@@ -60,9 +60,10 @@ class CompileOptions:
         if self.device_type not in ("cpu", "cuda"):
             raise HarmonyError(f"unknown device type {self.device_type!r}; choose cpu or cuda")
         if self.device_type == "cuda" and not self.analytic:
-            visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            if self.devices > visible:
-                raise HarmonyError(f"asked for {self.devices} CUDA devices but {visible} are visible; use fewer or --device cpu")
+            try:
+                check_gpus(self.devices)
+            except ValueError as exc:
+                raise HarmonyError(str(exc)) from None
 
     def capacity(self) -> int | None:
         if self.device_memory is None:

@@ -52,6 +52,15 @@ class Plan:
     search: dict[str, Any] = field(default_factory=dict)  # explored configurations, seconds
 
     # ------------------------------------------------------------ files
+    def worker_capacity(self) -> int:
+        """Bytes each worker's device gives the plan's tensors. A profile measured on a GPU holds
+        what the user gave less the workspaces the BLAS libraries keep (``CudaDevice.warm_up``),
+        which a worker then allows on top; elsewhere it is the given device memory, or the
+        profile's (an analytic device's) where none was given."""
+        if self.options.get("device_type") == "cuda" and self.profile.source == "measured":
+            return self.profile.capacity
+        return self.options.get("device_memory") or self.profile.capacity
+
     def save(self, directory: str | Path, trace: dict | None = None) -> Path:
         """Write the plan directory (``trace``: a Chrome trace of the estimate, see
         ``estimator.chrome_trace``); the manifest goes last, so a half-written plan has none."""

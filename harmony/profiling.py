@@ -53,6 +53,9 @@ class Profiler:
     ):
         if graph.modules is None:
             raise HarmonyError("the layer graph has no layer modules to run; decompose the model first")
+        # the libraries' workspaces are allocated before the first layer is measured, and come
+        # out of the capacity the plan is made for
+        device.warm_up(within_capacity=True)
         self.graph = graph
         self.get_batch = get_batch
         self.build_optimizer = build_optimizer
@@ -122,8 +125,16 @@ class Profiler:
         for module in self.graph.modules[:i]:
             values = measure_layer(module, values, CpuDevice("need"), trials=0, backward=False)[1]
         need, _ = measure_layer(self.graph.modules[i], values, CpuDevice("need"), trials=0, backward=True)
+        needed = max(need.fwd_peak, need.bwd_peak)
+        if needed <= self.device.capacity:  # the layer fits; something else took the room
+            return (
+                f"{self.device.name}: layer {i} ({self.graph.layers[i].name}) needs {needed:,} bytes for one sample, "
+                f"within the {self.device.capacity:,} bytes of the device, yet it ran out of memory ({attempt.failure}); "
+                "something else holds that device's memory (another process, or tensors of this one): free it "
+                "or give more memory (--device-memory)"
+            )
         return (
-            f"layer {i} ({self.graph.layers[i].name}) needs {max(need.fwd_peak, need.bwd_peak):,} bytes of device memory "
+            f"layer {i} ({self.graph.layers[i].name}) needs {needed:,} bytes of device memory "
             f"for one sample (forward {need.fwd_peak:,}, backward {need.bwd_peak:,}), more than the {self.device.capacity:,} "
             f"bytes of {self.device.name}; give each device more memory (--device-memory) or cut the model into "
             "smaller layers (--depth or --modules)"

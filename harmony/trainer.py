@@ -56,7 +56,7 @@ class Trainer:
             state_dict = graph.state_dict()
         self.store = HostStore.create(graph, plan.tasks.devices, self.build_optimizer, state_dict)
         device_type = plan.options.get("device_type", "cpu")
-        capacity = plan.options.get("device_memory") or plan.profile.capacity
+        capacity = plan.worker_capacity()
         self.launcher = Launcher(graph, plan.tasks, self.store, self.loss_fn, self.build_optimizer,
                                  device_type=device_type, capacity=capacity, seed=seed, timeout=timeout,
                                  profile=plan.profile, prefetch=prefetch, p2p=p2p)

@@ -29,7 +29,8 @@ from .memory import MemoryTracker
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Device", "CpuDevice", "CudaDevice", "Timer", "make_devices", "parse_bytes"]
+__all__ = ["Device", "CpuDevice", "CudaDevice", "Timer", "check_gpus", "cuda_device", "gpus_shared", "make_devices",
+           "parse_bytes"]
 
 
 class Timer(ABC):
@@ -142,6 +143,11 @@ class Device(ABC):
         nothing to count on a GPU, whose allocator sees device memory only."""
         return nullcontext()
 
+    def warm_up(self, within_capacity: bool) -> int:
+        """Have the libraries allocate what they keep for the process's life now; the bytes kept
+        (none on an emulated device). ``CudaDevice.warm_up`` says more."""
+        return 0
+
     def stream_setup(self) -> None:
         """Called once on each stream thread: give the thread a stream of its own (CUDA)."""
 
@@ -229,12 +235,22 @@ class CpuDevice(Device):
         return self.tracker.paused()
 
 
+# per GPU, the workspace bytes a first ``CudaDevice.warm_up`` in this process saw allocated
+_LIBRARY_BYTES: dict[int, int] = {}
+
 _CUDA_REQUEST = re.compile(r"Tried to allocate ([0-9.]+) ([KMGT]?i?B)")
 
 
 class CudaDevice(Device):
     """One GPU. ``capacity=None`` takes the GPU's free memory now; a given capacity below the GPU's
-    total is enforced by the caching allocator for this process."""
+    total is enforced by the caching allocator for this process.
+
+    cuBLAS keeps a workspace per (thread, stream) it runs on, allocated through the caching allocator
+    at the first matrix product and kept for the process's life: 32 MiB each on Hopper, with one for
+    the thread that runs a forward and one for the autograd thread that runs its backward.
+    ``warm_up`` has them allocated up front and measures them; ``allocated`` and ``peak`` leave them
+    out, so that a plan's bytes are compared with the bytes its tensors take. See ``warm_up`` for
+    whether they come out of ``capacity`` or on top of it."""
 
     kind = "cuda"
 
@@ -244,12 +260,54 @@ class CudaDevice(Device):
         self.index = index
         self.torch_device = torch.device("cuda", index)
         self.name = name or f"cuda:{index}"
-        free, total = torch.cuda.mem_get_info(self.torch_device)
+        free, self._total = torch.cuda.mem_get_info(self.torch_device)
         self.capacity = free if capacity is None else int(capacity)
+        self.reserved = 0  # bytes the libraries keep for the process's life (``warm_up``)
+        self._warm = False
         self._pinned: list[tuple[int, int]] = []  # page-locked host regions: [start, end) addresses
-        if capacity is not None and capacity < total:
-            torch.cuda.set_per_process_memory_fraction(capacity / total, self.torch_device)
-        log.debug("%s: capacity %d of %d bytes (%d free)", self.name, self.capacity, total, free)
+        self._limit(self.capacity)
+        log.debug("%s: capacity %d of %d bytes (%d free)", self.name, self.capacity, self._total, free)
+
+    def _limit(self, nbytes: int) -> None:
+        """Have the caching allocator refuse more than ``nbytes`` in this process."""
+        if nbytes < self._total:
+            torch.cuda.set_per_process_memory_fraction(nbytes / self._total, self.torch_device)
+
+    def warm_up(self, within_capacity: bool) -> int:
+        """Run a small forward and backward on this thread's current stream so that cuBLAS (and
+        cuBLASLt) allocate their workspaces for it and for the autograd thread now, not inside the
+        first measured or planned layer. Returns the bytes they keep.
+
+        ``within_capacity``: the profiler's device, whose capacity is all the user gives, plans the
+        rest (``capacity`` shrinks by the workspaces). Otherwise (a worker, whose capacity is what its
+        plan uses) the allocator's limit grows by them, so the plan keeps all of its bytes.
+        """
+        if self._warm:
+            return 0
+        self._warm = True
+        before = torch.cuda.memory_allocated(self.torch_device)
+        with torch.cuda.device(self.torch_device):
+            for dtype in (torch.float32, torch.float64):
+                x = torch.ones(8, 8, dtype=dtype, device=self.torch_device, requires_grad=True)
+                w = torch.ones(8, 8, dtype=dtype, device=self.torch_device, requires_grad=True)
+                b = torch.ones(8, dtype=dtype, device=self.torch_device, requires_grad=True)
+                torch.nn.functional.linear(x, w, b).sum().backward()
+                del x, w, b
+            torch.cuda.current_stream(self.torch_device).synchronize()
+        kept = max(0, torch.cuda.memory_allocated(self.torch_device) - before)
+        if kept:
+            _LIBRARY_BYTES[self.index] = kept
+        else:  # warmed up before in this process (an earlier device of this GPU): they are still there
+            kept = _LIBRARY_BYTES.get(self.index, 0)
+        self.reserved += kept
+        if within_capacity:
+            self.capacity = max(0, self.capacity - kept)
+        else:
+            self._limit(self.capacity + self.reserved)
+        if kept:
+            log.info("%s: the BLAS libraries keep %d bytes of workspace (%s)", self.name, kept,
+                     "out of the capacity" if within_capacity else "beyond the plan's capacity")
+        return kept
 
     @contextmanager
     def memory_scope(self) -> Iterator[CudaDevice]:
@@ -268,10 +326,10 @@ class CudaDevice(Device):
             raise DeviceOutOfMemoryError(self.name, requested, self.allocated(), self.capacity) from e
 
     def allocated(self) -> int:
-        return torch.cuda.memory_allocated(self.torch_device)
+        return torch.cuda.memory_allocated(self.torch_device) - self.reserved
 
     def peak(self) -> int:
-        return torch.cuda.max_memory_allocated(self.torch_device)
+        return torch.cuda.max_memory_allocated(self.torch_device) - self.reserved
 
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.torch_device)
@@ -340,6 +398,30 @@ class CudaDevice(Device):
             torch.cuda.current_stream(self.torch_device).wait_event(event)
 
 
+SHARE_GPUS = "HARMONY_SHARE_GPUS"
+
+
+def visible_gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def gpus_shared(count: int) -> bool:
+    """Whether ``count`` CUDA workers share GPUs: more workers than GPUs, allowed only with
+    ``HARMONY_SHARE_GPUS=1`` (to run or test a plan for N devices on fewer GPUs; each worker's
+    capacity is still enforced, but they compete for the GPU's time and NCCL cannot link them)."""
+    return count > visible_gpus() and os.environ.get(SHARE_GPUS, "") not in ("", "0")
+
+
+def check_gpus(count: int) -> None:
+    """Refuse more CUDA workers than GPUs unless sharing was asked for."""
+    available = visible_gpus()
+    if count > available and not (available and gpus_shared(count)):
+        raise ValueError(
+            f"asked for {count} CUDA devices but {available} are visible; use fewer, or --device cpu"
+            + (f", or set {SHARE_GPUS}=1 to run several workers on each GPU" if available else "")
+        )
+
+
 def make_devices(kind: str, count: int, capacity: int | None) -> list[Device]:
     """``count`` devices of one kind, each with ``capacity`` bytes (None: free GPU memory, or the
     host's memory for emulated devices)."""
@@ -348,14 +430,18 @@ def make_devices(kind: str, count: int, capacity: int | None) -> list[Device]:
     if kind == "cpu":
         return [CpuDevice(f"cpu{i}", capacity) for i in range(count)]
     if kind == "cuda":
-        available = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count > available:
-            raise ValueError(
-                f"asked for {count} CUDA devices but {available} are visible; "
-                "use fewer devices or --device-type cpu"
-            )
-        return [CudaDevice(i, capacity) for i in range(count)]
+        check_gpus(count)
+        return [cuda_device(rank, count, capacity) for rank in range(count)]
     raise ValueError(f"unknown device kind {kind!r}; expected 'cpu' or 'cuda'")
+
+
+def cuda_device(rank: int, count: int, capacity: int | None) -> CudaDevice:
+    """Worker ``rank``'s GPU among ``count`` workers: its own, or the GPUs in turn when shared
+    (``gpus_shared``)."""
+    check_gpus(count)
+    index = rank % visible_gpus()
+    shared = count > visible_gpus()
+    return CudaDevice(index, capacity, name=f"dev{rank}@cuda:{index}" if shared else None)
 
 
 _UNITS = {

@@ -5,8 +5,8 @@ gradient slots, once, in shared memory), starts one worker per device and waits 
 built its executor. ``step(batch)`` hands every worker the minibatch, runs the plan's host-bound
 tasks (offloaded updates) in this process, and returns when every worker finished the iteration,
 with per-device measurements. Workers on emulated CPU devices are forked (they inherit the layer
-code and the user's loss function); CUDA workers are spawned, since CUDA cannot be forked, and
-rebuild the layer graph from its plain data.
+code and the user's loss function) where no GPU is visible; CUDA workers, and emulated ones on a
+machine with a GPU (``start_method``), are spawned and rebuild the layer graph from its plain data.
 
 Failure: a worker that raises reports the error, the task it was running and its traceback, and
 sets the shared abort flag, so that the other workers stop waiting for it; a worker that dies
@@ -50,7 +50,7 @@ from harmony.decomposer.layer_graph import LayerGraph
 from harmony.errors import DeviceOutOfMemoryError, HarmonyError
 from harmony.runtime import p2p as p2p_transport
 from harmony.runtime.channels import Aborted, Mailbox, Slabs
-from harmony.runtime.device import CpuDevice, CudaDevice, Device
+from harmony.runtime.device import CpuDevice, Device, cuda_device, visible_gpus
 from harmony.runtime.executor import Batch, Executor, IterationResult, Shared, describe, host_update
 from harmony.runtime.hoststore import HostStore
 from harmony.runtime.routes import Routes, build_routes
@@ -160,9 +160,18 @@ def working_memory(tasks: TaskGraph, profile: Profile | None) -> dict[int, int]:
     return out
 
 
+def start_method(device_type: str) -> str:
+    """Fork workers on emulated devices (they inherit the layer code and the user's functions as
+    they are), unless a GPU is visible: autograd then runs backward passes on threads it starts for
+    the GPUs, and a process forked after this one ran any backward (profiling, a reference run)
+    cannot run one ("Unable to handle autograd's threading in combination with fork-based
+    multiprocessing"). CUDA workers are spawned, since CUDA cannot be forked."""
+    return "fork" if device_type == "cpu" and visible_gpus() == 0 else "spawn"
+
+
 def _make_device(ctx: _WorkerContext) -> Device:
     if ctx.device_type == "cuda":
-        return CudaDevice(ctx.rank, ctx.capacity)
+        return cuda_device(ctx.rank, len(ctx.inboxes), ctx.capacity)
     return CpuDevice(f"cpu{ctx.rank}", ctx.capacity)
 
 
@@ -205,6 +214,7 @@ def _worker_main(ctx: _WorkerContext) -> None:
             graph.build_modules(device="meta")
         routes = build_routes(ctx.tasks, graph)
         device = _make_device(ctx)
+        device.warm_up(within_capacity=False)  # this thread computes; the plan keeps all of its capacity
         mailbox = Mailbox(ctx.inboxes[ctx.rank], ctx.shared.aborted)
         if ctx.p2p_store is not None:
             if ctx.device_type == "cuda":
@@ -272,7 +282,7 @@ class Launcher:
         self.timeout = timeout
         self.devices = tasks.devices
         self.shared = Shared.create(len(tasks.tasks))
-        self.p2p = p2p_transport.resolve(p2p, device_type)
+        self.p2p = p2p_transport.resolve(p2p, device_type, tasks.devices)
         pairs = p2p_transport.p2p_pairs(tasks) if self.p2p == "dist" else []
         # the directory of the FileStore the workers' process groups meet at (P2P over torch.distributed)
         self._rendezvous = tempfile.mkdtemp(prefix="harmony-p2p-") if pairs else None
@@ -281,14 +291,14 @@ class Launcher:
         working = working_memory(tasks, profile)  # the same for every worker: computed once
         self.iteration = 0
         self._closed = False
-        method = "fork" if device_type == "cpu" else "spawn"
+        method = start_method(device_type)
         mpctx = mp.get_context(method)
         self.inboxes = [mpctx.Queue() for _ in range(self.devices)]
         self.commands = [mpctx.Queue() for _ in range(self.devices)]
         self.results = mpctx.Queue()
         # a forked worker must not enter an OpenMP parallel region if this process ever did (it
         # would hang): emulated devices compute on one thread each, as the profiler measured them
-        threads = threads or (1 if method == "fork" else max(1, (os.cpu_count() or 1) // self.devices))
+        threads = threads or (1 if device_type == "cpu" else max(1, (os.cpu_count() or 1) // self.devices))
         graph_data = None
         if method == "spawn":
             graph_data = {"graph": graph.to_dict(), "sources": dict(graph.sources)}

@@ -55,7 +55,7 @@ import torch.distributed as dist
 from harmony.decomposer.layer_graph import dtype_from_str
 from harmony.errors import HarmonyError
 from harmony.runtime.channels import Aborted, state_bytes, state_tensor
-from harmony.runtime.device import Device
+from harmony.runtime.device import SHARE_GPUS, Device, gpus_shared
 from harmony.scheduler.tasks import HOST, Channel, TaskGraph
 
 log = logging.getLogger(__name__)
@@ -64,15 +64,19 @@ CHOICES = ("auto", "shm", "dist")
 PEER_GONE_GRACE = 2.0  # seconds a transport waits for the launcher to report a dead peer itself
 
 
-def resolve(p2p: str, device_type: str) -> str:
-    """The transport for ``p2p`` ("auto", "shm" or "dist") on ``device_type`` devices: "auto" is
-    torch.distributed on GPUs (NCCL; shared memory would bounce through the host) and shared memory
-    on emulated CPU devices (a copy between two regions of host memory, no sockets: gloo over
-    loopback took 4-40% longer per iteration of the tiny models, measured on 2 cores)."""
+def resolve(p2p: str, device_type: str, devices: int = 1) -> str:
+    """The transport for ``p2p`` ("auto", "shm" or "dist") on ``devices`` devices of
+    ``device_type``: "auto" is torch.distributed on GPUs (NCCL; shared memory would bounce through
+    the host) and shared memory on emulated CPU devices (a copy between two regions of host memory,
+    no sockets: gloo over loopback took 4-40% longer per iteration of the tiny models, measured on
+    2 cores), and on workers sharing GPUs (NCCL refuses two ranks on one GPU)."""
     if p2p not in CHOICES:
         raise HarmonyError(f"unknown p2p transport {p2p!r}; choose one of {', '.join(CHOICES)}")
+    shared = device_type == "cuda" and gpus_shared(devices)
+    if p2p == "dist" and shared:
+        raise HarmonyError(f"{devices} workers share fewer GPUs ({SHARE_GPUS}), which NCCL cannot link; use --p2p shm")
     if p2p == "auto":
-        return "dist" if device_type == "cuda" else "shm"
+        return "dist" if device_type == "cuda" and not shared else "shm"
     return p2p
 
 

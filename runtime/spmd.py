@@ -302,10 +302,11 @@ def _train(topo: Topology, plan, routes, host, shared, slabs, store, replicator,
            iterations, seed, timeout, on_step, p2p: str = "shm") -> list[StepResult]:
     rank, world = topo.rank, sum(len(ranks) for ranks in topo.nodes)
     tasks = plan.tasks
-    capacity = plan.options.get("device_memory") or plan.profile.capacity
+    capacity = plan.worker_capacity()
     torch.set_num_threads(1)  # as the profile measured an emulated device
     device = (CudaDevice(int(os.environ["LOCAL_RANK"]), capacity) if plan.options.get("device_type") == "cuda"
               else CpuDevice(f"cpu{rank}", capacity))
+    device.warm_up(within_capacity=False)  # this thread computes; the plan keeps all of its capacity
     mailbox = StoreMailbox(store, shared.aborted)
     peers = [StorePeer(store)] * world
     transport = _transport(p2p, tasks, rank, device, peers, mailbox, shared, timeout)

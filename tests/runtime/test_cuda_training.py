@@ -24,13 +24,14 @@ def get_batch(batch_size: int, step: int):
     return gpt2.get_batch(batch_size, step, preset="tiny")
 
 
-def train_on_gpus(mode: str, devices: int, p2p: str = "auto"):
+def train_on_gpus(mode: str, devices: int, p2p: str = "auto", device_memory: str = "256MiB"):
     """(runtime losses, reference losses, runtime state, reference state, history, plan) of 3
-    iterations of gpt2-tiny in float64 on ``devices`` GPUs."""
+    iterations of gpt2-tiny in float64 on ``devices`` GPUs (every mode swaps the weights in from
+    host memory; 256 MiB leaves room for the BLAS workspaces, 64 MiB on Hopper)."""
     torch.manual_seed(0)
     model = gpt2.build_model("tiny", dtype="float64")
     plan = harmony.compile(model, gpt2.loss_fn, get_batch, minibatch_size=8, devices=devices, mode=mode,
-                           device_type="cuda", device_memory="64MiB", build_optimizer=gpt2.build_optimizer,
+                           device_type="cuda", device_memory=device_memory, build_optimizer=gpt2.build_optimizer,
                            probe=False)
     batches = [get_batch(8, step) for step in range(3)]
     with harmony.Trainer(plan, optimizer=gpt2.build_optimizer, timeout=120, p2p=p2p) as trainer:
@@ -60,6 +61,33 @@ def test_cuda_training_over_nccl_matches_eager_reference_and_moves_the_planned_b
     for name, want in reference.items():
         assert torch.allclose(state[name], want, rtol=1e-6, atol=1e-9), name
     assert history[-1].bytes_by_channel() == {k: v for k, v in plan.tasks.bytes_by_channel().items() if v}
+
+
+@pytest.mark.parametrize("mode", ["pp", "gpipe-swap"])
+def test_workers_sharing_a_gpu_train_as_eager_does_and_move_the_planned_bytes(mode, monkeypatch):
+    """Four workers on however many GPUs there are (HARMONY_SHARE_GPUS): P2P through host memory,
+    since NCCL cannot link two workers on one GPU."""
+    monkeypatch.setenv("HARMONY_SHARE_GPUS", "1")
+    losses, expected, state, reference, history, plan = train_on_gpus(mode, 4)
+    assert losses == pytest.approx(expected, rel=1e-7)
+    for name, want in reference.items():
+        assert torch.allclose(state[name], want, rtol=1e-6, atol=1e-9), name
+    assert history[-1].bytes_by_channel() == {k: v for k, v in plan.tasks.bytes_by_channel().items() if v}
+    capacity = plan.worker_capacity()
+    for step in history:
+        assert all(0 < w.peak <= capacity for w in step.workers), [w.peak for w in step.workers]
+
+
+def test_the_blas_workspaces_come_out_of_the_profile_capacity_and_a_worker_keeps_its_plans():
+    from harmony.runtime.device import CudaDevice
+
+    given = 256 << 20
+    profiled = CudaDevice(0, given)
+    kept = profiled.warm_up(within_capacity=True)
+    assert kept > 0 and profiled.capacity == given - kept and profiled.allocated() < kept
+    worker = CudaDevice(0, profiled.capacity)
+    worker.warm_up(within_capacity=False)
+    assert worker.capacity == given - kept and worker.reserved == kept
 
 
 def test_pinned_host_regions_make_copies_from_them_asynchronous():

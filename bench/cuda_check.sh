@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The checks to run on a lent GPU machine (.library/device): install the package against the
+# machine's own torch (no network there), run the CUDA tests, train from the CLI on the GPU (its own
+# and with workers sharing it), then the CPU suite under that torch as long as time allows. Full
+# logs go to $OUT (./out when run elsewhere). Usage: bash bench/cuda_check.sh [quick]
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-out}; mkdir -p "$OUT"
+log() { echo "=== $* ($(date +%T))"; }
+log env
+nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader
+python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.cuda.device_count(), 'GPU(s)')"
+log install
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
+log cuda tests
+timeout 300 python3 -m pytest -q -rs -p no:cacheprovider --log-level=INFO tests/runtime/test_cuda_training.py \
+  tests/runtime/test_device.py 2>&1 | tee "$OUT/cuda_tests.log" | grep -v "^  " | tail -30
+grep -h "BLAS libraries keep" "$OUT/cuda_tests.log" | sort | uniq -c | head -5
+run() {  # name, timeout, harmony run arguments
+  local name=$1 limit=$2; shift 2
+  log "harmony run $*"
+  HARMONY_SHARE_GPUS=1 timeout "$limit" harmony run models/gpt2.py --iters 6 --report "$OUT/run-$name.json" "$@" 2>&1 \
+    | grep -v "^\s*$" | tail -14
+}
+run tiny 120 --arg preset=tiny --minibatch 16
+run tiny-shared-pp 120 --arg preset=tiny --minibatch 16 --devices 2 --mode pp
+run medium-6g 240 --arg preset=medium --minibatch 16 --device-memory 6GiB
+[ "${1:-}" = quick ] && exit 0
+log cpu suite under this torch
+timeout ${SUITE_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -n 14 --timeout 200 --tb=short tests \
+  >"$OUT/suite.log" 2>&1
+grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/suite.log" | tail -40
