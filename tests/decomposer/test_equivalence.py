@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import harmony
-from conftest import FACTORIES, RTOL, assert_layers_match_model, tensor_leaves
+from zoo import FACTORIES, RTOL, assert_layers_match_model, tensor_leaves
 
 MODELS = list(FACTORIES)
 # float64 (10 digits) for every model; float32 (5 digits) for one model per tracer and for batch norm,

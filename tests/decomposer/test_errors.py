@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import harmony
-from conftest import RTOL, assert_layers_match_model
+from zoo import RTOL, assert_layers_match_model
 
 
 class Tiny(nn.Module):

@@ -11,7 +11,7 @@ import torch
 
 import harmony
 from harmony.decomposer.layer_graph import LayerGraph
-from conftest import FACTORIES, RTOL, assert_close, assert_layers_match_model, tensor_leaves
+from zoo import FACTORIES, RTOL, assert_close, assert_layers_match_model, tensor_leaves
 
 ROUND_TRIP_MODELS = ["gpt2", "resnet", "hf_bert"]  # fx and export traces (hf_gpt2: see the tied test)
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import harmony
-from conftest import FACTORIES, RTOL, assert_layers_match_model
+from zoo import FACTORIES, RTOL, assert_layers_match_model
 
 
 class Block(nn.Module):

@@ -78,7 +78,8 @@ def two_nodes(args: list[str], timeout: float) -> list[tuple[int, str, float]]:
 def base_plan(tmp_path_factory) -> Path:
     """gpt2-tiny (float64, tied embedding) compiled for 2 devices."""
     out = tmp_path_factory.mktemp("multinode") / "base"
-    assert main(["compile", str(MODEL), *ARGS, "--minibatch", str(MINIBATCH), "--devices", "2", "--no-probe",
+    assert main(["compile", str(MODEL), *ARGS, "--minibatch", str(MINIBATCH), "--devices", "2",
+                 "--device", "cpu", "--no-probe",
                  "--out", str(out)]) == 0
     return out
 
@@ -151,7 +152,8 @@ def test_a_failure_on_one_node_ends_both_within_seconds_naming_the_rank(tmp_path
     model = tmp_path / "faulty.py"
     model.write_text(textwrap.dedent(FAULTY_MODEL))
     plan = tmp_path / "plan"
-    assert main(["compile", str(model), *ARGS, "--minibatch", str(MINIBATCH), "--devices", "2", "--mode", "dp",
+    assert main(["compile", str(model), *ARGS, "--minibatch", str(MINIBATCH), "--devices", "2",
+                 "--device", "cpu", "--mode", "dp",
                  "--no-probe", "--out", str(plan)]) == 0
     stamp = tmp_path / "failed-at"
     monkeypatch.setenv("FAULT_STAMP", str(stamp))

@@ -173,7 +173,8 @@ def test_run_cli_takes_the_transport(capsys):
 def test_run_over_gloo_forked_and_under_torchrun_trains_alike(tmp_path):
     """``harmony run --p2p dist``: forked workers, then torchrun's processes (the pair groups on
     the rendezvous's group, headers through its store) on the same plan."""
-    common = ["run", str(MODEL), "--arg", "preset=tiny", "--minibatch", str(MINIBATCH), "--iters", "2", "--no-probe", "--device", "cpu",
+    common = ["run", str(MODEL), "--arg", "preset=tiny", "--minibatch", str(MINIBATCH), "--iters", "2", "--no-probe",
+              "--device", "cpu",
               "--p2p", "dist"]
     assert main([*common, "--out", str(tmp_path / "plan"), "--report", str(tmp_path / "forked.json")]) == 0
     before = shm_files()

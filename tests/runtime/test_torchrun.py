@@ -21,7 +21,8 @@ MODEL = Path(__file__).resolve().parents[2] / "models" / "gpt2.py"
                     reason="torchrun is not installed")
 def test_torchrun_run_matches_the_forked_launcher(tmp_path, capsys):
     plan = tmp_path / "plan"
-    common = ["run", str(MODEL), "--arg", "preset=tiny", "--minibatch", "8", "--iters", "3", "--no-probe", "--device", "cpu",
+    common = ["run", str(MODEL), "--arg", "preset=tiny", "--minibatch", "8", "--iters", "3", "--no-probe",
+              "--device", "cpu",
               "--out", str(plan)]
     assert main([*common, "--report", str(tmp_path / "local.json")]) == 0
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))

@@ -1,4 +1,4 @@
-"""Tests of the CLI run on emulated devices: where a GPU is visible, ``--device`` would otherwise
+"""The CLI's tests run on emulated devices: where a GPU is visible, ``--device`` would otherwise
 default to cuda (the CUDA path has its own tests in ``tests/runtime/test_cuda_training.py``)."""
 
 import pytest
