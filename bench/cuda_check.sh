@@ -2,7 +2,8 @@
 # The checks to run on a lent GPU machine (.library/device): install the package against the
 # machine's own torch (no network there), run the CUDA tests, train from the CLI on the GPU (its own
 # and with workers sharing it), then the CPU suite under that torch as long as time allows. Full
-# logs go to $OUT (./out when run elsewhere). Usage: bash bench/cuda_check.sh [quick]
+# logs go to $OUT (./out when run elsewhere). Usage: bash bench/cuda_check.sh [quick|tests]
+# (quick: no CPU suite; tests: no CLI runs)
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -22,11 +23,14 @@ run() {  # name, timeout, harmony run arguments
   HARMONY_SHARE_GPUS=1 timeout "$limit" harmony run models/gpt2.py --iters 6 --report "$OUT/run-$name.json" "$@" 2>&1 \
     | grep -v "^\s*$" | tail -14
 }
+if [ "${1:-}" != tests ]; then
 run tiny 120 --arg preset=tiny --minibatch 16
 run tiny-shared-pp 120 --arg preset=tiny --minibatch 16 --devices 2 --mode pp
 run medium-6g 240 --arg preset=medium --minibatch 16 --device-memory 6GiB
+fi
 [ "${1:-}" = quick ] && exit 0
 log cpu suite under this torch
-timeout ${SUITE_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -n 14 --timeout 200 --tb=short tests \
-  >"$OUT/suite.log" 2>&1
-grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/suite.log" | tail -40
+# SIGINT, not TERM, at the limit: pytest then still prints what failed so far
+timeout -s INT ${SUITE_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -n 14 --timeout 200 --tb=short -rfE \
+  tests >"$OUT/suite.log" 2>&1
+grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/suite.log" | cut -c1-220 | tail -40
