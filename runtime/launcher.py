@@ -32,6 +32,7 @@ import contextlib
 import faulthandler
 import logging
 import os
+import pickle
 import signal
 import sys
 import queue
@@ -313,7 +314,16 @@ class Launcher:
                 p2p_store=os.path.join(self._rendezvous, "store") if self._rendezvous is not None else None,
             )
             process = mpctx.Process(target=_worker_main, args=(ctx,), name=f"harmony-dev{rank}", daemon=True)
-            process.start()
+            try:
+                process.start()
+            except (pickle.PicklingError, AttributeError, TypeError) as exc:
+                self.close()
+                raise HarmonyError(
+                    f"cannot start the {device_type} workers: {exc}. They are spawned processes here (CUDA "
+                    "workers always; emulated ones on a machine with a GPU), which receive the loss function, "
+                    "the optimizer builder and the batches pickled: define them at module level of an "
+                    "importable file, not as lambdas or local functions"
+                ) from exc
             self.processes.append(process)
         try:
             self._collect("ready", timeout=max(60.0, timeout))

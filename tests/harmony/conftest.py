@@ -1,11 +1,14 @@
 """The CLI's tests run on emulated devices: where a GPU is visible, ``--device`` would otherwise
-default to cuda (the CUDA path has its own tests in ``tests/runtime/test_cuda_training.py``)."""
+default to cuda (the CUDA path has its own tests in ``tests/runtime/test_cuda_training.py``).
+Session-wide, since module-scoped fixtures compile plans before any function-scoped patch."""
 
 import pytest
 
 from harmony import cli
 
 
-@pytest.fixture(autouse=True)
-def emulated_devices_by_default(monkeypatch):
-    monkeypatch.setattr(cli, "default_device", lambda: "cpu")
+@pytest.fixture(scope="session", autouse=True)
+def emulated_devices_by_default():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cli, "default_device", lambda: "cpu")
+        yield

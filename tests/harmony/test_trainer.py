@@ -44,21 +44,22 @@ def compiled():
     return initial, model, plan
 
 
+def mlp_batches(size, step):
+    g = torch.Generator().manual_seed(step)
+    return (torch.randn(size, 4, generator=g, dtype=torch.float64),
+            torch.randn(size, 2, generator=g, dtype=torch.float64))
+
+
+def mse(output, target):  # module level: where a GPU is visible, workers are spawned and get it pickled
+    return ((output - target) ** 2).mean()
+
+
 @pytest.fixture(scope="module")
 def other_plan():
     """A plan for a different model (a small MLP)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double()
-
-    def batches(size, step):
-        g = torch.Generator().manual_seed(step)
-        return (torch.randn(size, 4, generator=g, dtype=torch.float64),
-                torch.randn(size, 2, generator=g, dtype=torch.float64))
-
-    def mse(output, target):
-        return ((output - target) ** 2).mean()
-
-    return harmony.compile(model, mse, batches, minibatch_size=MINIBATCH, devices=2, device_memory="64KiB",
+    return harmony.compile(model, mse, mlp_batches, minibatch_size=MINIBATCH, devices=2, device_memory="64KiB",
                            probe=False)
 
 

@@ -143,3 +143,28 @@ def test_dropout_masks_differ_between_microbatches_yet_replay_in_the_recompute()
     a = reference_train(copy.deepcopy(model), plan.loss_fn, adam, batches, microbatches_of(plan.tasks), seed=0)
     b = reference_train(copy.deepcopy(model), plan.loss_fn, adam, batches, microbatches_of(plan.tasks), seed=1)
     assert a != b
+
+
+def test_emulated_workers_are_spawned_where_a_gpu_is_visible_and_train_as_eager_does(monkeypatch):
+    """On a machine with a GPU, autograd's device threads forbid forking after any backward, so
+    emulated workers are spawned there: the same results, the layer graph sent as plain data."""
+    from harmony.runtime import launcher
+
+    monkeypatch.setattr(launcher, "visible_gpus", lambda: 1)
+    assert launcher.start_method("cpu") == "spawn"
+    losses, expected, state, reference, history, plan = train_both("gpt2", "pp", 2, iterations=2)
+    assert losses == pytest.approx(expected, rel=1e-9)
+    for name, want in reference.items():
+        assert torch.allclose(state[name], want, rtol=1e-9, atol=1e-12), name
+    assert history[-1].bytes_by_channel() == {k: v for k, v in plan.tasks.bytes_by_channel().items() if v}
+
+
+def test_a_loss_function_that_spawned_workers_cannot_receive_is_refused_naming_the_fix(monkeypatch):
+    from harmony.errors import HarmonyError
+    from harmony.runtime import launcher
+
+    monkeypatch.setattr(launcher, "visible_gpus", lambda: 1)
+    _, _, plan = plan_for("gpt2", "pp", 2)
+    plan.loss_fn = lambda output, target: gpt2.loss_fn(output, target)
+    with pytest.raises(HarmonyError, match="spawned.*module level"):
+        harmony.Trainer(plan, optimizer=adam, timeout=20)
