@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from harmony.compiler import CompileOptions, compile_plan
+from harmony.modelfile import default_optimizer
 from harmony.plan import Plan
 
 
@@ -31,7 +32,7 @@ def compile(  # noqa: A001 - the name DESIGN.md gives the API
         minibatch=minibatch_size, devices=devices, device_memory=device_memory, mode=mode,
         device_type=device_type, analytic=analytic, compare=compare, probe=probe,
     )
-    optimizer = build_optimizer or (lambda params: torch.optim.SGD(params, lr=0.01))
+    optimizer = build_optimizer or default_optimizer
     plan, trace = compile_plan(model, get_batch, optimizer, options)
     plan.trace = trace
     plan.loss_fn = loss_fn

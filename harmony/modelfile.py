@@ -55,7 +55,9 @@ def _declares(fn: Callable, name: str) -> bool:
     return any(p.name == name or (p.kind is p.VAR_KEYWORD and not p.name.startswith("_")) for p in params)
 
 
-def _default_optimizer(params) -> torch.optim.Optimizer:
+def default_optimizer(params) -> torch.optim.Optimizer:
+    """SGD at lr 0.01, where no optimizer is given (a module-level function: spawned workers
+    receive it pickled)."""
     return torch.optim.SGD(params, lr=0.01)
 
 
@@ -100,7 +102,7 @@ class ModelFile:
     def build_optimizer(self, params) -> torch.optim.Optimizer:
         if hasattr(self.module, "build_optimizer"):
             return self._call("build_optimizer", params)
-        return _default_optimizer(params)
+        return default_optimizer(params)
 
 
 def source_hash(path: Path) -> str:

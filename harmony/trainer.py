@@ -1,9 +1,17 @@
 """`harmony.Trainer`: train on a plan as if on one device with unbounded memory (DESIGN.md).
 
-    plan = harmony.compile(model, loss_fn, get_batch, minibatch_size=64, devices=4)
-    with harmony.Trainer(plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4)) as trainer:
-        for step in range(100):
-            loss = trainer.step(*get_batch(64, step))
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=1e-4)
+
+    if __name__ == "__main__":
+        plan = harmony.compile(model, loss_fn, get_batch, minibatch_size=64, devices=4)
+        with harmony.Trainer(plan, optimizer=adamw) as trainer:
+            for step in range(100):
+                loss = trainer.step(*get_batch(64, step))
+
+Workers on GPUs (and emulated ones on a machine with a GPU) are spawned processes: they receive the
+loss function and the optimizer builder pickled, so define those at module level (not as lambdas),
+and start training under ``if __name__ == "__main__":``, as for any spawning ``multiprocessing``.
 
 Each ``step`` is one synchronous SGD iteration over the minibatch: the same losses and weights
 as eager training of the model on one process with the plan's microbatches (``runtime/reference``).
@@ -27,13 +35,10 @@ from harmony.errors import HarmonyError
 from harmony.plan import Plan
 from harmony.runtime.executor import Batch
 from harmony.runtime.hoststore import HostStore
+from harmony.modelfile import default_optimizer
 from harmony.runtime.launcher import Launcher, StepResult
 
 log = logging.getLogger(__name__)
-
-
-def _default_optimizer(params):
-    return torch.optim.SGD(params, lr=0.01)
 
 
 class Trainer:
@@ -46,7 +51,7 @@ class Trainer:
         self.loss_fn = loss_fn or getattr(plan, "loss_fn", None)
         if self.loss_fn is None:
             raise HarmonyError("the trainer needs the loss function: pass loss_fn=, or compile the plan with harmony.compile")
-        self.build_optimizer = optimizer or getattr(plan, "build_optimizer", None) or _default_optimizer
+        self.build_optimizer = optimizer or getattr(plan, "build_optimizer", None) or default_optimizer
         self.seed = seed
         self.history: list[StepResult] = []
         graph = plan.graph

@@ -166,14 +166,15 @@ LAUNCHER_SCRIPT = textwrap.dedent("""
     from test_faults import MINIBATCH, get_batch, sgd
     from harmony.models import gpt2
     from harmony.models.gpt2 import GPT, GPTConfig
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=16)).double()
-    plan = harmony.compile(model, gpt2.loss_fn, get_batch, minibatch_size=MINIBATCH, devices=2,
-                           build_optimizer=sgd, probe=False)
-    with harmony.Trainer(plan, optimizer=sgd) as trainer:
-        print("training", flush=True)
-        for step in range(100000):
-            trainer.step(*get_batch(MINIBATCH, step))
+    if __name__ == "__main__":  # where a GPU is visible, the workers are spawned and import this file
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=16)).double()
+        plan = harmony.compile(model, gpt2.loss_fn, get_batch, minibatch_size=MINIBATCH, devices=2,
+                               build_optimizer=sgd, probe=False)
+        with harmony.Trainer(plan, optimizer=sgd) as trainer:
+            print("training", flush=True)
+            for step in range(100000):
+                trainer.step(*get_batch(MINIBATCH, step))
 """)
 
 
