@@ -189,9 +189,12 @@ def profile_graph(graph, get_batch, build_optimizer, options: CompileOptions, on
         # an emulated device computes on one thread, as the runtime's forked workers do (OpenMP
         # cannot run a parallel region in a process forked from one that used it)
         threads = 1 if options.device_type == "cpu" else None
-        profiler = Profiler(graph, get_batch, build_optimizer, device, trials=options.trials,
-                            threads=threads, on_progress=on_progress)
-        profile = profiler.profile(u_cap=options.minibatch, samples=options.samples)
+        try:
+            profiler = Profiler(graph, get_batch, build_optimizer, device, trials=options.trials,
+                                threads=threads, on_progress=on_progress)
+            profile = profiler.profile(u_cap=options.minibatch, samples=options.samples)
+        finally:
+            device.release()
         if options.probe:
             from harmony.runtime.probe import probe_machine
 

@@ -148,6 +148,10 @@ class Device(ABC):
         (none on an emulated device). ``CudaDevice.warm_up`` says more."""
         return 0
 
+    def release(self) -> None:
+        """Lift what this device imposed on its process (a GPU's memory limit), once done with it:
+        the profiler's device lives in the user's own process."""
+
     def stream_setup(self) -> None:
         """Called once on each stream thread: give the thread a stream of its own (CUDA)."""
 
@@ -308,6 +312,10 @@ class CudaDevice(Device):
             log.info("%s: the BLAS libraries keep %d bytes of workspace (%s)", self.name, kept,
                      "out of the capacity" if within_capacity else "beyond the plan's capacity")
         return kept
+
+    def release(self) -> None:
+        torch.cuda.set_per_process_memory_fraction(1.0, self.torch_device)
+        torch.cuda.empty_cache()
 
     @contextmanager
     def memory_scope(self) -> Iterator[CudaDevice]:

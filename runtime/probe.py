@@ -367,6 +367,15 @@ def _probe_cuda(devices: int, capacity: int | None, size: int, repeats: int, tim
         devs = make_devices("cuda", devices, capacity)
     except (ValueError, RuntimeError) as exc:
         raise ProbeError(f"cannot probe CUDA devices: {exc}") from exc
+    try:
+        return _time_cuda(devs, size, repeats, timeout)
+    finally:
+        for d in devs:
+            d.release()
+
+
+def _time_cuda(devs: list, size: int, repeats: int, timeout: float) -> Machine:
+    devices = len(devs)
 
     def sync_all() -> None:
         for d in devs:
