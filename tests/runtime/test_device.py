@@ -127,6 +127,33 @@ def test_make_devices():
             make_devices("cuda", 1, None)
 
 
+def test_more_cuda_workers_than_gpus_need_sharing_asked_for_and_then_talk_through_host_memory(monkeypatch):
+    from harmony.errors import HarmonyError
+    from harmony.runtime import device, p2p
+
+    monkeypatch.setattr(device, "visible_gpus", lambda: 1)
+    monkeypatch.delenv(device.SHARE_GPUS, raising=False)
+    device.check_gpus(1)
+    with pytest.raises(ValueError, match="asked for 2 CUDA devices but 1 are visible.*HARMONY_SHARE_GPUS=1"):
+        device.check_gpus(2)
+    assert p2p.resolve("auto", "cuda", 2) == "dist"  # (refused at the devices, not here)
+    monkeypatch.setenv(device.SHARE_GPUS, "1")
+    device.check_gpus(4)
+    assert device.gpus_shared(4) and not device.gpus_shared(1)
+    assert p2p.resolve("auto", "cuda", 4) == "shm" and p2p.resolve("auto", "cuda", 1) == "dist"
+    with pytest.raises(HarmonyError, match="NCCL cannot link"):
+        p2p.resolve("dist", "cuda", 4)
+    monkeypatch.setattr(device, "visible_gpus", lambda: 0)
+    with pytest.raises(ValueError, match="0 are visible"):  # sharing needs a GPU to share
+        device.check_gpus(1)
+
+
+def test_emulated_devices_have_no_library_workspaces_and_nothing_to_release():
+    dev = CpuDevice("cpu0", 1 << 20)
+    assert dev.warm_up(within_capacity=True) == 0 and dev.capacity == 1 << 20
+    dev.release()
+
+
 # ------------------------------------------------------------------ CudaDevice
 @needs_cuda
 def test_cuda_device_memory_numbers_and_timer():
