@@ -202,6 +202,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
 
     from harmony.running import Checkpointer, run_report, train
     from harmony.runtime.spmd import under_torchrun
+    from harmony.runtime.timeline import run_trace
     from harmony.trainer import Trainer
 
     _check_run_args(ns)
@@ -245,18 +246,26 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         report = run_report(plan, trainer.history, first=saver.start, p2p=trainer.launcher.p2p)
         if ns.checkpoint:
             trainer.save_checkpoint(ns.checkpoint)
-    _finish_run(ns, report)
+    _finish_run(ns, report, run_trace(plan, trainer.history[-1]))
     return 0
 
 
-def _finish_run(ns: argparse.Namespace, report: dict) -> None:
-    """Write the run report (default: run.json in the plan directory) and print its table."""
+def _finish_run(ns: argparse.Namespace, report: dict, trace: dict | None = None) -> None:
+    """Write the run report (default: run.json in the plan directory) and, beside it, the last
+    iteration's timeline measured and estimated (``run-trace.json``, for Perfetto); print the table."""
     from harmony.running import write_report
 
-    report_path = ns.report or Path(ns.plan_dir) / "run.json"
+    report_path = Path(ns.report or Path(ns.plan_dir) / "run.json")
     write_report(report_path, report)
+    written = [str(report_path)]
+    if trace is not None:
+        trace_path = report_path.with_name(f"{report_path.stem}-trace.json")
+        write_report(trace_path, trace)
+        written.append(str(trace_path))
+    if ns.checkpoint:
+        written.append(str(ns.checkpoint))
     _print_run(report)
-    console.print(f"wrote {report_path}" + (f" and {ns.checkpoint}" if ns.checkpoint else ""))
+    console.print(f"wrote {', '.join(written)}")
 
 
 def _cmd_run_spmd(ns: argparse.Namespace) -> int:
@@ -269,6 +278,7 @@ def _cmd_run_spmd(ns: argparse.Namespace) -> int:
     from harmony.running import run_report
     from harmony.runtime.p2p import resolve
     from harmony.runtime.spmd import run_spmd
+    from harmony.runtime.timeline import run_trace
 
     world, local = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if world != local and ns.plan is None:
@@ -291,7 +301,10 @@ def _cmd_run_spmd(ns: argparse.Namespace) -> int:
         history = run_spmd(plan, mf.loss_fn, mf.build_optimizer, mf.get_batch, mf.build_model, ns.iters,
                            seed=ns.seed, timeout=ns.timeout, on_step=on_step, p2p=ns.p2p)
         if rank == 0:
-            _finish_run(ns, run_report(plan, history, p2p=resolve(ns.p2p, plan.options.get("device_type", "cpu"), plan.tasks.devices)))
+            # one host: its workers share one clock, so their timelines line up
+            trace = run_trace(plan, history[-1]) if world == local and history else None
+            p2p = resolve(ns.p2p, plan.options.get("device_type", "cpu"), plan.tasks.devices)
+            _finish_run(ns, run_report(plan, history, p2p=p2p), trace)
     finally:
         dist.destroy_process_group()
     return 0

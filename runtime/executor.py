@@ -180,6 +180,9 @@ class IterationResult:
     bytes_by_tensor: dict[str, int] = field(default_factory=dict)
     task_seconds: dict[int, float] = field(default_factory=dict)
     task_peaks: dict[int, int] = field(default_factory=dict)  # device bytes at most while each task ran
+    # (stream, task, label, start, end) in time.perf_counter seconds: the compute thread's tasks and
+    # the side streams' timed jobs, for the run's timeline (runtime/timeline.py)
+    events: list[tuple[str, int | None, str, float, float]] = field(default_factory=list)
 
 
 class _NoRoom(Exception):
@@ -216,6 +219,7 @@ class Executor:
         self._prefetched: dict[int, Future] = {}
         self._waiting = False
         self._headroom = 0  # bytes the running task may still allocate beyond its state (planned)
+        self._task: int | None = None  # the task the compute thread runs (what side-stream jobs serve)
         self.working_memory = working_memory or {}
         self.slabs = slabs
         self.transport = transport  # P2P over torch.distributed; None: through shared memory
@@ -277,6 +281,7 @@ class Executor:
         loss = 0.0
         task_seconds: dict[int, float] = {}
         task_peaks: dict[int, int] = {}
+        events: list[tuple[str, int | None, str, float, float]] = []
         start = time.perf_counter()
         with self.device.memory_scope():
             for i, task in enumerate(self.tasks):
@@ -284,12 +289,15 @@ class Executor:
                     self._prefetch_state(self.tasks[i + 1])
                 t0 = time.perf_counter()
                 self.shared.set_current(self.rank, task.id)
+                self._task = task.id
                 self._headroom = self.working_memory.get(task.id, 0)
                 self.device.reset_peak()
                 loss += self._run_task(task)
                 self._headroom = 0
-                task_seconds[task.id] = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                task_seconds[task.id] = t1 - t0
                 task_peaks[task.id] = self.device.peak()
+                events.append(("compute", task.id, str(task), t0, t1))
             self.shared.set_current(self.rank, None)
             with self._waiting_for("the last swap-outs and messages of the iteration to leave"):
                 self._drain()
@@ -301,8 +309,12 @@ class Executor:
             raise RuntimeError(f"dev{self.rank}: LOCAL values nobody read: {leftover[:3]}")
         self.resident.clear()
         peak = max([self.device.peak(), *task_peaks.values()])
+        for stream in (self.swap_in, self.swap_out, self.p2p_in, self.p2p_out):
+            kind = stream.name.split("-", 1)[1]
+            events.extend((kind, *event) for event in stream.take_events())
         return IterationResult(loss=loss, seconds=seconds, peak=peak, bytes_by_channel=by_channel,
-                               bytes_by_tensor=by_tensor, task_seconds=task_seconds, task_peaks=task_peaks)
+                               bytes_by_tensor=by_tensor, task_seconds=task_seconds, task_peaks=task_peaks,
+                               events=events)
 
     def _drain(self) -> None:
         for stream in (self.swap_out, self.p2p_out, self.swap_in, self.p2p_in):
@@ -321,16 +333,17 @@ class Executor:
         finally:
             self._waiting = False
 
-    def _after_compute(self, stream: Stream, fn: Callable, *args: Any) -> Future:
+    def _after_compute(self, stream: Stream, what: str, fn: Callable, *args: Any) -> Future:
         """Queue ``fn`` on an outbound stream, ordered after the compute work issued so far (on a GPU
-        the copy must not read a tensor the compute stream is still writing)."""
+        the copy must not read a tensor the compute stream is still writing); ``what`` names it in
+        the timeline."""
         event = self.device.mark()
 
         def job() -> Any:
             self.device.wait(event)
             return fn(*args)
 
-        return stream.submit(job)
+        return stream.submit(job, label=what, task=self._task)
 
     def _adopt(self, value: Any) -> Any:
         """Tensors a side stream made, now used by the compute stream: on a GPU their memory must
@@ -479,7 +492,7 @@ class Executor:
             # its buffers are still being updated (maybe by the task running now): a prefetch would
             # hold the swap-in stream, and the running task's inputs queued behind it, until then
             return
-        self._prefetched[task.id] = self.swap_in.submit(self._try_load_state, task)
+        self._prefetched[task.id] = self.swap_in.submit(self._try_load_state, task, label="state in", task=task.id)
 
     def _try_load_state(self, task: Task) -> dict[str, torch.Tensor] | None:
         """A prefetch of the next task's state that gives up, rather than wait, when it does not
@@ -546,7 +559,7 @@ class Executor:
             for name, t in buffers.items():
                 self._to_host_into(self.store.view(f"B/{name}"), t, "B")
 
-        self._after_compute(self.swap_out, write)
+        self._after_compute(self.swap_out, "B out", write)
 
     # ================================================================ running layers
     def _run_layer(self, index: int, state: dict[str, torch.Tensor], values: Values) -> Values:
@@ -615,13 +628,13 @@ class Executor:
         dst = consumer.device
         if channel == Channel.P2P:
             if self.transport is not None:
-                self._after_compute(self.p2p_out, self.transport.send, key, values, state, dst)
+                self._after_compute(self.p2p_out, f"{tensor} to dev{dst}", self.transport.send, key, values, state, dst)
                 return
 
             def send() -> None:
                 self.peers[dst].put((key, (self._encode(values, dst), state_bytes(state), self.rank)))
 
-            self._after_compute(self.p2p_out, send)
+            self._after_compute(self.p2p_out, f"{tensor} to dev{dst}", send)
             return
         # SWAP / MSG: park in host memory; a consumer in another worker reads it from there
 
@@ -633,7 +646,7 @@ class Executor:
             else:
                 self.peers[dst].put((key, (self._encode(values, dst), state_bytes(state), self.rank)))
 
-        self._after_compute(self.swap_out, park)
+        self._after_compute(self.swap_out, f"{tensor} out", park)
 
     def _encode(self, values: Values, dst: int) -> list:
         with self.device.host_side():
@@ -716,7 +729,7 @@ class Executor:
             if source is not None and source.channel == Channel.LOCAL:
                 continue
             stream = self.p2p_in if source is not None and source.channel == Channel.P2P else self.swap_in
-            out[name] = stream.submit(self._fetch, task, name, mb)
+            out[name] = stream.submit(self._fetch, task, name, mb, label=f"{name} in (mb {mb})", task=task.id)
         return out
 
     def _inputs(self, task: Task, streams: list[str], mb: int, ready: dict[str, Future]) -> dict[str, tuple]:
@@ -837,7 +850,7 @@ class Executor:
         deposits = self.routes.deposits.get(task.id, [])
         if deposits:
             grads = {name: params[name].grad for name in deposits if params[name].grad is not None}
-            self._after_compute(self.swap_out, self._deposit, grads, overwrite)
+            self._after_compute(self.swap_out, "dW out", self._deposit, grads, overwrite)
         if task.id in self.routes.jit:
             owned = {name: params[name] for name in self.routes.updates.get(task.id, [])}
             self._step(task, owned, write=True)
@@ -870,7 +883,7 @@ class Executor:
                 host = self.device.to_host(t)
                 self.counters.add("SWAP", "out", "W", host.numel() * host.element_size())
 
-        self._after_compute(self.swap_out, evict)
+        self._after_compute(self.swap_out, "W out", evict)
 
     # ================================================================ updates
     def _update_task(self, task: Task) -> None:
@@ -973,16 +986,18 @@ class Executor:
                 if write:
                     self.store.mark_state_initialized(name)
 
-        self._after_compute(self.swap_out, out)
+        self._after_compute(self.swap_out, "W K out", out)
 
 
 def host_update(task: Task, layers: LayerGraph, routes: Routes, store: HostStore, shared: Shared,
-                build_optimizer: Callable, iteration: int, timeout: float) -> None:
+                build_optimizer: Callable, iteration: int, timeout: float) -> float:
     """A UPD task bound to the host (an offloaded update): the optimizer steps the master weights
-    in shared memory in place, with the gradients the devices left in their slots."""
+    in shared memory in place, with the gradients the devices left in their slots. Returns when
+    (``time.perf_counter``) its gradients were all there and the update began."""
     owned = routes.updates.get(task.id, [])
     shared.wait_done(sorted({s for name in owned for s in routes.sources.get(name, [])}), iteration,
                      f"the host update of task {task.id}", timeout)
+    began = time.perf_counter()
     leaves = {}
     for name in owned:
         grad = store.gradient_sum(name, iteration)
@@ -1004,6 +1019,7 @@ def host_update(task: Task, layers: LayerGraph, routes: Routes, store: HostStore
                     slots[key].copy_(v)
             store.mark_state_initialized(name)
     shared.mark_done(task.id, iteration)
+    return began
 
 
 def describe(task: Task) -> str:

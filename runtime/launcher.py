@@ -73,6 +73,8 @@ class StepResult:
     loss: float
     seconds: float
     workers: list[IterationResult] = field(default_factory=list)
+    # (task, label, start, end) of the host's tasks (offloaded updates), time.perf_counter seconds
+    host_events: list[tuple[int, str, float, float]] = field(default_factory=list)
 
     def bytes_by_channel(self) -> dict[str, int]:
         """Bytes all workers moved per channel ("SWAP in", "P2P out", ...), as the plan counts them:
@@ -341,7 +343,8 @@ class Launcher:
         for q in self.commands:
             q.put((iteration, batch))
         host_error: list[BaseException] = []
-        host = threading.Thread(target=self._host_tasks, args=(iteration, host_error), daemon=True)
+        host_events: list[tuple[int, str, float, float]] = []
+        host = threading.Thread(target=self._host_tasks, args=(iteration, host_error, host_events), daemon=True)
         host.start()
         try:
             results = self._collect("done", timeout=self.timeout)
@@ -356,14 +359,16 @@ class Launcher:
             raise WorkerError(f"the host update failed: {host_error[0]}") from host_error[0]
         self.iteration += 1
         ordered = [results[r][1] for r in range(self.devices)]
-        return StepResult(loss=sum(r.loss for r in ordered), seconds=time.perf_counter() - start, workers=ordered)
+        return StepResult(loss=sum(r.loss for r in ordered), seconds=time.perf_counter() - start, workers=ordered,
+                          host_events=host_events)
 
-    def _host_tasks(self, iteration: int, errors: list) -> None:
+    def _host_tasks(self, iteration: int, errors: list, events: list) -> None:
         try:
             for task in self.tasks.tasks:
                 if task.device == HOST:
-                    host_update(task, self.graph, self.routes, self.store, self.shared, self.build_optimizer,
-                                iteration, self.timeout)
+                    began = host_update(task, self.graph, self.routes, self.store, self.shared, self.build_optimizer,
+                                        iteration, self.timeout)
+                    events.append((task.id, str(task), began, time.perf_counter()))
         except Aborted:
             pass
         except BaseException as exc:  # handed to step()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable
@@ -26,7 +27,8 @@ SWITCH_INTERVAL = 0.0002
 
 
 class Stream:
-    """One in-order queue of jobs run by its own thread."""
+    """One in-order queue of jobs run by its own thread. Jobs submitted with a ``label`` are timed
+    (``take_events``) for the run's measured timeline."""
 
     def __init__(self, name: str, scope: Callable[[], AbstractContextManager] = nullcontext,
                  setup: Callable[[], None] = lambda: None, sync: Callable[[], None] = lambda: None) -> None:
@@ -35,13 +37,21 @@ class Stream:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._scope = scope
         self._setup = setup
+        self._events: list[tuple[int | None, str, float, float]] = []
         self._thread = threading.Thread(target=self._run, name=f"harmony-{name}", daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+    def submit(self, fn: Callable[..., Any], *args: Any, label: str | None = None, task: int | None = None) -> Future:
+        """Queue ``fn(*args)``; with a ``label``, its span is recorded as work of ``task``."""
         future: Future = Future()
-        self._jobs.put((fn, args, future))
+        self._jobs.put((fn, args, future, label, task))
         return future
+
+    def take_events(self) -> list[tuple[int | None, str, float, float]]:
+        """(task, label, start, end) of the labelled jobs run since the last call, in
+        ``time.perf_counter`` seconds (one clock for every process of a host)."""
+        events, self._events = self._events, []
+        return events
 
     def close(self) -> None:
         self._jobs.put(None)
@@ -54,12 +64,15 @@ class Stream:
                 item = self._jobs.get()
                 if item is None:
                     return
-                fn, args, future = item
+                fn, args, future, label, task = item
                 if not future.set_running_or_notify_cancel():
                     continue
+                start = time.perf_counter()
                 try:
                     result = fn(*args)
                     self._sync()  # its copies are complete (CUDA) before anyone uses the result
+                    if label is not None:
+                        self._events.append((task, label, start, time.perf_counter()))
                     future.set_result(result)
                 except BaseException as exc:  # handed to whoever waits on the future
                     future.set_exception(exc)

@@ -973,15 +973,24 @@ def _describe_deadlock(stuck, slot_units, ptr, slot_dev, by_id, units_of) -> str
 def chrome_trace(est: Estimate) -> dict:
     """The estimate's timeline in Chrome trace format (open in Perfetto): one process per device,
     one thread per stream, times in microseconds."""
+    return {"traceEvents": trace_events(est.events), "displayTimeUnit": "ms"}
+
+
+def trace_events(events: list[StreamEvent], pid_base: int = 0, suffix: str = "") -> list[dict]:
+    """Chrome trace events of ``events``: device ``d`` is process ``pid_base + d`` named
+    ``dev{d}{suffix}``, each stream one of its threads (so that two timelines, estimated and
+    measured, can share one file)."""
     trace = []
-    for d in sorted({e.device for e in est.events}):
-        trace.append({"ph": "M", "name": "process_name", "pid": d, "args": {"name": _where(d)}})
+    for d in sorted({e.device for e in events}):
+        pid = pid_base + d
+        trace.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"{_where(d)}{suffix}"}})
+        trace.append({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": pid}})
         for k, name in enumerate(STREAMS):
-            trace.append({"ph": "M", "name": "thread_name", "pid": d, "tid": k, "args": {"name": name}})
+            trace.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": k, "args": {"name": name}})
     tid = {name: k for k, name in enumerate(STREAMS)}
-    for e in est.events:
+    for e in events:
         trace.append({
-            "ph": "X", "name": e.label, "pid": e.device, "tid": tid[e.stream],
+            "ph": "X", "name": e.label, "pid": pid_base + e.device, "tid": tid[e.stream],
             "ts": e.start * 1e6, "dur": (e.end - e.start) * 1e6, "args": {"task": e.task},
         })
-    return {"traceEvents": trace, "displayTimeUnit": "ms"}
+    return trace

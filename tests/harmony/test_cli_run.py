@@ -69,6 +69,18 @@ def test_run_compiles_trains_and_writes_a_report(first_run):
     assert f"final loss {report['iterations'][-1]['loss']:.6f}" in flat(out)
 
 
+def test_run_writes_the_last_iterations_timeline_measured_above_estimated(first_run):
+    directory, rc, out, report = first_run
+    assert rc == 0, out
+    trace = json.loads((directory / "run-trace.json").read_text())
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert {"dev0 measured", "dev1 measured", "dev0 estimated", "dev1 estimated"} <= set(names.values())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    measured = [e for e in spans if names[e["pid"]].endswith("measured")]
+    assert measured and all(e["ts"] >= 0 and e["dur"] >= 0 for e in measured)
+    assert max(e["ts"] + e["dur"] for e in measured) <= report["iterations"][-1]["seconds"] * 1e6
+
+
 def test_run_report_counts_the_planned_bytes_and_stays_within_each_devices_capacity(first_run):
     _, rc, out, report = first_run
     assert rc == 0, out
