@@ -16,6 +16,7 @@ good checkpoint in place and named.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import random
 import re
@@ -126,6 +127,68 @@ def _digest(f, length: int) -> str:
         h.update(chunk)
         left -= len(chunk)
     return h.hexdigest()
+
+
+# ------------------------------------------------------------------ a run's state
+def snapshot(plan, store, iteration: int, seed: int) -> dict[str, Any]:
+    """The body of a checkpoint of a run of ``plan`` whose host store ``store`` holds the state
+    after ``iteration`` steps: weights and buffers under the model's names, optimizer state, the
+    step, the seed and this process's global generators."""
+    return {
+        "version": VERSION, "graph": plan.graph.fingerprint(), "model_sha256": plan.model_sha256 or "",
+        "iteration": iteration, "seed": seed, "model": store.state_dict(plan.graph),
+        "optimizer": store.optimizer_state(), "rng": capture_rng(),
+    }
+
+
+def restore(path: str | Path, plan, store, restore_rng_state: bool = True) -> tuple[int, int]:
+    """Load the checkpoint at ``path`` into ``store`` (the host store of a run of ``plan``);
+    returns its (step, seed). A file that is damaged or was saved for another model, model file
+    or decomposition is refused before anything changes."""
+    body = read(path)
+    fingerprint = plan.graph.fingerprint()
+    if body["graph"] != fingerprint:
+        raise CheckpointError(
+            f"{path} was saved for another model or decomposition (layer graph {body['graph'][:12]}…, this plan's "
+            f"is {fingerprint[:12]}…); resume with the model and options it was saved with")
+    if body["model_sha256"] and plan.model_sha256 and body["model_sha256"] != plan.model_sha256:
+        raise CheckpointError(
+            f"{path} was saved for another version of the model file (SHA-256 {body['model_sha256'][:12]}… then, "
+            f"{plan.model_sha256[:12]}… now); resume with the model file it was saved with")
+    problem = _misfit(body, plan.graph, store)
+    if problem:
+        raise CheckpointError(f"{path} does not fit this model: {problem}")
+    store.load_tensors(plan.graph, body["model"])
+    store.load_optimizer_state(body["optimizer"])
+    if restore_rng_state:
+        restore_rng(body["rng"], str(path))
+    return body["iteration"], body["seed"]
+
+
+def _misfit(body: dict[str, Any], graph, store) -> str:
+    """Why a checkpoint's tensors cannot be loaded into ``store``, or "": checked before anything
+    is copied, so that a refused checkpoint leaves the run as it was."""
+    model = body["model"]
+    for name, spec in graph.state.items():
+        canon = graph.canonical(name)
+        names = [name, canon, *graph.ties.get(canon, [])]
+        found = next((model[n] for n in names if n in model), None)
+        if found is None:
+            if name not in graph.constants and (spec.kind == "parameter" or spec.persistent):
+                return f"no value for {name!r}"
+        elif found.numel() != math.prod(spec.shape):
+            return f"{name!r} has shape {tuple(found.shape)}, the model's is {tuple(spec.shape)}"
+    params = set(store.layout.params)
+    for name, values in body["optimizer"].items():
+        if name not in params or not isinstance(values, dict):
+            return f"optimizer state for {name!r}, which is not a parameter of this model"
+        if not values:
+            continue
+        for key, view in store.state(name).items():
+            value = values.get(key)
+            if not isinstance(value, torch.Tensor) or value.numel() != view.numel():
+                return f"the optimizer state {key!r} of {name!r} is missing or of another size"
+    return ""
 
 
 # ------------------------------------------------------------------ random number generators

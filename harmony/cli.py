@@ -207,9 +207,6 @@ def _cmd_run(ns: argparse.Namespace) -> int:
 
     _check_run_args(ns)
     if under_torchrun():
-        if ns.checkpoint_every or ns.checkpoint_dir is not None or ns.resume is not None:
-            raise HarmonyError("--checkpoint-every, --checkpoint-dir and --resume are not supported under torchrun yet; "
-                               "run without torchrun")
         return _cmd_run_spmd(ns)
     plan, mf = _plan_for_run(ns)
     _seed_everything(ns.seed)  # the initial weights and the batches too: two identical runs train identically
@@ -275,7 +272,7 @@ def _cmd_run_spmd(ns: argparse.Namespace) -> int:
 
     import torch.distributed as dist
 
-    from harmony.running import run_report
+    from harmony.running import Checkpointer, run_report
     from harmony.runtime.p2p import resolve
     from harmony.runtime.spmd import run_spmd
     from harmony.runtime.timeline import run_trace
@@ -298,13 +295,32 @@ def _cmd_run_spmd(ns: argparse.Namespace) -> int:
             if rank == 0:
                 console.print(f"iteration {step}: loss {loss:.6f}, {plan.tasks.minibatch / seconds:,.1f} samples/s")
 
+        # every rank reads the checkpoint to resume from (on several hosts, each its own copy of it)
+        resume = checkpoint.latest(ns.resume or ns.checkpoint_dir) if ns.resume is not None else None
+        saver = None
+        if rank == 0 and ns.checkpoint_dir is not None:
+            ns.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            saver = ns.checkpointer = Checkpointer(ns.checkpoint_dir, ns.checkpoint_every)
+        every = set(range(ns.checkpoint_every, ns.iters + 1, ns.checkpoint_every)) if ns.checkpoint_every else set()
+        last = {ns.iters} if ns.checkpoint_dir is not None or ns.checkpoint else set()
+
+        def save(state) -> None:  # rank 0, after a step in ``every | last``, the other ranks waiting
+            if saver is not None:
+                saver.save(state)
+            if ns.checkpoint and state.iteration == ns.iters:
+                state.save_checkpoint(ns.checkpoint)
+
         history = run_spmd(plan, mf.loss_fn, mf.build_optimizer, mf.get_batch, mf.build_model, ns.iters,
-                           seed=ns.seed, timeout=ns.timeout, on_step=on_step, p2p=ns.p2p)
-        if rank == 0:
+                           seed=ns.seed, timeout=ns.timeout, on_step=on_step, p2p=ns.p2p, resume=resume,
+                           saves=frozenset(every | last), save=save)
+        if rank == 0 and not history:
+            console.print(f"the checkpoint {resume} is at or past --iters {ns.iters}; nothing to train")
+        elif rank == 0:
             # one host: its workers share one clock, so their timelines line up
-            trace = run_trace(plan, history[-1]) if world == local and history else None
+            trace = run_trace(plan, history[-1]) if world == local else None
             p2p = resolve(ns.p2p, plan.options.get("device_type", "cpu"), plan.tasks.devices)
-            _finish_run(ns, run_report(plan, history, p2p=p2p), trace)
+            first = ns.iters - len(history)
+            _finish_run(ns, run_report(plan, history, first=first, p2p=p2p), trace)
     finally:
         dist.destroy_process_group()
     return 0

@@ -24,7 +24,6 @@ memory), "dist" (torch.distributed: NCCL between GPUs, gloo between emulated dev
 from __future__ import annotations
 
 import logging
-import math
 from pathlib import Path
 from typing import Any, Callable
 
@@ -99,62 +98,16 @@ class Trainer:
         """Weights, buffers, optimizer state, the step, the seed and the global random generators'
         states, written atomically and sealed with a checksum (``harmony.checkpoint``): the file
         appears complete or not at all. ``torch.load(path)["model"]`` loads into the original model."""
-        body = {
-            "version": checkpoint.VERSION, "graph": self.plan.graph.fingerprint(),
-            "model_sha256": self.plan.model_sha256 or "", "iteration": self.iteration, "seed": self.seed,
-            "model": self.state_dict(), "optimizer": self.store.optimizer_state(), "rng": checkpoint.capture_rng(),
-        }
-        return checkpoint.write(path, body)
+        return checkpoint.write(path, checkpoint.snapshot(self.plan, self.store, self.iteration, self.seed))
 
     def load_checkpoint(self, path: str | Path, restore_rng: bool = True) -> int:
         """Continue from a checkpoint of this model: its weights, optimizer state and step (the
         runtime's dropout masks follow from the seed and the step) and, with ``restore_rng``, the
         global random generators. A file that is damaged or was saved for another model or
         decomposition is refused before anything changes. Returns the step."""
-        body = checkpoint.read(path)
-        if body["graph"] != self.plan.graph.fingerprint():
-            raise checkpoint.CheckpointError(
-                f"{path} was saved for another model or decomposition (layer graph {body['graph'][:12]}…, this plan's "
-                f"is {self.plan.graph.fingerprint()[:12]}…); resume with the model and options it was saved with")
-        if body["model_sha256"] and self.plan.model_sha256 and body["model_sha256"] != self.plan.model_sha256:
-            raise checkpoint.CheckpointError(
-                f"{path} was saved for another version of the model file (SHA-256 {body['model_sha256'][:12]}… then, "
-                f"{self.plan.model_sha256[:12]}… now); resume with the model file it was saved with")
-        problem = self._misfit(body)
-        if problem:
-            raise checkpoint.CheckpointError(f"{path} does not fit this model: {problem}")
-        self.store.load_tensors(self.plan.graph, body["model"])
-        self.store.load_optimizer_state(body["optimizer"])
-        if restore_rng:
-            checkpoint.restore_rng(body["rng"], str(path))
-        self.launcher.iteration = body["iteration"]
-        self.seed = body["seed"]
-        return body["iteration"]
-
-    def _misfit(self, body: dict[str, Any]) -> str:
-        """Why a checkpoint's tensors cannot be loaded into this trainer, or "": checked before
-        anything is copied, so that a refused checkpoint leaves the trainer as it was."""
-        graph, model = self.plan.graph, body["model"]
-        for name, spec in graph.state.items():
-            canon = graph.canonical(name)
-            names = [name, canon, *graph.ties.get(canon, [])]
-            found = next((model[n] for n in names if n in model), None)
-            if found is None:
-                if name not in graph.constants and (spec.kind == "parameter" or spec.persistent):
-                    return f"no value for {name!r}"
-            elif found.numel() != math.prod(spec.shape):
-                return f"{name!r} has shape {tuple(found.shape)}, the model's is {tuple(spec.shape)}"
-        params = set(self.store.layout.params)
-        for name, values in body["optimizer"].items():
-            if name not in params or not isinstance(values, dict):
-                return f"optimizer state for {name!r}, which is not a parameter of this model"
-            if not values:
-                continue
-            for key, view in self.store.state(name).items():
-                value = values.get(key)
-                if not isinstance(value, torch.Tensor) or value.numel() != view.numel():
-                    return f"the optimizer state {key!r} of {name!r} is missing or of another size"
-        return ""
+        iteration, self.seed = checkpoint.restore(path, self.plan, self.store, restore_rng)
+        self.launcher.iteration = iteration
+        return iteration
 
     # ------------------------------------------------------------ lifetime
     def close(self) -> None:

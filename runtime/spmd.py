@@ -48,6 +48,7 @@ import msgpack
 import torch
 import torch.distributed as dist
 
+from harmony import checkpoint
 from harmony.decomposer.layer_graph import dtype_from_str
 from harmony.errors import HarmonyError
 from harmony.runtime.channels import Aborted, Slabs
@@ -183,13 +184,34 @@ def topology(rank: int, world: int) -> Topology:
     return Topology(rank, order.index(here), nodes)
 
 
+@dataclass
+class RunState:
+    """What a checkpoint of an SPMD run is made of: this node's host store after ``iteration``
+    steps (every node's replica is the same at an iteration's end). Duck-types the trainer for
+    ``running.Checkpointer``."""
+
+    plan: Any
+    host: HostStore
+    seed: int
+    iteration: int
+
+    def save_checkpoint(self, path) -> Any:
+        return checkpoint.write(path, checkpoint.snapshot(self.plan, self.host, self.iteration, self.seed))
+
+
 def run_spmd(plan, loss_fn: Callable, build_optimizer: Callable, get_batch: Callable, build_model: Callable,
              iterations: int, seed: int = 0, timeout: float = 600.0,
              on_step: Callable[[int, float, float], None] = lambda step, loss, seconds: None,
-             p2p: str = "auto") -> list[StepResult]:
-    """Train ``iterations`` minibatches as one rank of a torchrun job; returns, on rank 0, every
-    iteration's results with every rank's measurements (other ranks get their own only). ``p2p``:
-    "shm", "dist" or "auto", as for ``Launcher``."""
+             p2p: str = "auto", resume: str | os.PathLike | None = None, saves: frozenset[int] = frozenset(),
+             save: Callable[[RunState], None] | None = None) -> list[StepResult]:
+    """Train up to ``iterations`` minibatches in all as one rank of a torchrun job; returns, on
+    rank 0, every iteration's results with every rank's measurements (other ranks get their own
+    only). ``p2p``: "shm", "dist" or "auto", as for ``Launcher``.
+
+    ``resume``: a checkpoint every host can read, loaded into each node's host store; training
+    goes on from its step with its seed. ``saves``: the steps (iterations done) after which rank 0
+    calls ``save`` with the run's state while every rank waits, so that nothing changes the host
+    store under the save."""
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -212,10 +234,14 @@ def run_spmd(plan, loss_fn: Callable, build_optimizer: Callable, get_batch: Call
         host, shared, slabs = _node_state(topo, plan, build_optimizer, build_model, seed, prefix, sizes)
         if topo.leader:
             _remove(files)  # every rank of the node mapped them: the memory lives on, the names go
+        start = 0
+        if resume is not None:
+            start, seed = _resume(topo, plan, host, resume)
         replicator, watch = _replication(topo, plan, routes, store, host, shared, timeout)
+        checkpoints = _Checkpoints(saves, save if rank == 0 else None, RunState(plan, host, seed, start))
         try:
             history = _train(topo, plan, routes, host, shared, slabs, store, replicator, loss_fn, build_optimizer,
-                             get_batch, iterations, seed, timeout, on_step, p2p)
+                             get_batch, range(start, iterations), seed, timeout, on_step, p2p, checkpoints)
         finally:
             if replicator is not None:  # also on failure: a thread left in a store call aborts the exit
                 replicator.close()
@@ -224,6 +250,49 @@ def run_spmd(plan, loss_fn: Callable, build_optimizer: Callable, get_batch: Call
         return history
     finally:
         _remove(files)
+
+
+def _resume(topo: Topology, plan, host: HostStore, path) -> tuple[int, int]:
+    """Each node's lowest rank loads the checkpoint into its node's host store; every rank learns
+    whether all could, and the step and seed to go on from."""
+    outcome: tuple[str, int | None, int | None] = ("", None, None)
+    if topo.leader:
+        try:
+            step, seed = checkpoint.restore(path, plan, host)
+            outcome = ("", step, seed)
+        except HarmonyError as exc:
+            outcome = (f"rank {topo.rank} on {socket.gethostname()}: {exc}", None, None)
+    else:  # the generators of every rank as saved (a file this rank cannot read, its node's leader reports)
+        with contextlib.suppress(HarmonyError):
+            checkpoint.restore_rng(checkpoint.read(path)["rng"], str(path))
+    outcomes: list[Any] = [None] * sum(len(ranks) for ranks in topo.nodes)
+    dist.all_gather_object(outcomes, outcome)
+    problems = [problem for problem, _, _ in outcomes if problem]
+    if problems:
+        raise HarmonyError("cannot resume: " + "; ".join(problems) + " (every host needs the same checkpoint file)")
+    found = {(step, seed) for problem, step, seed in outcomes if step is not None}
+    if len(found) != 1:
+        raise HarmonyError(f"the hosts' checkpoints are of different steps or seeds {sorted(found)}; give every host "
+                           "the same checkpoint file")
+    return found.pop()
+
+
+@dataclass
+class _Checkpoints:
+    """When and how rank 0 saves, and the state it saves (its iteration kept current)."""
+
+    steps: frozenset[int]
+    save: Callable[[RunState], None] | None
+    state: RunState
+
+    def after(self, step: int) -> None:
+        """After ``step`` (0-based) on every rank: rank 0 saves if one is due, the others wait for it."""
+        self.state.iteration = step + 1
+        if self.state.iteration not in self.steps:
+            return
+        if self.save is not None:
+            self.save(self.state)
+        dist.barrier()
 
 
 def _check_same_plan(plan, topo: Topology) -> None:
@@ -299,7 +368,7 @@ def _remove(files: list[str]) -> None:
 
 
 def _train(topo: Topology, plan, routes, host, shared, slabs, store, replicator, loss_fn, build_optimizer, get_batch,
-           iterations, seed, timeout, on_step, p2p: str = "shm") -> list[StepResult]:
+           steps: range, seed, timeout, on_step, p2p: str, checkpoints: _Checkpoints) -> list[StepResult]:
     rank, world = topo.rank, sum(len(ranks) for ranks in topo.nodes)
     tasks = plan.tasks
     capacity = plan.worker_capacity()
@@ -317,7 +386,7 @@ def _train(topo: Topology, plan, routes, host, shared, slabs, store, replicator,
     history: list[StepResult] = []
     errors: list[BaseException] = []
     try:
-        for step in range(iterations):
+        for step in steps:
             inputs, target = get_batch(tasks.minibatch, step)
             inputs = list(inputs) if isinstance(inputs, (tuple, list)) else [inputs]
             batch = Batch(inputs=inputs, target=target, size=tasks.minibatch, seed=seed)
@@ -341,6 +410,7 @@ def _train(topo: Topology, plan, routes, host, shared, slabs, store, replicator,
             seconds = time.perf_counter() - start
             history.append(StepResult(loss=float(loss), seconds=seconds, workers=list(gathered)))
             on_step(step, float(loss), seconds)
+            checkpoints.after(step)
     except BaseException as exc:
         own = next((e for e in errors if not isinstance(e, Aborted)), None)  # the host update's
         if own is None and transport is not None:

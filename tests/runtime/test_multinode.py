@@ -117,6 +117,26 @@ def test_two_nodes_train_exactly_as_one_host(base_plan, tmp_path, mode, update):
     assert shm_files() <= before, "shared-memory files left behind"
 
 
+@needs_torchrun
+def test_two_nodes_resume_from_a_checkpoint_each_node_loads_into_its_replica(base_plan, tmp_path):
+    """Rank 0 saves its node's replica; on resume each node's leader loads the file into its own
+    (here one file both read; on real hosts, each its copy): the losses of a run never stopped."""
+    plan = variant(base_plan, tmp_path / "plan", "pp", "host")
+    ckpts = tmp_path / "ckpts"
+    common = ["run", str(MODEL), *ARGS, "--plan", str(plan)]
+    assert main([*common, "--iters", "4", "--report", str(tmp_path / "one-host.json")]) == 0
+    nodes = two_nodes([*common, "--iters", "2", "--checkpoint-every", "2", "--checkpoint-dir", str(ckpts),
+                       "--report", str(tmp_path / "first.json")], RUN_LIMIT)
+    nodes += two_nodes([*common, "--iters", "4", "--checkpoint-dir", str(ckpts), "--resume",
+                        "--report", str(tmp_path / "second.json")], RUN_LIMIT)
+    for rc, out, _ in nodes:
+        assert rc == 0, out[-4000:]
+    one = [i["loss"] for i in json.loads((tmp_path / "one-host.json").read_text())["iterations"]]
+    two = [json.loads((tmp_path / f"{name}.json").read_text())["iterations"] for name in ("first", "second")]
+    assert [i["iteration"] for i in two[0] + two[1]] == [0, 1, 2, 3]
+    assert [i["loss"] for i in two[0] + two[1]] == one
+
+
 FAULTY_MODEL = """
     import os
     import signal

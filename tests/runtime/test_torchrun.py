@@ -17,28 +17,64 @@ from harmony.cli import main
 MODEL = Path(__file__).resolve().parents[2] / "models" / "gpt2.py"
 
 
-@pytest.mark.skipif(shutil.which("torchrun") is None and not Path(sys.executable).with_name("torchrun").exists(),
-                    reason="torchrun is not installed")
+needs_torchrun = pytest.mark.skipif(
+    shutil.which("torchrun") is None and not Path(sys.executable).with_name("torchrun").exists(),
+    reason="torchrun is not installed")
+
+
+def torchrun(*args: str) -> subprocess.CompletedProcess:
+    """``torchrun --standalone`` with 2 processes of ``harmony run ARGS``."""
+    command = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
+    done = subprocess.run([command, "--standalone", "--nnodes", "1", "--nproc-per-node", "2", "-m", "harmony.cli", *args],
+                          capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return done
+
+
+@needs_torchrun
 def test_torchrun_run_matches_the_forked_launcher(tmp_path, capsys):
     plan = tmp_path / "plan"
     common = ["run", str(MODEL), "--arg", "preset=tiny", "--minibatch", "8", "--iters", "3", "--no-probe",
               "--device", "cpu",
               "--out", str(plan)]
     assert main([*common, "--report", str(tmp_path / "local.json")]) == 0
-    torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
     before = set(Path("/dev/shm").glob("harmony-*"))
-    done = subprocess.run(
-        [torchrun, "--standalone", "--nnodes", "1", "--nproc-per-node", "2", "-m", "harmony.cli", *common,
-         "--report", str(tmp_path / "torchrun.json")],
-        capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    done = torchrun(*common, "--report", str(tmp_path / "torchrun.json"))
     assert "reusing the plan" in done.stdout
     local = json.loads((tmp_path / "local.json").read_text())
     spmd = json.loads((tmp_path / "torchrun.json").read_text())
     assert [i["loss"] for i in spmd["iterations"]] == [i["loss"] for i in local["iterations"]]
     assert spmd["bytes_by_channel"] == local["bytes_by_channel"] == local["planned_bytes_by_channel"]
     assert set(Path("/dev/shm").glob("harmony-*")) <= before, "shared-memory files left behind"
+
+
+@needs_torchrun
+def test_a_torchrun_run_checkpointed_at_step_2_and_resumed_gives_the_uninterrupted_losses(tmp_path):
+    """Rank 0 saves the host store while every rank waits; on resume each node's store loads it and
+    training goes on from its step with its seed: the same losses, and a checkpoint of the same
+    weights as the forked launcher's after the same steps."""
+    import torch
+
+    plan, ckpts = tmp_path / "plan", tmp_path / "ckpts"
+    common = ["run", str(MODEL), "--arg", "preset=tiny", "--minibatch", "8", "--no-probe", "--device", "cpu",
+              "--out", str(plan), "--seed", "3"]
+    assert main([*common, "--iters", "4", "--report", str(tmp_path / "local.json"),
+                 "--checkpoint", str(tmp_path / "local.pt")]) == 0
+    torchrun(*common, "--iters", "2", "--checkpoint-every", "2", "--checkpoint-dir", str(ckpts),
+             "--report", str(tmp_path / "first.json"))
+    assert sorted(p.name for p in ckpts.glob("step-*.pt")) == ["step-000002.pt"]
+    torchrun(*common, "--iters", "4", "--checkpoint-dir", str(ckpts), "--resume", "--checkpoint",
+             str(tmp_path / "spmd.pt"), "--report", str(tmp_path / "second.json"))
+    local = [i["loss"] for i in json.loads((tmp_path / "local.json").read_text())["iterations"]]
+    first = json.loads((tmp_path / "first.json").read_text())["iterations"]
+    second = json.loads((tmp_path / "second.json").read_text())["iterations"]
+    assert [i["iteration"] for i in first + second] == [0, 1, 2, 3]
+    assert [i["loss"] for i in first + second] == local
+    assert sorted(p.name for p in ckpts.glob("step-*.pt")) == ["step-000002.pt", "step-000004.pt"]
+    want, got = (torch.load(tmp_path / name, weights_only=True) for name in ("local.pt", "spmd.pt"))
+    assert got["iteration"] == want["iteration"] == 4
+    for name, tensor in want["model"].items():
+        assert torch.equal(got["model"][name], tensor), name
 
 
 def test_messages_between_torchrun_processes_round_trip_as_msgpack():
