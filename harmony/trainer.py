@@ -1,17 +1,15 @@
 """`harmony.Trainer`: train on a plan as if on one device with unbounded memory (DESIGN.md).
 
-    def adamw(params):
-        return torch.optim.AdamW(params, lr=1e-4)
-
-    if __name__ == "__main__":
-        plan = harmony.compile(model, loss_fn, get_batch, minibatch_size=64, devices=4)
-        with harmony.Trainer(plan, optimizer=adamw) as trainer:
-            for step in range(100):
-                loss = trainer.step(*get_batch(64, step))
+    plan = harmony.compile(model, loss_fn, get_batch, minibatch_size=64, devices=4)
+    with harmony.Trainer(plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4)) as trainer:
+        for step in range(100):
+            loss = trainer.step(*get_batch(64, step))
 
 Workers on GPUs (and emulated ones on a machine with a GPU) are spawned processes: they receive the
-loss function and the optimizer builder pickled, so define those at module level (not as lambdas),
-and start training under ``if __name__ == "__main__":``, as for any spawning ``multiprocessing``.
+loss function and the optimizer builder pickled with cloudpickle (so lambdas, closures and a
+notebook's functions travel by value), and a script that trains must do so under
+``if __name__ == "__main__":``, since each spawned worker imports it, as for any spawning
+``multiprocessing`` program.
 
 Each ``step`` is one synchronous SGD iteration over the minibatch: the same losses and weights
 as eager training of the model on one process with the plan's microbatches (``runtime/reference``).

@@ -32,7 +32,6 @@ import contextlib
 import faulthandler
 import logging
 import os
-import pickle
 import signal
 import sys
 import queue
@@ -44,6 +43,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import cloudpickle
 import torch
 import torch.multiprocessing as mp
 
@@ -163,6 +163,36 @@ def working_memory(tasks: TaskGraph, profile: Profile | None) -> dict[int, int]:
     return out
 
 
+class _ByValue:
+    """A user's function on its way to spawned workers, pickled with cloudpickle: by reference
+    where it can be imported, by value where plain pickle could only name it (a lambda, a closure,
+    a function defined in a notebook cell or in the script run as ``__main__``)."""
+
+    def __init__(self, fn: Callable, payload: bytes) -> None:
+        self.fn, self.payload = fn, payload
+
+    def __reduce__(self):
+        return (_ByValue.load, (self.payload,))
+
+    @staticmethod
+    def load(payload: bytes) -> "_ByValue":
+        return _ByValue(cloudpickle.loads(payload), payload)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+
+def _by_value(fn: Callable, what: str) -> _ByValue:
+    try:
+        return _ByValue(fn, cloudpickle.dumps(fn))
+    except Exception as exc:  # noqa: BLE001 - whatever pickling raises, named for the user
+        raise HarmonyError(
+            f"cannot send the {what} {getattr(fn, '__qualname__', fn)!r} to the workers: {type(exc).__name__}: {exc}. "
+            "They are spawned processes here (CUDA workers always; emulated ones on a machine with a GPU) and "
+            "receive it pickled: it must not hold what cannot be (an open file, a lock, a CUDA tensor)"
+        ) from exc
+
+
 def start_method(device_type: str) -> str:
     """Fork workers on emulated devices (they inherit the layer code and the user's functions as
     they are), unless a GPU is visible: autograd then runs backward passes on threads it starts for
@@ -277,6 +307,9 @@ class Launcher:
                  build_optimizer: Callable, device_type: str = "cpu", capacity: int | None = None,
                  seed: int = 0, timeout: float = 600.0, threads: int | None = None,
                  profile: Profile | None = None, prefetch: bool = True, p2p: str = "auto") -> None:
+        method = start_method(device_type)
+        if method == "spawn":  # before anything is made that would need closing
+            loss_fn, build_optimizer = _by_value(loss_fn, "loss function"), _by_value(build_optimizer, "optimizer builder")
         self.graph = graph
         self.tasks = tasks
         self.store = store
@@ -294,7 +327,6 @@ class Launcher:
         working = working_memory(tasks, profile)  # the same for every worker: computed once
         self.iteration = 0
         self._closed = False
-        method = start_method(device_type)
         mpctx = mp.get_context(method)
         self.inboxes = [mpctx.Queue() for _ in range(self.devices)]
         self.commands = [mpctx.Queue() for _ in range(self.devices)]
@@ -316,16 +348,7 @@ class Launcher:
                 p2p_store=os.path.join(self._rendezvous, "store") if self._rendezvous is not None else None,
             )
             process = mpctx.Process(target=_worker_main, args=(ctx,), name=f"harmony-dev{rank}", daemon=True)
-            try:
-                process.start()
-            except (pickle.PicklingError, AttributeError, TypeError) as exc:
-                self.close()
-                raise HarmonyError(
-                    f"cannot start the {device_type} workers: {exc}. They are spawned processes here (CUDA "
-                    "workers always; emulated ones on a machine with a GPU), which receive the loss function, "
-                    "the optimizer builder and the batches pickled: define them at module level of an "
-                    "importable file, not as lambdas or local functions"
-                ) from exc
+            process.start()
             self.processes.append(process)
         try:
             self._collect("ready", timeout=max(60.0, timeout))

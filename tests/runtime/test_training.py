@@ -159,12 +159,36 @@ def test_emulated_workers_are_spawned_where_a_gpu_is_visible_and_train_as_eager_
     assert history[-1].bytes_by_channel() == {k: v for k, v in plan.tasks.bytes_by_channel().items() if v}
 
 
-def test_a_loss_function_that_spawned_workers_cannot_receive_is_refused_naming_the_fix(monkeypatch):
+def test_spawned_workers_receive_lambdas_and_closures_by_value_and_train_as_eager_does(monkeypatch):
+    """As a notebook user would write them (a notebook's functions cannot be imported by name)."""
+    from harmony.runtime import launcher
+
+    monkeypatch.setattr(launcher, "visible_gpus", lambda: 1)
+    model, get_batch, plan = plan_for("gpt2", "dp", 2)
+    scale = 1.0
+    plan.loss_fn = lambda output, target: gpt2.loss_fn(output, target) * scale
+    lr = 1e-3
+    batches = [get_batch(MINIBATCH, step) for step in range(2)]
+    with harmony.Trainer(plan, optimizer=lambda ps: torch.optim.Adam(ps, lr=lr, eps=1e-6), timeout=20) as trainer:
+        losses = [trainer.step(*batch) for batch in batches]
+    expected = reference_train(copy.deepcopy(model), gpt2.loss_fn, adam, batches, microbatches_of(plan.tasks))
+    assert losses == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_function_that_cannot_be_pickled_at_all_is_refused_naming_it_before_any_worker_starts(monkeypatch):
+    import threading
+
     from harmony.errors import HarmonyError
     from harmony.runtime import launcher
 
     monkeypatch.setattr(launcher, "visible_gpus", lambda: 1)
     _, _, plan = plan_for("gpt2", "pp", 2)
-    plan.loss_fn = lambda output, target: gpt2.loss_fn(output, target)
-    with pytest.raises(HarmonyError, match="spawned.*module level"):
+    lock = threading.Lock()
+
+    def locked_loss(output, target):
+        with lock:
+            return gpt2.loss_fn(output, target)
+
+    plan.loss_fn = locked_loss
+    with pytest.raises(HarmonyError, match="cannot send the loss function .*locked_loss.* to the workers.*lock"):
         harmony.Trainer(plan, optimizer=adam, timeout=20)
