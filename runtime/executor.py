@@ -220,6 +220,7 @@ class Executor:
         self._waiting = False
         self._headroom = 0  # bytes the running task may still allocate beyond its state (planned)
         self._task: int | None = None  # the task the compute thread runs (what side-stream jobs serve)
+        self._waits: list[tuple[str, int | None, str, float, float]] = []  # the compute thread's, this iteration
         self.working_memory = working_memory or {}
         self.slabs = slabs
         self.transport = transport  # P2P over torch.distributed; None: through shared memory
@@ -309,6 +310,8 @@ class Executor:
             raise RuntimeError(f"dev{self.rank}: LOCAL values nobody read: {leftover[:3]}")
         self.resident.clear()
         peak = max([self.device.peak(), *task_peaks.values()])
+        events += self._waits
+        self._waits = []
         for stream in (self.swap_in, self.swap_out, self.p2p_in, self.p2p_out):
             kind = stream.name.split("-", 1)[1]
             events.extend((kind, *event) for event in stream.take_events())
@@ -320,15 +323,19 @@ class Executor:
         for stream in (self.swap_out, self.p2p_out, self.swap_in, self.p2p_in):
             self._wait(stream.submit(lambda: None))
 
-    def _wait(self, future: Future) -> Any:
+    def _wait(self, future: Future, what: str | None = None) -> Any:
         """Block the compute thread on a stream's job; while blocked, a prefetch that is short of
-        memory knows nothing else can free it."""
+        memory knows nothing else can free it. A wait for ``what`` that blocked goes into the
+        timeline, inside the running task's span."""
         self._waiting = True
+        blocked = time.perf_counter() if what is not None and not future.done() else None
         try:
             while not future.done():
                 futures_wait([future], timeout=0.2)
                 if self.shared.aborted():
                     raise Aborted("the run was aborted by another worker's failure")
+            if blocked is not None:
+                self._waits.append(("compute", self._task, f"wait: {what}", blocked, time.perf_counter()))
             return self._adopt(future.result())
         finally:
             self._waiting = False
@@ -533,7 +540,7 @@ class Executor:
 
     def _pack_state(self, task: Task) -> dict[str, torch.Tensor]:
         future = self._prefetched.pop(task.id, None)
-        state = self._wait(future) if future is not None else None
+        state = self._wait(future, "state") if future is not None else None
         if state is None:
             state = self._load_state(task)
         if task.id in self.routes.kept_resident:
@@ -658,8 +665,11 @@ class Executor:
         """A message from the inbox: its values, the state, and whether the tensors are on the
         device already (received by the ``DistTransport``) or in host memory (slab views or own
         segments)."""
+        began = time.perf_counter()
         with self._waiting_for(what):
             message = self.mailbox.take(key, what, self.timeout)
+        if _on_compute_thread():  # not prefetched: the compute thread waited for it
+            self._waits.append(("compute", self._task, f"wait: {what.split(' (')[0]}", began, time.perf_counter()))
         if isinstance(message, Received):
             return message.values, message.state, True
         if len(message) == 2:  # parked by this worker for itself
@@ -736,7 +746,7 @@ class Executor:
         got = {}
         for name in streams:
             future = ready.get(name)
-            got[name] = self._wait(future) if future is not None else self._fetch(task, name, mb)
+            got[name] = self._wait(future, f"{name} (mb {mb})") if future is not None else self._fetch(task, name, mb)
         return got
 
     # ================================================================ FWD
@@ -839,7 +849,7 @@ class Executor:
             return False  # (a tied weight's gradient handed over by another pack is added at the step)
         # every earlier deposit into this device's slots (a tied weight's slot takes two packs'
         # deposits) is queued on this device's swap-out stream: wait until it has drained
-        self._wait(self.swap_out.submit(lambda: None))
+        self._wait(self.swap_out.submit(lambda: None), "gradient deposits")
         for name, p in params.items():
             if self.store.slot_written(self.rank, name, self.iteration):
                 p.grad = self._to_device(self.store.grad_slot(self.rank, name), "SWAP", "dW")

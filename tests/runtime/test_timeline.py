@@ -1,6 +1,7 @@
 """The measured timeline (``runtime/timeline.py``): every task of the plan once, on its device's
-compute thread, in plan order and without overlap; side-stream copies on their streams; the
-estimate of the same plan beside it in one Chrome trace."""
+compute thread, in plan order and without overlap, with the compute thread's waits for inputs
+inside; side-stream copies on their streams; the estimate of the same plan beside it in one
+Chrome trace."""
 
 from __future__ import annotations
 
@@ -34,8 +35,12 @@ def test_every_task_runs_once_on_its_devices_compute_thread_in_plan_order_withou
     events = measured_events(step)
     for device in {t.device for t in plan.tasks.tasks}:
         compute = [e for e in events if e.device == device and e.stream == "compute"]
-        assert [e.task for e in compute] == [t.id for t in plan.tasks.tasks if t.device == device]
-        assert all(a.end <= b.start for a, b in zip(compute, compute[1:]))
+        tasks = [e for e in compute if not e.label.startswith("wait: ")]
+        assert [e.task for e in tasks] == [t.id for t in plan.tasks.tasks if t.device == device]
+        assert all(a.end <= b.start for a, b in zip(tasks, tasks[1:]))
+        span = {e.task: e for e in tasks}
+        for wait in (e for e in compute if e.label.startswith("wait: ")):  # inside its task's span
+            assert span[wait.task].start <= wait.start <= wait.end <= span[wait.task].end, wait
     assert min(e.start for e in events) == 0 and all(e.end >= e.start for e in events)
     assert max(e.end for e in events) <= step.seconds
 
