@@ -318,7 +318,7 @@ def _cmd_run_spmd(ns: argparse.Namespace) -> int:
         elif rank == 0:
             # one host: its workers share one clock, so their timelines line up
             trace = run_trace(plan, history[-1]) if world == local else None
-            p2p = resolve(ns.p2p, plan.options.get("device_type", "cpu"), plan.tasks.devices)
+            p2p = resolve(ns.p2p, plan.options.get("device_type", "cpu"), local)  # as run_spmd resolved it
             first = ns.iters - len(history)
             _finish_run(ns, run_report(plan, history, first=first, p2p=p2p), trace)
     finally:

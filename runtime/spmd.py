@@ -52,7 +52,7 @@ from harmony import checkpoint
 from harmony.decomposer.layer_graph import dtype_from_str
 from harmony.errors import HarmonyError
 from harmony.runtime.channels import Aborted, Slabs
-from harmony.runtime.device import CpuDevice, CudaDevice
+from harmony.runtime.device import CpuDevice, cuda_device
 from harmony.runtime.executor import Batch, Executor, IterationResult, Shared, host_update
 from harmony.runtime.hoststore import HostStore, Layout
 from harmony.runtime.launcher import StepResult, WorkerError, slab_sizes, working_memory
@@ -223,7 +223,7 @@ def run_spmd(plan, loss_fn: Callable, build_optimizer: Callable, get_batch: Call
     store = dist.distributed_c10d._get_default_store()
     graph, tasks = plan.graph, plan.tasks
     routes = build_routes(tasks, graph)
-    p2p = resolve(p2p, plan.options.get("device_type", "cpu"))
+    p2p = resolve(p2p, plan.options.get("device_type", "cpu"), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     token = [uuid.uuid4().hex[:12] if rank == 0 else None]
     dist.broadcast_object_list(token, src=0)
     prefix = os.path.join(SHM_DIR, f"harmony-{token[0]}-node{topo.node}")
@@ -373,7 +373,8 @@ def _train(topo: Topology, plan, routes, host, shared, slabs, store, replicator,
     tasks = plan.tasks
     capacity = plan.worker_capacity()
     torch.set_num_threads(1)  # as the profile measured an emulated device
-    device = (CudaDevice(int(os.environ["LOCAL_RANK"]), capacity) if plan.options.get("device_type") == "cuda"
+    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    device = (cuda_device(local_rank, local_world, capacity) if plan.options.get("device_type") == "cuda"
               else CpuDevice(f"cpu{rank}", capacity))
     device.warm_up(within_capacity=False)  # this thread computes; the plan keeps all of its capacity
     mailbox = StoreMailbox(store, shared.aborted)
