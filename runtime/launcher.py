@@ -193,13 +193,23 @@ def _by_value(fn: Callable, what: str) -> _ByValue:
         ) from exc
 
 
+START_METHOD = "HARMONY_START_METHOD"
+
+
 def start_method(device_type: str) -> str:
     """Fork workers on emulated devices (they inherit the layer code and the user's functions as
     they are), unless a GPU is visible: autograd then runs backward passes on threads it starts for
     the GPUs, and a process forked after this one ran any backward (profiling, a reference run)
     cannot run one ("Unable to handle autograd's threading in combination with fork-based
-    multiprocessing"). CUDA workers are spawned, since CUDA cannot be forked."""
-    return "fork" if device_type == "cpu" and visible_gpus() == 0 else "spawn"
+    multiprocessing"). CUDA workers are spawned, since CUDA cannot be forked.
+    ``HARMONY_START_METHOD=spawn`` spawns emulated workers too (for a library that breaks under
+    fork, or to test the GPU machines' way on a machine without one)."""
+    if device_type != "cpu" or visible_gpus() > 0:
+        return "spawn"
+    chosen = os.environ.get(START_METHOD, "fork")
+    if chosen not in ("fork", "spawn"):
+        raise HarmonyError(f"{START_METHOD}={chosen!r}: choose fork or spawn")
+    return chosen
 
 
 def _make_device(ctx: _WorkerContext) -> Device:

@@ -145,6 +145,8 @@ class FailingSend:
         return self.send(*args, **kwargs)
 
 
+@pytest.mark.skipif(os.environ.get("HARMONY_START_METHOD") == "spawn",
+                    reason="the failure is a patch that only forked workers inherit")
 def test_a_transport_error_ends_the_run_with_the_devices_report(monkeypatch):
     _, get_batch, plan = plan_for("gpt2", "pp", 2)
     before = shm_files()

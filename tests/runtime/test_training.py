@@ -159,6 +159,22 @@ def test_emulated_workers_are_spawned_where_a_gpu_is_visible_and_train_as_eager_
     assert history[-1].bytes_by_channel() == {k: v for k, v in plan.tasks.bytes_by_channel().items() if v}
 
 
+def test_emulated_workers_are_forked_unless_a_gpu_is_visible_or_spawn_is_asked_for(monkeypatch):
+    from harmony.errors import HarmonyError
+    from harmony.runtime import launcher
+
+    monkeypatch.delenv(launcher.START_METHOD, raising=False)
+    monkeypatch.setattr(launcher, "visible_gpus", lambda: 0)
+    assert launcher.start_method("cpu") == "fork" and launcher.start_method("cuda") == "spawn"
+    monkeypatch.setenv(launcher.START_METHOD, "spawn")
+    assert launcher.start_method("cpu") == "spawn"
+    monkeypatch.setenv(launcher.START_METHOD, "forkserver")
+    with pytest.raises(HarmonyError, match="HARMONY_START_METHOD='forkserver': choose fork or spawn"):
+        launcher.start_method("cpu")
+    monkeypatch.setattr(launcher, "visible_gpus", lambda: 1)
+    assert launcher.start_method("cpu") == "spawn"  # whatever was asked: fork would break autograd
+
+
 def test_spawned_workers_receive_lambdas_and_closures_by_value_and_train_as_eager_does(monkeypatch):
     """As a notebook user would write them (a notebook's functions cannot be imported by name)."""
     from harmony.runtime import launcher
