@@ -253,27 +253,27 @@ def run_spmd(plan, loss_fn: Callable, build_optimizer: Callable, get_batch: Call
 
 
 def _resume(topo: Topology, plan, host: HostStore, path) -> tuple[int, int]:
-    """Each node's lowest rank loads the checkpoint into its node's host store; every rank learns
-    whether all could, and the step and seed to go on from."""
-    outcome: tuple[str, int | None, int | None] = ("", None, None)
+    """Each node's lowest rank loads the checkpoint into its node's host store and its generators;
+    every rank learns whether all could, the step and seed to go on from, and (from its node's
+    leader, so that the file is read once per host) the generators' states."""
+    outcome: tuple[str, int | None, int | None, dict | None] = ("", None, None, None)
     if topo.leader:
         try:
             step, seed = checkpoint.restore(path, plan, host)
-            outcome = ("", step, seed)
+            outcome = ("", step, seed, checkpoint.capture_rng())
         except HarmonyError as exc:
-            outcome = (f"rank {topo.rank} on {socket.gethostname()}: {exc}", None, None)
-    else:  # the generators of every rank as saved (a file this rank cannot read, its node's leader reports)
-        with contextlib.suppress(HarmonyError):
-            checkpoint.restore_rng(checkpoint.read(path)["rng"], str(path))
+            outcome = (f"rank {topo.rank} on {socket.gethostname()}: {exc}", None, None, None)
     outcomes: list[Any] = [None] * sum(len(ranks) for ranks in topo.nodes)
     dist.all_gather_object(outcomes, outcome)
-    problems = [problem for problem, _, _ in outcomes if problem]
+    problems = [problem for problem, _, _, _ in outcomes if problem]
     if problems:
         raise HarmonyError("cannot resume: " + "; ".join(problems) + " (every host needs the same checkpoint file)")
-    found = {(step, seed) for problem, step, seed in outcomes if step is not None}
+    found = {(step, seed) for _, step, seed, _ in outcomes if step is not None}
     if len(found) != 1:
         raise HarmonyError(f"the hosts' checkpoints are of different steps or seeds {sorted(found)}; give every host "
                            "the same checkpoint file")
+    if not topo.leader:
+        checkpoint.restore_rng(outcomes[topo.nodes[topo.node][0]][3], str(path))
     return found.pop()
 
 

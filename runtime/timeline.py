@@ -5,9 +5,9 @@ included) and the labelled jobs of its side streams (state and input copies in, 
 gradients out, P2P sends); the launcher times the host's tasks. The times are ``time.perf_counter``
 seconds, one clock for every process of a host, so the workers' timelines line up; they are shifted
 to start at the iteration's first event. The trace puts each device's measured timeline above its
-estimate (``scheduler.estimator.estimate``, re-run with the plan's own profile and machine), with
-the same streams, so that Perfetto shows where the run departs from the plan. Not for runs over
-several hosts, whose clocks differ.
+estimate (the compiler's, or ``scheduler.estimator.estimate`` re-run with the plan's own profile
+and machine for a plan loaded from disk), with the same streams, so that Perfetto shows where the
+run departs from the plan. Not for runs over several hosts, whose clocks differ.
 """
 
 from __future__ import annotations
@@ -38,10 +38,12 @@ def measured_events(step: StepResult) -> list[StreamEvent]:
 def run_trace(plan, step: StepResult) -> dict:
     """The Chrome trace of ``step`` measured, and of the plan's estimate of one iteration."""
     events = trace_events(measured_events(step), suffix=" measured")
+    estimated = getattr(plan, "events", None)  # kept by a plan compiled in this process
     machine = plan.profile.machine
-    if machine is not None:
-        est = estimate(plan.tasks, plan.profile, machine, capacity=plan.options.get("planned_memory"))
-        events += trace_events(est.events, pid_base=ESTIMATE_PID_BASE, suffix=" estimated")
+    if estimated is None and machine is not None:
+        estimated = estimate(plan.tasks, plan.profile, machine, capacity=plan.options.get("planned_memory")).events
+    if estimated is not None:
+        events += trace_events(estimated, pid_base=ESTIMATE_PID_BASE, suffix=" estimated")
     else:
         log.info("the plan's profile has no machine description: the trace shows the measured timeline only")
     return {"traceEvents": events, "displayTimeUnit": "ms"}
