@@ -5,8 +5,9 @@ gradient slots, once, in shared memory), starts one worker per device and waits 
 built its executor. ``step(batch)`` hands every worker the minibatch, runs the plan's host-bound
 tasks (offloaded updates) in this process, and returns when every worker finished the iteration,
 with per-device measurements. Workers on emulated CPU devices are forked (they inherit the layer
-code and the user's loss function) where no GPU is visible; CUDA workers, and emulated ones on a
-machine with a GPU (``start_method``), are spawned and rebuild the layer graph from its plain data.
+code and the user's loss function) while autograd survives a fork; CUDA workers, and emulated ones
+once it does not (``processes.start_method``), are spawned and rebuild the layer graph from its
+plain data.
 
 Failure: a worker that raises reports the error, the task it was running and its traceback, and
 sets the shared abort flag, so that the other workers stop waiting for it; a worker that dies
@@ -45,13 +46,13 @@ from typing import Any, Callable
 
 import cloudpickle
 import torch
-import torch.multiprocessing as mp
 
 from harmony.decomposer.layer_graph import LayerGraph
 from harmony.errors import DeviceOutOfMemoryError, HarmonyError
 from harmony.runtime import p2p as p2p_transport
 from harmony.runtime.channels import Aborted, Mailbox, Slabs
-from harmony.runtime.device import CpuDevice, Device, cuda_device, visible_gpus
+from harmony.runtime import processes
+from harmony.runtime.device import CpuDevice, Device, cuda_device
 from harmony.runtime.executor import Batch, Executor, IterationResult, Shared, describe, host_update
 from harmony.runtime.hoststore import HostStore
 from harmony.runtime.routes import Routes, build_routes
@@ -188,28 +189,10 @@ def _by_value(fn: Callable, what: str) -> _ByValue:
     except Exception as exc:  # noqa: BLE001 - whatever pickling raises, named for the user
         raise HarmonyError(
             f"cannot send the {what} {getattr(fn, '__qualname__', fn)!r} to the workers: {type(exc).__name__}: {exc}. "
-            "They are spawned processes here (CUDA workers always; emulated ones on a machine with a GPU) and "
+            "They are spawned processes here (CUDA workers always; emulated ones once this process's autograd "
+            "cannot survive a fork) and "
             "receive it pickled: it must not hold what cannot be (an open file, a lock, a CUDA tensor)"
         ) from exc
-
-
-START_METHOD = "HARMONY_START_METHOD"
-
-
-def start_method(device_type: str) -> str:
-    """Fork workers on emulated devices (they inherit the layer code and the user's functions as
-    they are), unless a GPU is visible: autograd then runs backward passes on threads it starts for
-    the GPUs, and a process forked after this one ran any backward (profiling, a reference run)
-    cannot run one ("Unable to handle autograd's threading in combination with fork-based
-    multiprocessing"). CUDA workers are spawned, since CUDA cannot be forked.
-    ``HARMONY_START_METHOD=spawn`` spawns emulated workers too (for a library that breaks under
-    fork, or to test the GPU machines' way on a machine without one)."""
-    if device_type != "cpu" or visible_gpus() > 0:
-        return "spawn"
-    chosen = os.environ.get(START_METHOD, "fork")
-    if chosen not in ("fork", "spawn"):
-        raise HarmonyError(f"{START_METHOD}={chosen!r}: choose fork or spawn")
-    return chosen
 
 
 def _make_device(ctx: _WorkerContext) -> Device:
@@ -317,8 +300,8 @@ class Launcher:
                  build_optimizer: Callable, device_type: str = "cpu", capacity: int | None = None,
                  seed: int = 0, timeout: float = 600.0, threads: int | None = None,
                  profile: Profile | None = None, prefetch: bool = True, p2p: str = "auto") -> None:
-        method = start_method(device_type)
-        if method == "spawn":  # before anything is made that would need closing
+        method = processes.start_method(device_type)
+        if method != "fork":  # before anything is made that would need closing
             loss_fn, build_optimizer = _by_value(loss_fn, "loss function"), _by_value(build_optimizer, "optimizer builder")
         self.graph = graph
         self.tasks = tasks
@@ -337,7 +320,7 @@ class Launcher:
         working = working_memory(tasks, profile)  # the same for every worker: computed once
         self.iteration = 0
         self._closed = False
-        mpctx = mp.get_context(method)
+        mpctx = processes.context(method)
         self.inboxes = [mpctx.Queue() for _ in range(self.devices)]
         self.commands = [mpctx.Queue() for _ in range(self.devices)]
         self.results = mpctx.Queue()
@@ -345,7 +328,7 @@ class Launcher:
         # would hang): emulated devices compute on one thread each, as the profiler measured them
         threads = threads or (1 if device_type == "cpu" else max(1, (os.cpu_count() or 1) // self.devices))
         graph_data = None
-        if method == "spawn":
+        if method != "fork":
             graph_data = {"graph": graph.to_dict(), "sources": dict(graph.sources)}
         self.processes = []
         for rank in range(self.devices):
@@ -358,7 +341,7 @@ class Launcher:
                 p2p_store=os.path.join(self._rendezvous, "store") if self._rendezvous is not None else None,
             )
             process = mpctx.Process(target=_worker_main, args=(ctx,), name=f"harmony-dev{rank}", daemon=True)
-            process.start()
+            processes.start([process])
             self.processes.append(process)
         try:
             self._collect("ready", timeout=max(60.0, timeout))

@@ -66,6 +66,7 @@ import torch
 from harmony.errors import HarmonyError
 from harmony.scheduler.machine import Machine
 
+from . import processes
 from .device import CpuDevice, make_devices
 from .streams import SWITCH_INTERVAL, Stream
 
@@ -258,8 +259,7 @@ def _run_workers(copiers: int, size: int, capacity: int | None, repeats: int, ti
     ]
     out: dict[int, dict] = {}
     try:
-        for p in procs:
-            p.start()
+        processes.start(procs)
         last_progress = time.monotonic()
         last_steps = list(steps[:])
         while len(out) < nprocs:

@@ -14,7 +14,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-from sklearn.linear_model import LinearRegression
 
 from harmony import serialization
 from harmony.errors import FormatError
@@ -90,6 +89,8 @@ class Fit:
 def _line(us: list[int], ys: list[float]) -> tuple[float, float]:
     if len(set(us)) < 2:
         return 0.0, (ys[0] / us[0] if us and us[0] else 0.0)
+    from sklearn.linear_model import LinearRegression  # here: a second to import, and workers never fit
+
     model = LinearRegression().fit(np.asarray(us, dtype=float).reshape(-1, 1), np.asarray(ys, dtype=float))
     return float(model.intercept_), float(model.coef_[0])
 

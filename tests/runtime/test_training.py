@@ -145,13 +145,14 @@ def test_dropout_masks_differ_between_microbatches_yet_replay_in_the_recompute()
     assert a != b
 
 
-def test_emulated_workers_are_spawned_where_a_gpu_is_visible_and_train_as_eager_does(monkeypatch):
-    """On a machine with a GPU, autograd's device threads forbid forking after any backward, so
-    emulated workers are spawned there: the same results, the layer graph sent as plain data."""
-    from harmony.runtime import launcher
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_workers_that_are_not_forked_rebuild_the_layers_and_train_as_eager_does(monkeypatch, method):
+    """Where a fork would break autograd, emulated workers come from the fork server (CUDA workers
+    are spawned): the same results, the layer graph sent as plain data."""
+    from harmony.runtime import processes
 
-    monkeypatch.setattr(launcher, "visible_gpus", lambda: 1)
-    assert launcher.start_method("cpu") == "spawn"
+    monkeypatch.setenv(processes.START_METHOD, method)
+    assert processes.start_method("cpu") == method
     losses, expected, state, reference, history, plan = train_both("gpt2", "pp", 2, iterations=2)
     assert losses == pytest.approx(expected, rel=1e-9)
     for name, want in reference.items():
@@ -159,27 +160,34 @@ def test_emulated_workers_are_spawned_where_a_gpu_is_visible_and_train_as_eager_
     assert history[-1].bytes_by_channel() == {k: v for k, v in plan.tasks.bytes_by_channel().items() if v}
 
 
-def test_emulated_workers_are_forked_unless_a_gpu_is_visible_or_spawn_is_asked_for(monkeypatch):
+def test_workers_are_forked_until_a_forked_child_cannot_run_a_backward_pass(monkeypatch):
+    """The start method follows what a forked child can do, asked of a real fork, not the build."""
     from harmony.errors import HarmonyError
-    from harmony.runtime import launcher
+    from harmony.runtime import processes
 
-    monkeypatch.delenv(launcher.START_METHOD, raising=False)
-    monkeypatch.setattr(launcher, "visible_gpus", lambda: 0)
-    assert launcher.start_method("cpu") == "fork" and launcher.start_method("cuda") == "spawn"
-    monkeypatch.setenv(launcher.START_METHOD, "spawn")
-    assert launcher.start_method("cpu") == "spawn"
-    monkeypatch.setenv(launcher.START_METHOD, "forkserver")
-    with pytest.raises(HarmonyError, match="HARMONY_START_METHOD='forkserver': choose fork or spawn"):
-        launcher.start_method("cpu")
-    monkeypatch.setattr(launcher, "visible_gpus", lambda: 1)
-    assert launcher.start_method("cpu") == "spawn"  # whatever was asked: fork would break autograd
+    monkeypatch.delenv(processes.START_METHOD, raising=False)
+    monkeypatch.setattr(processes, "_fork_broken", False)  # restored afterwards: the answer is per process
+    assert processes.start_method("cuda") == "spawn"
+    if processes.autograd_survives_fork():
+        assert processes.start_method("cpu") == "fork"
+        monkeypatch.setattr(processes, "_child_backward", lambda: 1)  # as in a process whose autograd threads run
+    assert processes.start_method("cpu") == "forkserver"
+    monkeypatch.setattr(processes, "_child_backward", lambda: 0)
+    assert processes.start_method("cpu") == "forkserver"  # a broken fork stays broken
+    monkeypatch.setenv(processes.START_METHOD, "fork")
+    assert processes.start_method("cpu") == "forkserver"  # whatever was asked: fork would break autograd
+    monkeypatch.setenv(processes.START_METHOD, "spawn")
+    assert processes.start_method("cpu") == "spawn"
+    monkeypatch.setenv(processes.START_METHOD, "threads")
+    with pytest.raises(HarmonyError, match="HARMONY_START_METHOD='threads': choose fork, forkserver or spawn"):
+        processes.start_method("cpu")
 
 
 def test_spawned_workers_receive_lambdas_and_closures_by_value_and_train_as_eager_does(monkeypatch):
     """As a notebook user would write them (a notebook's functions cannot be imported by name)."""
-    from harmony.runtime import launcher
+    from harmony.runtime import processes
 
-    monkeypatch.setattr(launcher, "visible_gpus", lambda: 1)
+    monkeypatch.setenv(processes.START_METHOD, "forkserver")
     model, get_batch, plan = plan_for("gpt2", "dp", 2)
     scale = 1.0
     plan.loss_fn = lambda output, target: gpt2.loss_fn(output, target) * scale
@@ -195,9 +203,9 @@ def test_a_function_that_cannot_be_pickled_at_all_is_refused_naming_it_before_an
     import threading
 
     from harmony.errors import HarmonyError
-    from harmony.runtime import launcher
+    from harmony.runtime import processes
 
-    monkeypatch.setattr(launcher, "visible_gpus", lambda: 1)
+    monkeypatch.setenv(processes.START_METHOD, "spawn")
     _, _, plan = plan_for("gpt2", "pp", 2)
     lock = threading.Lock()
 
