@@ -10,7 +10,7 @@ import torch.fx as fx
 from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
-from harmony.decomposer import codegen, partition, tracing
+from harmony.decomposer import batching, codegen, partition, tracing
 from harmony.decomposer.layer_graph import LayerGraph, LayerSpec, StateSpec, ValueSpec
 from harmony.errors import DecomposeError
 
@@ -80,13 +80,21 @@ def _to_real_copy(t: torch.Tensor) -> torch.Tensor:
     return copy
 
 
-def _value_spec(name: str, value: Any) -> ValueSpec:
+def _value_spec(name: str, value: Any, fact: batching.BatchFact | None, batch: int) -> ValueSpec:
+    """The spec of a boundary value; ``fact`` None means the batch could not be probed, and a
+    tensor of dim 0 equal to the example batch is then taken to hold the samples there."""
+    coupled = fact is not None and fact.kind in (batching.COUPLED, batching.AFFINE)
     if isinstance(value, torch.Tensor):
+        if fact is None:
+            batch_dim = 0 if value.dim() > 0 and value.shape[0] == batch else None
+        else:
+            batch_dim = fact.dim if fact.kind == batching.BATCHED else None
         return ValueSpec(
             name=name, kind="tensor", shape=list(value.shape), dtype=str(value.dtype),
             nbytes=value.numel() * value.element_size(), requires_grad=value.requires_grad,
+            batch_dim=batch_dim, coupled=coupled,
         )
-    return ValueSpec(name=name, kind="object", text=repr(value)[:200])
+    return ValueSpec(name=name, kind="object", text=repr(value)[:200], coupled=coupled)
 
 
 def _propagate(gm: fx.GraphModule, inputs: tuple, real: bool) -> dict[fx.Node, Any]:
@@ -152,8 +160,12 @@ def decompose(
     # opaque modules may branch on data: give them real tensors when the model has real weights
     real = bool(opaque) and not any(t.is_meta for t in list(model.parameters()) + list(inputs))
     values = _propagate(gm, inputs, real)
+    facts, fixed_batch = batching.probe(gm, inputs, values, lambda resized: _propagate(gm, resized, real))
+    batch = batching.batch_size_of(inputs)
     segments = partition.segment(gm, model, gran)
     boundaries = partition.live_sets(gm, segments)
+    if batching.rederive_sizes(gm, segments, boundaries, facts):
+        boundaries = partition.live_sets(gm, segments)
     graphs = codegen.layer_graphs(gm, segments, boundaries)
 
     used: set[str] = set()
@@ -187,7 +199,7 @@ def decompose(
         used_here = {a.name for node in seg.nodes for a in node.all_input_nodes}
         relayed = [v.name for v in boundaries[i] if v in boundaries[i + 1] and v.name not in used_here] if i < total - 1 else []
         for v in boundaries[i] + (boundaries[i + 1] if i < total - 1 else []):
-            value_specs.setdefault(v.name, _value_spec(v.name, values.get(v)))
+            value_specs.setdefault(v.name, _value_spec(v.name, values.get(v), facts.get(v) if facts else None, batch))
         name = _layer_name(seg, i)
         code = codegen.generate(
             i, total, g, model, opaque, name, traced.tracer,
@@ -200,7 +212,7 @@ def decompose(
         ))
     for leaf in pytree.tree_leaves(next(n for n in gm.graph.nodes if n.op == "output").args[0]):
         if isinstance(leaf, fx.Node):
-            value_specs.setdefault(leaf.name, _value_spec(leaf.name, values.get(leaf)))
+            value_specs.setdefault(leaf.name, _value_spec(leaf.name, values.get(leaf), facts.get(leaf) if facts else None, batch))
 
     try:
         out_spec_text = pytree.treespec_dumps(traced.out_spec)
@@ -212,6 +224,7 @@ def decompose(
         model_class=f"{type(model).__module__}.{type(model).__qualname__}",
         tracer=traced.tracer, training=model.training, inputs=list(traced.input_names), layers=specs,
         values=value_specs, state={}, ties=ties, output_spec=out_spec_text, sources=sources,
+        batch_sizes=[batch] if fixed_batch else [], batch_note=fixed_batch,
     )
     graph._out_spec = traced.out_spec
     layer_modules = graph.build_modules(device="meta", source=model)

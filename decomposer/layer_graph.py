@@ -25,7 +25,7 @@ from harmony.errors import DecomposeError, FormatError
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: values record their batch dim; the graph the batch sizes its layers run at
 KIND = "layer-graph"
 GRAPH_FILE = "graph.msgpack"
 CODE_DIR = "layers"
@@ -54,6 +54,12 @@ class ValueSpec:
     nbytes: int = 0
     requires_grad: bool = False
     text: str = ""  # repr, for objects
+    # the dim holding one entry per sample, along which microbatches are cut and joined; None: the
+    # value is the same for every microbatch size (a causal mask, a sequence length)
+    batch_dim: int | None = None
+    # varies with the microbatch size in a way that cannot be cut or joined: the backward must then
+    # see exactly the forward's microbatches (U_F = U_B)
+    coupled: bool = False
 
 
 @dataclass
@@ -95,6 +101,10 @@ class LayerGraph:
     ties: dict[str, list[str]]  # canonical parameter name -> other names of the same tensor
     output_spec: str  # torch.utils._pytree treespec, serialized; "" if not serializable
     constants: dict[str, bytes] = field(default_factory=dict)  # values of constants and non-persistent buffers
+    # the microbatch sizes the layers run at, when the trace specialised the batch (empty: every size),
+    # and why
+    batch_sizes: list[int] = field(default_factory=list)
+    batch_note: str = ""
     sources: dict[str, str] = field(default_factory=dict, repr=False)  # code_file -> source
     modules: list[torch.nn.Module] | None = field(default=None, repr=False, compare=False)
     _out_spec: Any = field(default=None, repr=False, compare=False)
@@ -134,6 +144,16 @@ class LayerGraph:
 
         return hashlib.sha256(msgpack.packb(self.to_dict(), use_bin_type=True)).hexdigest()
 
+    def input_batch_dims(self, index: int) -> list[int | None]:
+        """Per input of layer ``index``, the dim its samples lie along (None: the same for every
+        microbatch, passed whole): where the runtime cuts and joins microbatches."""
+        return [self.values[n].batch_dim if self.values[n].kind == "tensor" else None for n in self.layers[index].inputs]
+
+    def coupled_inputs(self) -> list[tuple[int, str]]:
+        """(layer, value) of every layer input that depends on the microbatch size in a way that
+        can be neither cut nor joined, so the backward must see the forward's microbatches."""
+        return [(spec.index, n) for spec in self.layers for n in spec.inputs if self.values[n].coupled]
+
     def relays(self) -> dict[int, list[str]]:
         return {spec.index: spec.relayed for spec in self.layers if spec.relayed}
 
@@ -141,7 +161,7 @@ class LayerGraph:
         if self._out_spec is None:
             if not self.output_spec:
                 raise DecomposeError("this layer graph's output structure could not be saved; decompose the model again")
-            self._out_spec = pytree.treespec_loads(self.output_spec)
+            self._out_spec = _load_treespec(self.output_spec)
         return self._out_spec
 
     # ---------------------------------------------------------------- running
@@ -245,6 +265,8 @@ class LayerGraph:
                 ties={k: list(v) for k, v in body["ties"].items()},
                 output_spec=body["output_spec"],
                 constants=dict(body.get("constants", {})),
+                batch_sizes=list(body.get("batch_sizes", [])),
+                batch_note=body.get("batch_note", ""),
             )
         except serialization.MALFORMED as exc:
             raise FormatError(f"layer graph is malformed ({type(exc).__name__}: {exc})") from exc
@@ -314,6 +336,46 @@ class LayerGraph:
                 if name in self.constants:
                     with torch.no_grad():
                         buf.copy_(self.constant_value(name))
+
+
+def _serialized_types(node: Any) -> set[str]:
+    """Every ``"type"`` name in a serialized treespec's JSON body."""
+    found: set[str] = set()
+    if isinstance(node, dict):
+        if isinstance(node.get("type"), str):
+            found.add(node["type"])
+        for child in node.get("children_spec", ()):
+            found |= _serialized_types(child)
+    return found
+
+
+def _import_defining_module(type_name: str) -> None:
+    """Import the longest importable module prefix of ``type_name``.
+
+    Output classes such as Hugging Face's ``ModelOutput`` subclasses register themselves with
+    pytree when their module is imported; a spawned worker that never imported it could not
+    rebuild the model's output structure otherwise.
+    """
+    parts = type_name.split(".")
+    for k in range(len(parts) - 1, 0, -1):
+        try:
+            importlib.import_module(".".join(parts[:k]))
+            return
+        except ImportError:
+            continue
+
+
+def _load_treespec(text: str) -> pytree.TreeSpec:
+    """``pytree.treespec_loads``, importing first the modules that register the output's classes."""
+    try:
+        return pytree.treespec_loads(text)
+    except NotImplementedError:  # a class registered at import time, by a module not imported here
+        import json
+
+        _, body = json.loads(text)
+        for name in sorted(_serialized_types(body)):
+            _import_defining_module(name)
+        return pytree.treespec_loads(text)
 
 
 def _import_layer_class(spec: LayerSpec, source: str, origin: Path | None) -> type:

@@ -186,11 +186,15 @@ def _export(model: torch.nn.Module, example_inputs: tuple) -> TracedModel:
                 # (torch 2.11, torchvision's ViT attention: permute then view fails at batch 2);
                 # reshape is that same view wherever a view exists, and a copy elsewhere
                 env[node].target = torch.ops.aten.reshape.default
-            if isinstance(node.kwargs.get("device"), torch.device):
-                # export bakes the tracing device in; ask the running layer for its own instead
+            if isinstance(node.kwargs.get("device"), torch.device) or any(isinstance(a, torch.device) for a in node.args):
+                # export bakes the tracing device in (as a keyword, or positionally as in
+                # aten.to.device for Hugging Face's attention masks); ask the running layer for its own
                 with graph.inserting_before(env[node]):
                     dev = graph.call_function(device_of, ())
-                env[node].kwargs = {**env[node].kwargs, "device": dev}
+                new = env[node]
+                new.args = tuple(dev if isinstance(a, torch.device) else a for a in new.args)
+                if isinstance(new.kwargs.get("device"), torch.device):
+                    new.kwargs = {**new.kwargs, "device": dev}
     graph.lint()
     new_gm = fx.GraphModule(root, graph)
     names = [n.name for n in graph.nodes if n.op == "placeholder"]

@@ -93,6 +93,7 @@ def compile_plan(
         on_progress("decomposing")
         inputs, _ = get_batch(min(2, options.minibatch), 0)
         graph = decompose(model, inputs)
+    _check_batch_sizes(graph, options.minibatch)
     profile, machine = profile_graph(graph, get_batch, build_optimizer, options, on_progress)
     capacity = profile.capacity
     _check_smallest_layer(profile, capacity)
@@ -142,6 +143,17 @@ def compile_plan(
     return plan, chrome_trace(est)
 
 
+def _check_batch_sizes(graph: LayerGraph, minibatch: int) -> None:
+    """Refuse a graph whose trace specialised the batch size before profiling runs it at others:
+    profiling and the plan's microbatches need every size from 1 up to the minibatch."""
+    if graph.batch_sizes and not set(range(1, minibatch + 1)) <= set(graph.batch_sizes):
+        raise HarmonyError(
+            f"the model's layers run at batch size {', '.join(map(str, graph.batch_sizes))} only ({graph.batch_note}); "
+            "the plan needs microbatches of every size up to the minibatch. Decompose with example inputs of "
+            "batch size 2 or more (torch.export fixes a batch of 1), or remove what fixes the batch size in forward()"
+        )
+
+
 # functional calls that draw random numbers, as they appear in generated layer code (module calls
 # such as nn.Dropout are found on the modules themselves)
 _RANDOM_CALLS = ("functional.dropout", "functional.alpha_dropout", "functional.feature_alpha_dropout",
@@ -154,8 +166,16 @@ _RANDOM_CALLS = ("functional.dropout", "functional.alpha_dropout", "functional.f
 def batch_coupled(graph: LayerGraph) -> str:
     """Why the forward's microbatches must be the recompute's (U_F = U_B), or "" if they need not:
     a layer that draws random numbers (dropout masks are drawn per microbatch) or normalizes over
-    the batch (BatchNorm in training mode) gives other results on other microbatches."""
+    the batch (BatchNorm in training mode) gives other results on other microbatches, and a value
+    between layers that the decomposer could not cut along a batch dim (``LayerGraph.coupled_inputs``)
+    must reach the backward on the microbatch it was made for."""
     reasons = []
+    coupled = graph.coupled_inputs()
+    if coupled:
+        layer, name = coupled[0]
+        more = f" and {len(coupled) - 1} more" if len(coupled) > 1 else ""
+        reasons.append(f"value {name} entering layer {layer}{more} depends on the microbatch size in a way that "
+                       "cannot be cut between microbatches")
     if graph.training:
         text = "\n".join(graph.sources.values())
         found = [name.rstrip("(").split(".")[-1] for name in _RANDOM_CALLS if name in text]

@@ -41,6 +41,7 @@ import torch
 from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
+from harmony.decomposer import batching
 from harmony.decomposer.layer_graph import LayerGraph
 from harmony.errors import DeviceOutOfMemoryError
 from harmony.runtime import rng
@@ -236,7 +237,7 @@ class Executor:
         self.swap_out = Stream(f"dev{rank}-swap-out", scope, setup, device.stream_sync)
         self.p2p_in = Stream(f"dev{rank}-p2p-in", scope, setup, device.stream_sync)
         self.p2p_out = Stream(f"dev{rank}-p2p-out", scope, setup, device.stream_sync)
-        self._batch_dims = self._batch_value_masks()
+        self._batch_dims = self._batch_value_dims()
         tracker = getattr(device, "tracker", None)
         if tracker is not None:
             tracker.reclaim = self._reclaim
@@ -579,35 +580,16 @@ class Executor:
         return values
 
     # ================================================================ streams of activations
-    def _batch_value_masks(self) -> dict[int, list[bool]]:
-        """Per layer boundary, which values carry the batch on dim 0 (from the shapes the graph
-        recorded at its example batch size), for cutting and joining microbatches."""
-        first = self.layers.values[self.layers.inputs[0]]
-        example = first.shape[0] if first.shape else 1
-        masks = {}
-        for spec in self.layers.layers:
-            masks[spec.index] = [
-                self.layers.values[n].kind == "tensor" and bool(self.layers.values[n].shape)
-                and self.layers.values[n].shape[0] == example for n in spec.inputs
-            ]
-        return masks
+    def _batch_value_dims(self) -> dict[int, list[int | None]]:
+        """Per layer boundary, the dim along which each value holds its samples (None: passed
+        whole), as the decomposer probed it, for cutting and joining microbatches."""
+        return {spec.index: self.layers.input_batch_dims(spec.index) for spec in self.layers.layers}
 
     def _cut(self, values: Values, boundary: int, start: int, stop: int) -> Values:
-        mask = self._batch_dims.get(boundary, [])
-        return [v[start:stop] if (i < len(mask) and mask[i] and isinstance(v, torch.Tensor)) else v
-                for i, v in enumerate(values)]
+        return batching.cut(list(values), self._batch_dims.get(boundary, []), start, stop)
 
     def _join(self, parts: list[Values], boundary: int) -> Values:
-        if len(parts) == 1:
-            return parts[0]
-        mask = self._batch_dims.get(boundary, [])
-        out = []
-        for i, first in enumerate(parts[0]):
-            if i < len(mask) and mask[i] and isinstance(first, torch.Tensor):
-                out.append(torch.cat([p[i] for p in parts], dim=0))
-            else:
-                out.append(first)
-        return out
+        return batching.join(parts, self._batch_dims.get(boundary, []))
 
     def _key(self, consumer: int, stream: str, start: int) -> tuple:
         return (self.iteration, consumer, stream, start)

@@ -350,8 +350,8 @@ class _LayerRunner:
                     ) from exc
                 continue
             shape = list(v.shape)
-            if shape and self.batch is not None and shape[0] == self.batch:
-                shape[0] = u
+            if v.batch_dim is not None:  # the samples' dim, as the decomposer probed it
+                shape[v.batch_dim] = u
             t = torch.empty(shape, dtype=self._cast(dtype_from_str(v.dtype)), device="meta")
             if grad and v.requires_grad and t.is_floating_point():
                 t.requires_grad_(True)
@@ -450,8 +450,8 @@ def _signature(graph: LayerGraph, index: int, module: torch.nn.Module, dtype: to
     for name in spec.inputs:
         v = graph.values[name]
         shape = list(v.shape)
-        if shape and batch is not None and shape[0] == batch:
-            shape[0] = -1
+        if v.batch_dim is not None:
+            shape[v.batch_dim] = -1
         inputs.append((v.kind, tuple(shape), v.dtype, v.requires_grad, v.text if v.kind != "tensor" else ""))
     return (code, state, mods, tuple(inputs), str(dtype))
 
