@@ -5,11 +5,10 @@
         for step in range(100):
             loss = trainer.step(*get_batch(64, step))
 
-Workers on GPUs (and emulated ones on a machine with a GPU) are spawned processes: they receive the
-loss function and the optimizer builder pickled with cloudpickle (so lambdas, closures and a
-notebook's functions travel by value), and a script that trains must do so under
-``if __name__ == "__main__":``, since each spawned worker imports it, as for any spawning
-``multiprocessing`` program.
+Workers that are not forked (CUDA workers, and emulated ones once a fork could not run a backward
+pass: ``runtime/processes.py``) receive the loss function and the optimizer builder pickled with
+cloudpickle (so lambdas, closures and a notebook's functions travel by value) and never import the
+script that started them: a script needs no ``if __name__ == "__main__":`` guard.
 
 Each ``step`` is one synchronous SGD iteration over the minibatch: the same losses and weights
 as eager training of the model on one process with the plan's microbatches (``runtime/reference``).
