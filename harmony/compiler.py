@@ -110,7 +110,7 @@ def compile_plan(
                                    same_u=bool(same_u))
         except NoFeasibleConfiguration as exc:
             if mode == options.mode:
-                raise HarmonyError(str(exc)) from exc
+                raise HarmonyError(str(exc) + _memory_that_fits(exc, options.memory_margin)) from exc
             log.info("%s", exc)
             infeasible.append(mode)
     chosen = results[options.mode]
@@ -141,6 +141,15 @@ def compile_plan(
     )
     plan.events = est.events  # for a Gantt picture; not saved (trace.json holds the same)
     return plan, chrome_trace(est)
+
+
+def _memory_that_fits(exc: NoFeasibleConfiguration, margin: float) -> str:
+    """The device memory at which the search's closest configuration fits, the unplanned margin
+    included: what ``--device-memory`` must at least be for it."""
+    if exc.shortfall is None:
+        return ""
+    memory = math.ceil(exc.shortfall.needed / (1 - margin))
+    return f" (with {margin:.0%} left unplanned: --device-memory {memory:,} bytes or more)"
 
 
 def _check_batch_sizes(graph: LayerGraph, minibatch: int) -> None:

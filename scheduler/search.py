@@ -22,7 +22,7 @@ from harmony.scheduler.estimator import Estimate, estimate, task_compute_seconds
 from harmony.scheduler.machine import Machine
 from harmony.scheduler.profiles import Profile
 from harmony.scheduler.taskgraph import generate
-from harmony.scheduler.tasks import Channel, Configuration, TaskGraph
+from harmony.scheduler.tasks import Channel, Configuration, Kind, TaskGraph
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +38,46 @@ class SearchResult:
     candidates: list[tuple[float, Configuration]] = field(default_factory=list)  # (time, config) of every fitting one
 
 
+@dataclass
+class Shortfall:
+    """What the configuration that came closest to fitting needs: the bytes per device that fit it
+    and, at its peak, what the device holds besides the peak task's own pack."""
+
+    config: Configuration
+    needed: int  # bytes per device at which this configuration fits (estimated)
+    peak: int  # its peak at the capacity searched
+    device: int
+    task: str  # the task at the peak
+    own: int  # that task's own pack: weights, gradients, a microbatch's activations and inputs
+    outgoing: dict[str, int] = field(default_factory=dict)  # earlier tasks' outputs still leaving as it starts
+
+    def describe(self, mode: str) -> str:
+        held = self.peak - self.own
+        text = (f"the closest, {self.config}, peaks at {self.peak:,} bytes on dev{self.device} in {self.task}, whose own "
+                f"pack needs {self.own:,} (weights, gradients, inputs and one microbatch's activations)")
+        if held > 0:
+            text += (f"; the other {held:,} are tensors of the work around it held at the same time: inputs prefetched "
+                     "for its later microbatches and the next task, outputs on their way out")
+        if self.outgoing:
+            text += f" (when it starts, {_bytes_by_tensor(self.outgoing)} of earlier tasks' outputs are still leaving)"
+        if mode == "dp" and 2 * self.outgoing.get("dW", 0) >= held > 0:
+            text += (". In dp every device runs every pack back to back, so a pack starts while the previous pack's "
+                     "gradient is still on its way to the reduction in host memory; pp runs the next pack on another device")
+        return text + f". This configuration fits {self.needed:,} bytes per device"
+
+
+def _bytes_by_tensor(nbytes: dict[str, int]) -> str:
+    return ", ".join(f"{name} {n:,} B" for name, n in sorted(nbytes.items()))
+
+
 class NoFeasibleConfiguration(ValueError):
-    """No configuration fits the device capacity."""
+    """No configuration fits the device capacity; ``shortfall`` says what the closest one needs."""
+
+    def __init__(self, message: str, shortfall: Shortfall | None = None,
+                 closest: tuple[int, TaskGraph] | None = None):
+        super().__init__(message)
+        self.shortfall = shortfall
+        self.closest = closest  # (peak, task graph) of the configuration that came closest to fitting
 
 
 def ladder(limit: int) -> list[int]:
@@ -101,19 +139,26 @@ def search(
     # the fewest packs that fit the profile's memory can still overflow once prefetching and
     # transfers in flight are simulated: widen to more, smaller packs until something fits
     tried: set[int] = set()
+    closest: tuple[int, TaskGraph] | None = None
     for extra in (extra_packs, extra_packs + 3, extra_packs + 12, len(profile.layers)):
         if extra in tried:
             continue
         tried.add(extra)
         try:
             result = _search(profile, machine, mode, devices, minibatch, capacity, extra, sizes, keep_candidates, same_u, options)
-        except NoFeasibleConfiguration:
+        except NoFeasibleConfiguration as exc:
+            if exc.closest is not None and (closest is None or exc.closest[0] < closest[0]):
+                closest = exc.closest
             if extra >= len(profile.layers):
-                raise
+                break
             continue
         result.seconds = time.perf_counter() - start
         return result
-    raise NoFeasibleConfiguration(f"no {mode} configuration fits {capacity:,} bytes per device")
+    message = f"no {mode} configuration fits {capacity:,} bytes per device"
+    shortfall = shortfall_of(closest[1], profile, machine, capacity) if closest is not None else None
+    if shortfall is not None:
+        message += f"; {shortfall.describe(mode)}"
+    raise NoFeasibleConfiguration(message + "; give the devices more memory or cut the model into smaller layers", shortfall)
 
 
 def _search(profile, machine, mode, devices, minibatch, capacity, extra_packs, sizes, keep_candidates, same_u, options) -> SearchResult:
@@ -133,6 +178,7 @@ def _search(profile, machine, mode, devices, minibatch, capacity, extra_packs, s
                     pending.append((quick_bound(mode, profile, config, devices, minibatch, machine), len(pending), config))
     pending.sort(key=lambda c: (c[0], c[1]))
     best: tuple[float, Configuration, TaskGraph, Estimate] | None = None
+    closest: tuple[int, TaskGraph] | None = None  # the lowest peak that did not fit
     explored = built = 0
     candidates: list[tuple[float, Configuration]] = []
     for quick, _, config in pending:
@@ -149,6 +195,10 @@ def _search(profile, machine, mode, devices, minibatch, capacity, extra_packs, s
                 continue
             est = estimate(graph, profile, machine, capacity=capacity, record_events=False)
             explored += 1
+            if not est.fits and not est.deadlock:
+                peak = max(est.peak_memory.values(), default=0)
+                if closest is None or peak < closest[0]:
+                    closest = (peak, graph)
             if not est.fits or est.deadlock:
                 continue
             if keep_candidates:
@@ -158,12 +208,63 @@ def _search(profile, machine, mode, devices, minibatch, capacity, extra_packs, s
     if best is None:
         raise NoFeasibleConfiguration(
             f"no {mode} configuration fits {capacity:,} bytes per device (explored {explored}); "
-            "give the devices more memory or cut the model into smaller layers"
+            "give the devices more memory or cut the model into smaller layers", closest=closest
         )
     _, config, graph, _ = best
     final = estimate(graph, profile, machine, capacity=capacity, record_events=True)
     pruned = len(pending) * len(_variants(mode, options)) - explored
     return SearchResult(config, graph, final, explored, pruned, time.perf_counter() - start, candidates)
+
+
+def shortfall_of(graph: TaskGraph, profile: Profile, machine: Machine, capacity: int) -> Shortfall:
+    """What ``graph`` (a configuration that did not fit ``capacity``) needs: the bytes per device at
+    which it fits, found by re-estimating at its own peak (more room lets prefetches start earlier,
+    which can raise the peak again), and its peak task's own share of that peak."""
+    est = estimate(graph, profile, machine, capacity=capacity, record_events=True)
+    needed = max(est.peak_memory.values(), default=0)
+    for _ in range(8):
+        trial = estimate(graph, profile, machine, capacity=needed, record_events=False)
+        if trial.fits:
+            break
+        needed = max(needed + 1, max(trial.peak_memory.values(), default=0))
+    device = max(est.peak_memory, key=est.peak_memory.get)
+    computing = [t for t in graph.tasks if t.device == device and t.kind != Kind.UPD]
+    peaks = getattr(est, "task_peaks", None) or {}
+    if any(t.id in peaks for t in computing):
+        task = max((t for t in computing if t.id in peaks), key=lambda t: peaks[t.id])
+    else:  # an estimate without per-task peaks: the task whose own pack is largest
+        task = max(computing, key=lambda t: _own_memory(profile, t))
+    return Shortfall(config=graph.config, needed=needed, peak=peaks.get(task.id, est.peak_memory[device]),
+                     device=device, task=str(task), own=_own_memory(profile, task),
+                     outgoing=_held_beside(est, device, task))
+
+
+def _own_memory(profile: Profile, task) -> int:
+    """A FWD or BWD task's own peak: its pack's weights, gradients, activations and inputs."""
+    if task.kind == Kind.FWD:
+        return profile.pack_fwd_memory(task.first, task.last, task.u)
+    return profile.pack_bwd_memory(task.first, task.last, task.u)
+
+
+def _held_beside(est: Estimate, device: int, task) -> dict[str, int]:
+    """Bytes by tensor of earlier tasks' outputs still being copied off ``device`` when ``task``
+    starts computing (a timeline fact, from the estimate's events)."""
+    computes = [e for e in est.events if e.device == device and e.stream == "compute"]
+    start = min(e.start for e in computes if e.task == task.id)
+    ended = {e.task for e in computes if e.end <= start}
+    outgoing: dict[str, int] = {}
+    for e in est.events:
+        if e.device == device and e.stream in ("swap-out", "p2p-out") and e.task in ended and e.end > start:
+            tensor, nbytes = _transfer_of(e.label)
+            outgoing[tensor] = outgoing.get(tensor, 0) + nbytes
+    return outgoing
+
+
+def _transfer_of(label: str) -> tuple[str, int]:
+    """(tensor, bytes) of a transfer's timeline label, e.g. ``dW->SWAP (399872 B)``."""
+    tensor = label.split("<-")[0].split("->")[0].strip()
+    nbytes = int(label.rsplit("(", 1)[1].split()[0]) if "(" in label else 0
+    return tensor, nbytes
 
 
 def quick_bound(mode: str, profile: Profile, config: Configuration, devices: int, minibatch: int, machine: Machine) -> float:
