@@ -78,3 +78,21 @@ def test_pipeline_baselines_skip_configurations_with_fewer_packs_than_stages():
     profile = skewed_profile(times=(1.0, 2.0, 1.0))
     result = search(profile, Machine.from_spec("1080ti", 3), "gpipe-swap-r", 3, 6)
     assert len(result.config.packs_f) >= 3
+
+
+@pytest.mark.parametrize("mode, capacity", [("dp", 4_500_000), ("pp", 6_000_000)])
+def test_nothing_fits_names_the_closest_configuration_and_the_memory_that_fits_it(mode, capacity):
+    """Issue 14: the refusal says what the closest configuration needs, and that much memory fits."""
+    profile = skewed_profile(capacity=capacity)
+    machine = Machine.from_spec("1080ti", 2)
+    with pytest.raises(NoFeasibleConfiguration) as info:
+        search(profile, machine, mode, 2, 4, capacity=capacity)
+    shortfall = info.value.shortfall
+    assert shortfall is not None and shortfall.needed > capacity and shortfall.peak > capacity
+    message = str(info.value)
+    assert f"the closest, {shortfall.config}" in message and f"fits {shortfall.needed:,} bytes per device" in message
+    assert f"whose own pack needs {shortfall.own:,}" in message
+    fitting = [estimate(generate(mode, profile, shortfall.config, 2, 4, update=u), profile, machine,
+                        capacity=shortfall.needed, record_events=False).fits for u in ("device", "host")]
+    assert any(fitting)
+    assert search(profile, machine, mode, 2, 4, capacity=shortfall.needed).estimate.fits
