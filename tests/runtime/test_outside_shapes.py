@@ -30,7 +30,9 @@ from harmony.errors import HarmonyError
 from harmony.plan import Plan
 from harmony.profiling import training_footprint
 from harmony.runtime.reference import microbatches_of, reference_train
+from harmony.scheduler.estimator import estimate
 from harmony.scheduler.search import search
+from harmony.scheduler.taskgraph import generate
 from harmony.scheduler.tasks import Configuration
 
 MINIBATCH = 16
@@ -147,12 +149,10 @@ def with_config(plan: Plan, mode: str, pick) -> Plan:
     chosen = pick(configs)
     if chosen is None:
         pytest.skip(f"no fitting {mode} configuration of the wanted kind among {len(configs)}")
-    from harmony.scheduler.taskgraph import generate
-
-    for update in ("device", "host"):
-        graph = generate(mode, plan.profile, chosen, DEVICES, MINIBATCH, update=update)
-        if graph is not None:
-            break
+    graph = next(g for g in (generate(mode, plan.profile, chosen, DEVICES, MINIBATCH, update=update)
+                             for update in ("device", "host"))
+                 if estimate(g, plan.profile, plan.profile.machine, capacity=plan.options["planned_memory"],
+                             record_events=False).fits)
     out = Plan(graph=plan.graph, profile=plan.profile, tasks=graph, estimate={}, options=dict(plan.options))
     out.loss_fn, out.build_optimizer = plan.loss_fn, plan.build_optimizer
     return out
