@@ -96,3 +96,15 @@ def test_nothing_fits_names_the_closest_configuration_and_the_memory_that_fits_i
                         capacity=shortfall.needed, record_events=False).fits for u in ("device", "host")]
     assert any(fitting)
     assert search(profile, machine, mode, 2, 4, capacity=shortfall.needed).estimate.fits
+
+
+def test_compile_turns_the_bytes_that_fit_into_device_memory_with_the_margin():
+    from harmony.compiler import _memory_that_fits
+
+    profile = skewed_profile(capacity=4_500_000)
+    with pytest.raises(NoFeasibleConfiguration) as info:
+        search(profile, Machine.from_spec("1080ti", 2), "dp", 2, 4, capacity=4_500_000)
+    needed = info.value.shortfall.needed
+    text = _memory_that_fits(info.value, 0.1)
+    assert f"--device-memory {-(-needed * 10 // 9):,} bytes" in text
+    assert _memory_that_fits(NoFeasibleConfiguration("nothing estimated"), 0.1) == ""
