@@ -33,7 +33,7 @@ def compile(  # noqa: A001 - the name DESIGN.md gives the API
         device_type=device_type, analytic=analytic, compare=compare, probe=probe,
     )
     optimizer = build_optimizer or default_optimizer
-    plan, trace = compile_plan(model, get_batch, optimizer, options)
+    plan, trace = compile_plan(model, get_batch, optimizer, options, loss_fn=loss_fn)
     plan.trace = trace
     plan.loss_fn = loss_fn
     plan.get_batch = get_batch

@@ -119,7 +119,7 @@ def _cmd_profile(ns: argparse.Namespace) -> int:
     options.validate()
     mf, _, graph = _load_and_decompose(ns, meta=bool(ns.analytic))
     with _progress("profiling") as report:
-        profile, machine = profile_graph(graph, mf.get_batch, mf.build_optimizer, options, report)
+        profile, machine = profile_graph(graph, mf.get_batch, mf.build_optimizer, options, report, mf.loss_fn)
     if ns.out is not None:
         graph.save(ns.out)
         profile.save(ns.out / "profile.msgpack")
@@ -153,7 +153,7 @@ def _cmd_compile(ns: argparse.Namespace) -> int:
     with _progress("compiling") as report:
         plan, trace = compile_plan(
             model, mf.get_batch, mf.build_optimizer, options, model_file=str(ns.model_file),
-            model_sha256=mf.source_hash, graph=graph, on_progress=report,
+            model_sha256=mf.source_hash, graph=graph, on_progress=report, loss_fn=mf.loss_fn,
         )
     plan.save(ns.out, trace=trace)
     if ns.gantt:
@@ -373,7 +373,7 @@ def _plan_for_run(ns: argparse.Namespace):
     _, model, graph = _load_and_decompose(ns, meta=False)
     with _progress("compiling") as report:
         plan, trace = compile_plan(model, mf.get_batch, mf.build_optimizer, options, model_file=str(ns.model_file),
-                                   model_sha256=mf.source_hash, graph=graph, on_progress=report)
+                                   model_sha256=mf.source_hash, graph=graph, on_progress=report, loss_fn=mf.loss_fn)
     plan.save(directory, trace=trace)
     console.print(f"compiled {plan.tasks.mode} {plan.tasks.config} into {directory}")
     return plan, mf

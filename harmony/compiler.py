@@ -7,6 +7,7 @@ carries a comparison table next to its choice.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
@@ -22,11 +23,13 @@ from harmony.profiling import Profiler, training_footprint
 from harmony.runtime.device import check_gpus, make_devices, parse_bytes
 from harmony.scheduler.analytic import analytic_profile
 from harmony.scheduler.devicespec import load_spec
-from harmony.scheduler.estimator import chrome_trace
+from harmony.scheduler.estimator import chrome_trace, estimate
 from harmony.scheduler.machine import Machine
-from harmony.scheduler.profiles import Profile, TiedWeight
-from harmony.scheduler.search import NoFeasibleConfiguration, search
+from harmony.scheduler.memory import memory_plan
+from harmony.scheduler.profiles import PackSample, Profile, TiedWeight
+from harmony.scheduler.search import NoFeasibleConfiguration, SearchResult, search
 from harmony.scheduler.taskgraph import MODES
+from harmony.scheduler.tasks import HOST, Kind
 
 log = logging.getLogger(__name__)
 
@@ -86,15 +89,17 @@ def compile_plan(
     model_sha256: str = "",
     graph: LayerGraph | None = None,
     on_progress: Callable[[str], None] = lambda msg: None,
+    loss_fn: Callable | None = None,
 ) -> tuple[Plan, dict]:
-    """Decompose, profile and search; returns the plan and its Chrome trace."""
+    """Decompose, profile and search; returns the plan and its Chrome trace. ``loss_fn`` lets the
+    profile measure the loss task's own memory (without it, a cross-entropy's is assumed)."""
     options.validate()
     if graph is None:
         on_progress("decomposing")
         inputs, _ = get_batch(min(2, options.minibatch), 0)
         graph = decompose(model, inputs)
     _check_batch_sizes(graph, options.minibatch)
-    profile, machine = profile_graph(graph, get_batch, build_optimizer, options, on_progress)
+    profile, machine = profile_graph(graph, get_batch, build_optimizer, options, on_progress, loss_fn)
     capacity = profile.capacity
     _check_smallest_layer(profile, capacity)
     results = {}
@@ -114,6 +119,12 @@ def compile_plan(
             log.info("%s", exc)
             infeasible.append(mode)
     chosen = results[options.mode]
+    if profile.source == "measured":
+        on_progress("measuring the plan's packs")
+        measure = _pack_measurer(graph, get_batch, build_optimizer, loss_fn, options, capacity)
+        chosen = measured_packs_plan(chosen, profile, machine, options, planned, bool(same_u), measure)
+    est = chosen.estimate
+    chosen.graph.memory = memory_plan(chosen.graph, est.peak_memory, est.task_peaks, est.prefetched, profile)
     comparison = [
         {
             "mode": mode, "iteration_time": r.estimate.iteration_time, "swap_bytes": r.graph.swap_bytes(),
@@ -122,12 +133,12 @@ def compile_plan(
         }
         for mode, r in results.items()
     ] + [{"mode": mode, "iteration_time": None, "config": "does not fit"} for mode in infeasible]
-    est = chosen.estimate
     plan = Plan(
         graph=graph, profile=profile, tasks=chosen.graph,
         estimate={
             "iteration_time": est.iteration_time, "fits": est.fits,
             "peak_memory": {str(k): int(v) for k, v in est.peak_memory.items()},
+            "task_peak_memory": {str(k): int(v) for k, v in est.task_peaks.items()},
             "bytes_by_channel": {k: int(v) for k, v in est.bytes_by_channel.items()},
             "busy": {str(d): dict(s) for d, s in est.busy.items()},
         },
@@ -141,6 +152,52 @@ def compile_plan(
     )
     plan.events = est.events  # for a Gantt picture; not saved (trace.json holds the same)
     return plan, chrome_trace(est)
+
+
+def measured_packs_plan(result: SearchResult, profile: Profile, machine: Machine, options: CompileOptions,
+                        planned: int, same_u: bool, measure: Callable[[list[tuple[int, int, int]]], list[PackSample]],
+                        rounds: int = 3) -> SearchResult:
+    """The search's choice re-estimated with its own packs measured whole (``Profile.packs``), so
+    that the plan's memory is what its packs hold rather than a composition of layer profiles (an
+    upper bound that is loose where layers share tensors). Composition meant to bound the truth: if
+    a measured pack holds more, the configuration may no longer fit, and the search runs again
+    knowing it, up to ``rounds`` times."""
+    for _ in range(rounds):
+        wanted = sorted(plan_packs(result.graph) - {(p.first, p.last, p.u) for p in profile.packs})
+        if not wanted:
+            return result
+        profile.add_packs(measure(wanted))
+        est = estimate(result.graph, profile, machine, capacity=planned)
+        if est.fits and not est.deadlock:
+            return dataclasses.replace(result, estimate=est)
+        log.info("with its packs measured, %s no longer fits: searching again", result.config)
+        try:
+            result = search(profile, machine, options.mode, options.devices, options.minibatch, capacity=planned,
+                            same_u=same_u)
+        except NoFeasibleConfiguration as exc:
+            raise HarmonyError(str(exc) + _memory_that_fits(exc, options.memory_margin)) from exc
+    return result
+
+
+def plan_packs(graph) -> set[tuple[int, int, int]]:
+    """(first, last, u) of every FWD and BWD task of a device, at each of its microbatch sizes."""
+    return {(t.first, t.last, u) for t in graph.tasks
+            if t.kind in (Kind.FWD, Kind.BWD) and t.device != HOST for u in set(t.microbatches)}
+
+
+def _pack_measurer(graph: LayerGraph, get_batch, build_optimizer, loss_fn, options: CompileOptions, capacity: int):
+    """Measures packs on a device like the profile's (an emulated one without a limit: a pack of a
+    plan fits by construction, and tracking is exact either way)."""
+
+    def measure(packs: list[tuple[int, int, int]]) -> list[PackSample]:
+        device = make_devices(options.device_type, 1, None if options.device_type == "cpu" else capacity)[0]
+        try:
+            profiler = Profiler(graph, get_batch, build_optimizer, device, trials=0, loss_fn=loss_fn)
+            return profiler.measure_packs(packs)
+        finally:
+            device.release()
+
+    return measure
 
 
 def _memory_that_fits(exc: NoFeasibleConfiguration, margin: float) -> str:
@@ -199,7 +256,8 @@ def batch_coupled(graph: LayerGraph) -> str:
     return "; ".join(dict.fromkeys(reasons))
 
 
-def profile_graph(graph, get_batch, build_optimizer, options: CompileOptions, on_progress=lambda msg: None) -> tuple[Profile, Machine]:
+def profile_graph(graph, get_batch, build_optimizer, options: CompileOptions, on_progress=lambda msg: None,
+                  loss_fn: Callable | None = None) -> tuple[Profile, Machine]:
     """The profile (measured on one device, or analytic) and the machine description, tied to the graph."""
     capacity = options.capacity()
     if options.analytic:
@@ -220,7 +278,7 @@ def profile_graph(graph, get_batch, build_optimizer, options: CompileOptions, on
         threads = 1 if options.device_type == "cpu" else None
         try:
             profiler = Profiler(graph, get_batch, build_optimizer, device, trials=options.trials,
-                                threads=threads, on_progress=on_progress)
+                                threads=threads, on_progress=on_progress, loss_fn=loss_fn)
             profile = profiler.profile(u_cap=options.minibatch, samples=options.samples)
         finally:
             device.release()

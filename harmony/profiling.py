@@ -16,12 +16,14 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from torch.utils._pytree import tree_unflatten
 
 from harmony.decomposer.layer_graph import LayerGraph
 from harmony.errors import DeviceOutOfMemoryError, HarmonyError
 from harmony.runtime.device import CpuDevice, Device
-from harmony.runtime.profiler import Measurement, measure_layer, measure_update, torch_threads
-from harmony.scheduler.profiles import LayerProfile, LayerSample, Profile
+from harmony.runtime.profiler import (Measurement, measure_layer, measure_pack, measure_update,
+                                      torch_threads, update_scratch)
+from harmony.scheduler.profiles import LayerProfile, LayerSample, LossSample, PackSample, Profile
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +38,7 @@ class _Attempt:
     bwd_fits: bool
     failure: str = ""
     failed_layer: int | None = None
+    last_inputs: tuple = ()  # the last layer's inputs (host memory), when it ran
 
 
 class Profiler:
@@ -50,6 +53,7 @@ class Profiler:
         trials: int = 3,
         on_progress: Callable[[str], None] | None = None,
         threads: int | None = None,
+        loss_fn: Callable | None = None,
     ):
         if graph.modules is None:
             raise HarmonyError("the layer graph has no layer modules to run; decompose the model first")
@@ -63,6 +67,7 @@ class Profiler:
         self.trials = trials
         self.on_progress = on_progress or (lambda msg: None)
         self.threads = threads  # torch threads while measuring: an emulated device's share of the cores
+        self.loss_fn = loss_fn  # for the loss task's own memory; None: the profile assumes a cross-entropy's
         self._fit_cache: dict[tuple[int, bool], _Attempt] = {}
 
     # ------------------------------------------------------------------ one size
@@ -76,6 +81,7 @@ class Profiler:
         attempt = _Attempt(u=u, fwd=[], fwd_fits=True, bwd_fits=backward)
         for i, module in enumerate(self.graph.modules):
             spec = self.graph.layers[i]
+            attempt.last_inputs = values
             try:
                 with _naming_failures(i, spec.name, u):
                     m, values = measure_layer(module, values, self.device, trials=trials, backward=attempt.bwd_fits)
@@ -156,16 +162,19 @@ class Profiler:
         bwd_us = set(stride_sizes(u_bmax, samples)) | {u for u in doublings if u <= u_bmax}
         sizes = sorted(set(stride_sizes(u_fmax, samples)) | doublings | bwd_us)  # a backward sample needs its forward
         layers = [self._layer_profile(i) for i in range(len(self.graph.layers))]
+        losses: list[LossSample] = []
         for u in sizes:
             self.on_progress(f"measure u={u}")
             attempt = self.run(u, backward=u in bwd_us, trials=self.trials)
             if not attempt.fwd_fits or (u in bwd_us and not attempt.bwd_fits):
                 raise HarmonyError(f"u={u} fitted during the sweep but not when measured: {attempt.failure}")
+            if u in bwd_us:
+                self._loss_sample(u, attempt.last_inputs, losses)
             for layer, m in zip(layers, attempt.fwd):
                 sample = LayerSample(
                     u=u, fwd_time=m.fwd_time, bwd_time=m.bwd_time, recompute_time=m.recompute_time,
                     fwd_peak=m.fwd_peak, bwd_peak=m.bwd_peak, x_bytes=m.x_bytes, y_bytes=m.y_bytes, dx_bytes=m.dx_bytes,
-                    act_bytes=m.act_bytes,
+                    act_bytes=m.act_bytes, bwd_first_peak=m.bwd_first_peak,
                 )
                 layer.fwd_samples.append(sample)
                 if u in bwd_us:
@@ -173,7 +182,83 @@ class Profiler:
         return Profile(
             source="measured", device=f"{self.device.kind}:{self.device.name}", capacity=self.device.capacity,
             u_fmax=u_fmax, u_bmax=u_bmax, layers=layers, graph_hash=self.graph.fingerprint(),
+            loss_samples=losses, update_growth=self._update_growth(layers),
         )
+
+    def loss_on_device(self, u: int) -> Callable[[tuple, Device], torch.Tensor] | None:
+        """The loss of a microbatch of ``u`` samples as a loss task computes it from the last
+        layer's outputs (its target copied to the device), or None without a loss function."""
+        if self.loss_fn is None:
+            return None
+        target = self.get_batch(u, 0)[1]
+        spec = self.graph.out_spec()
+
+        def loss(outputs: tuple, device: Device) -> torch.Tensor:
+            t = device.to_device(target) if isinstance(target, torch.Tensor) else target
+            return self.loss_fn(tree_unflatten(list(outputs), spec), t)
+
+        return loss
+
+    def measure_packs(self, packs: list[tuple[int, int, int]]) -> list[PackSample]:
+        """Packs (first, last, u) measured whole, as ``PackSample``s: the FWD task's peak and the
+        BWD task's, the loss task's for a pack of the last layer. A plan's estimate then rests on
+        what its own packs hold, not on composing layers (an upper bound, loose where layers share
+        tensors). A pack whose backward does not fit the device is left out, and so is the last
+        pack without a loss function."""
+        out = []
+        last_layer = len(self.graph.modules) - 1
+        for u in sorted({u for _, _, u in packs}):
+            inputs = [self._inputs(u)]
+            for module in self.graph.modules[:-1]:
+                inputs.append(measure_layer(module, inputs[-1], CpuDevice("feed"), trials=0, backward=False)[1])
+            for first, last, size in sorted(p for p in packs if p[2] == u):
+                loss = self.loss_on_device(u) if last == last_layer else None
+                if last == last_layer and loss is None:
+                    continue  # a loss task without its loss would be measured short
+                m, _ = measure_pack(self.graph.modules[first:last + 1], inputs[first], self.device, trials=0, loss=loss)
+                if m.bwd_error:
+                    log.info("pack L%d-%d at u=%d: %s", first, last, u, m.bwd_error)
+                    continue
+                out.append(PackSample(first=first, last=last, u=u, fwd_peak=m.fwd_peak, bwd_peak=m.bwd_peak,
+                                      bwd_first_peak=m.bwd_first_peak))
+        return out
+
+    def _loss_sample(self, u: int, inputs: tuple, out: list[LossSample]) -> None:
+        """The last layer's loss task alone at ``u`` (``LossSample``); none recorded where it
+        cannot run here (no loss function, a loss that does not fit or fails on the profiler's
+        batches): the profile then assumes a cross-entropy's loss."""
+        loss = self.loss_on_device(u)
+        if loss is None or not inputs:
+            return
+        index = len(self.graph.modules) - 1
+        module = self.graph.modules[index]
+        try:
+            m, _ = measure_pack([module], inputs, self.device, trials=0, loss=loss)
+        except DeviceOutOfMemoryError:
+            m = None
+        except Exception as exc:  # noqa: BLE001 - the loss is the user's; training will say what is wrong
+            log.info("the loss task could not be measured at u=%d: %s: %s", u, type(exc).__name__, exc)
+            return
+        if m is None or m.bwd_error:
+            log.info("the last layer's loss task does not fit %s at u=%d", self.device.name, u)
+            return
+        params = [p for p in module.parameters()]
+        own = (sum(p.numel() * p.element_size() * (2 if p.requires_grad else 1) for p in params)
+               + sum(b.numel() * b.element_size() for b in module.buffers()) + m.x_bytes)
+        out.append(LossSample(u=u, nbytes=max(0, m.bwd_peak - own), first_nbytes=max(0, m.bwd_first_peak - own)))
+
+    def _update_growth(self, layers: list[LayerProfile]) -> float:
+        """How the optimizer's temporaries grow with the parameters stepped together
+        (``Profile.update_growth``): the layer with the most, stepped beside a copy of itself."""
+        top = max(layers, key=lambda layer: layer.upd_bytes, default=None)
+        if top is None or top.upd_bytes <= 0:
+            return 1.0
+        params = [p for p in self.graph.modules[top.index].parameters() if p.requires_grad]
+        try:
+            both = update_scratch(params + [p.detach().clone() for p in params], self.build_optimizer, self.device)
+        except DeviceOutOfMemoryError:
+            return 1.0
+        return min(1.0, max(0.0, (both - top.upd_bytes) / top.upd_bytes))
 
     def _layer_profile(self, index: int) -> LayerProfile:
         module = self.graph.modules[index]
@@ -184,12 +269,14 @@ class Profiler:
         upd_host, k_bytes = measure_update(params, self.build_optimizer, CpuDevice("host"), self.trials)
         try:
             upd_device, _ = measure_update(params, self.build_optimizer, self.device, self.trials)
+            upd_bytes = update_scratch(params, self.build_optimizer, self.device)
         except DeviceOutOfMemoryError:
             upd_device = float("inf")  # the update of this layer must be offloaded to the host
+            upd_bytes = 0
         return LayerProfile(
             index=index, name=self.graph.layers[index].name, w_bytes=w_bytes,
             dw_bytes=sum(p.numel() * p.element_size() for p in params), k_bytes=k_bytes, b_bytes=b_bytes,
-            upd_time_device=upd_device, upd_time_host=upd_host,
+            upd_time_device=upd_device, upd_time_host=upd_host, upd_bytes=upd_bytes,
         )
 
 

@@ -219,10 +219,16 @@ class Executor:
         self.resident: dict[int, dict[str, torch.Tensor]] = {}  # task -> pack state kept for a later task
         self._prefetched: dict[int, Future] = {}
         self._waiting = False
-        self._headroom = 0  # bytes the running task may still allocate beyond its state (planned)
+        self._headroom = 0  # bytes the running task may still allocate (planned): prefetches leave them free
         self._task: int | None = None  # the task the compute thread runs (what side-stream jobs serve)
         self._waits: list[tuple[str, int | None, str, float, float]] = []  # the compute thread's, this iteration
         self.working_memory = working_memory or {}
+        # the plan's promise (scheduler/memory.py): what no prefetch may take this device past, and
+        # per task the most it holds at once
+        plan = routes.graph.memory
+        self._budget = plan.devices.get(rank) if plan is not None else None
+        self._reserves = plan.reserves if plan is not None else {}
+        self._prefetches = set(plan.prefetch) if plan is not None else None  # states loaded ahead
         self.slabs = slabs
         self.transport = transport  # P2P over torch.distributed; None: through shared memory
         self._awaited: dict[tuple[int, bool], int] = {}  # (sender, on the compute thread) -> P2P waits
@@ -241,6 +247,9 @@ class Executor:
         tracker = getattr(device, "tracker", None)
         if tracker is not None:
             tracker.reclaim = self._reclaim
+            tracker.budget = self._budget
+            tracker.over_budget = self._let_outputs_leave
+        self._gave_up_waiting: int | None = None  # the task whose outputs would not leave in time
         self._out_spec = layers.out_spec()
         self._activity: dict[int, str] = {}  # thread -> what it waits for, published to shared.status
         self._activity_lock = threading.Lock()
@@ -287,13 +296,14 @@ class Executor:
         start = time.perf_counter()
         with self.device.memory_scope():
             for i, task in enumerate(self.tasks):
-                if self.prefetch and i + 1 < len(self.tasks):
-                    self._prefetch_state(self.tasks[i + 1])
                 t0 = time.perf_counter()
                 self.shared.set_current(self.rank, task.id)
                 self._task = task.id
-                self._headroom = self.working_memory.get(task.id, 0)
+                # the task's room is reserved before the next task's state may be prefetched beside it
+                self._headroom = self._reserve(task)
                 self.device.reset_peak()
+                if self.prefetch and i + 1 < len(self.tasks):
+                    self._prefetch_state(self.tasks[i + 1])
                 loss += self._run_task(task)
                 self._headroom = 0
                 t1 = time.perf_counter()
@@ -362,6 +372,25 @@ class Executor:
                     leaf.record_stream(torch.cuda.current_stream(self.device.torch_device))
         return value
 
+    def _let_outputs_leave(self) -> None:
+        """The compute thread would take the device past the plan's peak for it: outputs still
+        leaving it (queued swap-outs and sends) were gone by then in the plan, so wait for them
+        first. A send that cannot leave within a second (a receiver short of room) is not waited
+        for again in this task."""
+        if not _on_compute_thread() or self._gave_up_waiting == self._task:
+            return
+        outbound = [self.swap_out] + ([self.p2p_out] if self.transport is None else [])
+        for stream in outbound:
+            if not stream.busy():
+                continue
+            try:
+                stream.submit(lambda: None).result(timeout=1.0)
+            except TimeoutError:
+                self._gave_up_waiting = self._task
+                return
+            except Exception:  # noqa: BLE001 - a failed job reports itself where it is awaited
+                return
+
     def _reclaim(self) -> bool:
         """The memory manager's last resort before out-of-memory on the compute thread: outputs
         still on their way to the host (and the device tensors they hold) are waited for."""
@@ -398,12 +427,16 @@ class Executor:
         self.swap_out.submit(mark)
 
     # ================================================================ copies
-    def _to_device(self, t: torch.Tensor, channel: str, tensor: str, wait: bool = True, count: bool = True) -> torch.Tensor:
+    def _to_device(self, t: torch.Tensor, channel: str, tensor: str, wait: bool = True, count: bool = True,
+                   room: int | None = None) -> torch.Tensor:
         """A counted copy into device memory that waits while memory is short and work that can
         free it is still running; gives up (out of memory) once the compute thread is blocked on
-        it and nothing was freed for a second."""
+        it and nothing was freed for a second. Without ``wait`` (a prefetch that gives up rather
+        than hold its stream) it is never urgent: it fits beside the running task or not at all.
+        ``room``: what it must leave free for the running task (default: the task's headroom)."""
         nbytes = t.numel() * t.element_size()
-        out = self._with_room(nbytes, lambda: self.device.to_device(t), self._compute_blocked, wait)
+        urgent = self._compute_blocked if wait else _on_compute_thread
+        out = self._with_room(nbytes, lambda: self.device.to_device(t), urgent, wait, room)
         if count:
             self.counters.add(channel, "in", tensor, nbytes)
         return out
@@ -412,15 +445,17 @@ class Executor:
         """Whether the copy being made is one the compute thread waits for (or makes itself)."""
         return self._waiting or _on_compute_thread()
 
-    def _with_room(self, nbytes: int, make: Callable[[], Any], urgent: Callable[[], bool], wait: bool = True) -> Any:
+    def _with_room(self, nbytes: int, make: Callable[[], Any], urgent: Callable[[], bool], wait: bool = True,
+                   room: int | None = None) -> Any:
         """``make()`` (an allocation of ``nbytes`` on the device) once there is room: while it is not
-        ``urgent`` it leaves room for what the running task still allocates and waits while memory
-        is short; once urgent (the compute thread waits for it) it takes what there is, and gives up
-        (out of memory) when nothing was freed for a second."""
+        ``urgent`` it leaves ``room`` (default: what the running task still allocates) and waits while
+        memory is short; once urgent (the compute thread waits for it) it takes what there is, and
+        gives up (out of memory) when nothing was freed for a second."""
         stalled_since = None
         while True:
             try:
-                if not urgent() and self.device.allocated() + nbytes + self._headroom > self.device.capacity:
+                free = self._headroom if room is None else room
+                if not urgent() and self.device.allocated() + nbytes + free > self._prefetch_limit():
                     raise DeviceOutOfMemoryError(self.device.name, nbytes, self.device.allocated(), self.device.capacity)
                 return make()
             except (DeviceOutOfMemoryError, torch.cuda.OutOfMemoryError) as exc:
@@ -439,6 +474,20 @@ class Executor:
                 else:
                     stalled_since = None
                 time.sleep(0.001)
+
+    def _prefetch_limit(self) -> int:
+        """Bytes a copy made ahead of need may take the device to: the plan's peak for it (the rest
+        of the device is the margin left for noise), or the device's capacity without one."""
+        if self._budget is None:
+            return self.device.capacity
+        return min(self._budget, self.device.capacity)
+
+    def _reserve(self, task: Task) -> int:
+        """Room the running task needs before its state is in: the plan's reserve (the most it
+        holds at once), or, for a plan without one, its planned working memory."""
+        if task.id in self._reserves:
+            return self._reserves[task.id]
+        return self.working_memory.get(task.id, 0)
 
     def _p2p_buffers(self, src: int, specs: list[tuple[list[int], torch.dtype]]) -> list[torch.Tensor]:
         """Receive buffers on the device for a P2P message from ``src`` (the transport's receiving
@@ -493,7 +542,12 @@ class Executor:
         return names
 
     def _prefetch_state(self, task: Task) -> None:
+        """Load the next task's state while the running one computes: where the plan does (its
+        memory counts it beside the running task), or, for a plan without a memory plan, wherever
+        it fits beside the running task's planned working memory."""
         if task.kind == Kind.UPD or any(t.tensor == "W" and t.channel == Channel.LOCAL for t in task.inputs):
+            return
+        if self._prefetches is not None and task.id not in self._prefetches:
             return
         before = self.routes.buffers_after.get(task.id)
         if before is not None and not self.shared.is_done(before, self.iteration):
@@ -507,11 +561,12 @@ class Executor:
         fit beside the running task: waiting would hold the swap-in stream, and the running task's
         inputs behind it. The task then loads its state when it starts."""
         try:
-            return self._load_state(task, wait=False)
+            # a prefetch the plan makes was counted beside the running task: it needs no room kept
+            return self._load_state(task, wait=False, room=0 if self._prefetches is not None else None)
         except _NoRoom:
             return None
 
-    def _load_state(self, task: Task, wait: bool = True) -> dict[str, torch.Tensor]:
+    def _load_state(self, task: Task, wait: bool = True, room: int | None = None) -> dict[str, torch.Tensor]:
         """The pack's parameters and buffers on the device, by original name (a tied parameter's
         names share one copy)."""
         local = next((t for t in task.inputs if t.tensor == "W" and t.channel == Channel.LOCAL), None)
@@ -527,10 +582,10 @@ class Executor:
             if spec.kind == "parameter":
                 canon = self.layers.canonical(name)
                 if canon not in copies:
-                    copies[canon] = self._to_device(self.store.weight(canon), "SWAP", "W", wait, count=False)
+                    copies[canon] = self._to_device(self.store.weight(canon), "SWAP", "W", wait, count=False, room=room)
                 state[name] = copies[canon]
             else:
-                state[name] = self._to_device(self.store.view(f"B/{name}"), "SWAP", "B", wait, count=False)
+                state[name] = self._to_device(self.store.view(f"B/{name}"), "SWAP", "B", wait, count=False, room=room)
         # counted once the whole state is in (an abandoned prefetch moved nothing the plan counts)
         for name, t in state.items():
             if self.layers.state[name].kind != "parameter":
@@ -544,6 +599,9 @@ class Executor:
         state = self._wait(future, "state") if future is not None else None
         if state is None:
             state = self._load_state(task)
+        if task.id in self._reserves:  # the state is in: the task's room is what it has yet to allocate
+            loaded = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in state.values()}
+            self._headroom = max(0, self._reserves[task.id] - sum(loaded.values()))
         if task.id in self.routes.kept_resident:
             self.resident[task.id] = state
         return state

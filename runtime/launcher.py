@@ -134,8 +134,11 @@ def slab_sizes(tasks: TaskGraph, routes: Routes, p2p: bool = True) -> dict[tuple
 
 
 def planned_memory(tasks: TaskGraph, profile: Profile | None) -> dict[int, int]:
-    """Per FWD and BWD task, the peak device bytes its pack was planned with (the profile's pack
-    estimate at the task's microbatch size)."""
+    """Per task, the device bytes the plan expected while it runs (the estimate's, with what the
+    device holds beside the task: ``MemoryPlan.tasks``), or for a plan without them the profile's
+    pack estimate at the task's microbatch size."""
+    if tasks.memory is not None:
+        return dict(tasks.memory.tasks)
     if profile is None:
         return {}
     out = {}

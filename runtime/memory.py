@@ -23,6 +23,9 @@ What is exact and what is not:
 - A storage is only counted if an op made it under the tracker, or if it is ``register``-ed
   (e.g. parameters resident on the device). An op whose output shares an *uncounted* input's
   storage (``weight.t()`` of a host parameter) allocates nothing and is not counted.
+- A soft limit (``budget``, the plan's peak for the device) may sit below the capacity: an
+  allocation past it calls ``over_budget`` first (the executor waits there for outputs still
+  leaving the device, as the plan expected them gone), then is counted as usual.
 - ``torch.tensor(data)`` under the tracker is counted (its ``aten.lift_fresh`` output is new memory);
   ``torch.from_numpy`` goes through the same op and is counted too, although it shares the array.
 
@@ -82,6 +85,10 @@ def _storages(obj: Any) -> list[torch.UntypedStorage]:
 def storage_bytes(t: torch.Tensor) -> int:
     """Bytes of the storage behind ``t`` (what the device holds for it, views included)."""
     return t.untyped_storage().nbytes()
+
+
+class _OverBudget(Exception):
+    """An allocation would take the device past its soft limit (``MemoryTracker.budget``)."""
 
 
 class _Entry:
@@ -149,6 +156,11 @@ class MemoryTracker:
         # called (without the lock) when an allocation does not fit: returns True after waiting for
         # memory that other threads were about to free, so the allocation is tried once more
         self.reclaim: Callable[[], bool] | None = None
+        # a soft limit below the capacity (the plan's peak for the device): an allocation past it
+        # first calls ``over_budget`` (without the lock), which may wait for memory other threads
+        # are about to free, and is then counted; the capacity stays the hard limit
+        self.budget: int | None = None
+        self.over_budget: Callable[[], None] | None = None
 
     # ----------------------------------------------------------------- totals
     @property
@@ -245,13 +257,18 @@ class MemoryTracker:
         growth of counted ones, all or nothing. Past capacity, ``reclaim`` (if set) may first wait
         for memory that is about to be freed (copies in flight on other threads), once."""
         try:
-            self._account_once(storages, exclude, op)
+            try:
+                self._account_once(storages, exclude, op, soft=self.over_budget is not None)
+            except _OverBudget:
+                self.over_budget()
+                self._account_once(storages, exclude, op)
         except DeviceOutOfMemoryError:
             if self.reclaim is None or not self.reclaim():
                 raise
             self._account_once(storages, exclude, op)
 
-    def _account_once(self, storages: list[torch.UntypedStorage], exclude: set[int], op: Any) -> None:
+    def _account_once(self, storages: list[torch.UntypedStorage], exclude: set[int], op: Any,
+                      soft: bool = False) -> None:
         with self._lock:
             new: dict[int, tuple[torch.UntypedStorage, int]] = {}
             grown: list[tuple[_Entry, int]] = []
@@ -269,6 +286,8 @@ class MemoryTracker:
                     requested += nbytes
             if not new and not grown:
                 return
+            if soft and self.budget is not None and self._current + requested > self.budget:
+                raise _OverBudget
             self._refuse_if_over(requested, op)
             for entry, nbytes in grown:
                 entry.nbytes = nbytes

@@ -40,7 +40,8 @@ class Measurement:
     y_bytes: int
     bwd_time: float = 0.0
     recompute_time: float = 0.0
-    bwd_peak: int = 0
+    bwd_peak: int = 0  # a microbatch accumulating into the gradient buffers of an earlier one
+    bwd_first_peak: int = 0  # the group's first microbatch, whose backward makes the gradient buffers
     act_bytes: int = 0
     dx_bytes: int = 0
     bwd_error: str = ""  # why the backward task did not fit, if it did not
@@ -126,13 +127,16 @@ def measure_layer(
 
 
 def measure_pack(
-    modules: Sequence[torch.nn.Module], inputs: tuple, device: Device, trials: int = 3, backward: bool = True
+    modules: Sequence[torch.nn.Module], inputs: tuple, device: Device, trials: int = 3, backward: bool = True,
+    loss: Callable[[tuple, Device], torch.Tensor] | None = None,
 ) -> tuple[Measurement, tuple]:
     """Time and peak memory of a pack's FWD task and (with ``backward``) its BWD task, and the
     pack's outputs in host memory (the next layer's inputs).
 
     The BWD task runs as under input-batch grouping: the pack's gradient buffers are resident
-    (allocated before the task), and the recompute and backward add to them. A forward that does
+    (allocated before the task), and the recompute and backward add to them. Its backward starts
+    from an output gradient of ones, or, with ``loss`` (the pack's outputs and the device -> the
+    scalar loss, its target copied in), from the loss, as a loss task runs it. A forward that does
     not fit raises ``DeviceOutOfMemoryError``; a backward that does not fit is recorded in
     ``Measurement.bwd_error``, since the forward figures are still good. The device is left as
     before either way.
@@ -159,20 +163,26 @@ def measure_pack(
         m = Measurement(fwd_time=_median(fwd_times), fwd_peak=fwd_peak, x_bytes=x_bytes, y_bytes=y_bytes)
         if backward:
             try:
-                _measure_backward(modules, states, inputs, device, trials, m)
+                _measure_backward(modules, states, inputs, device, trials, m, loss)
             except DeviceOutOfMemoryError as exc:
                 m.bwd_error = str(exc)
         del states
     return m, outputs
 
 
-def _measure_backward(modules, states, inputs: tuple, device: Device, trials: int, m: Measurement) -> None:
+def _measure_backward(modules, states, inputs: tuple, device: Device, trials: int, m: Measurement,
+                      loss: Callable[[tuple, Device], torch.Tensor] | None = None) -> None:
     params = [t for state in states for t in state.values() if t.requires_grad]
+    # the group's first microbatch: autograd makes the gradient buffers (it keeps each fresh gradient)
+    _backward_once(modules, states, params, inputs, device, m, loss)
+    m.bwd_first_peak, m.bwd_peak = m.bwd_peak, 0
     for p in params:  # the gradient buffer, resident across the group's microbatches
-        p.grad = torch.zeros_like(p)
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    # the later ones: each gradient is made, then added to the buffer
     rec_times, bwd_times = [], []
     for trial in _trial_indices(trials, bwd_times):
-        recompute, backward = _backward_once(modules, states, params, inputs, device, m)
+        recompute, backward = _backward_once(modules, states, params, inputs, device, m, loss)
         if trial:
             rec_times.append(recompute)
             bwd_times.append(backward)
@@ -182,7 +192,8 @@ def _measure_backward(modules, states, inputs: tuple, device: Device, trials: in
     m.bwd_time = _median(bwd_times)
 
 
-def _backward_once(modules, states, params, inputs: tuple, device: Device, m: Measurement) -> tuple[float, float]:
+def _backward_once(modules, states, params, inputs: tuple, device: Device, m: Measurement,
+                   loss: Callable[[tuple, Device], torch.Tensor] | None = None) -> tuple[float, float]:
     """One BWD task; in a function of its own so that every tensor it made is gone when it returns
     (a tensor surviving into the next trial would inflate that trial's peak)."""
     xs = _on_device(device, inputs, grad=True)
@@ -194,16 +205,43 @@ def _backward_once(modules, states, params, inputs: tuple, device: Device, m: Me
     recompute = timer.stop()
     m.act_bytes = device.allocated() - before
     outs = [y for y in ys if isinstance(y, torch.Tensor) and y.requires_grad]
+    if loss is not None:  # the loss task drops its outputs once the loss is computed
+        outs = [loss(ys, device)] if outs else []
     del ys
     timer = device.timer()
     timer.start()
     if outs:
         wanted = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad] + params
-        torch.autograd.backward(outs, [torch.ones_like(y) for y in outs], inputs=wanted)
+        grads = None if loss is not None else [torch.ones_like(y) for y in outs]
+        torch.autograd.backward(outs, grads, inputs=wanted)
     backward = timer.stop()
     m.bwd_peak = max(m.bwd_peak, device.peak())
     m.dx_bytes = _nbytes([x.grad for x in xs if isinstance(x, torch.Tensor) and x.grad is not None])
     return recompute, backward
+
+
+def update_scratch(
+    params: list[torch.Tensor], build_optimizer: Callable[[Any], torch.optim.Optimizer], device: Device
+) -> int:
+    """Bytes the optimizer allocates on ``device`` during a step beyond the weights, their
+    gradients and its state (K): the temporaries of the update (Adam's denominator, one parameter
+    at a time in the per-tensor implementation, the whole group at once in the foreach one). Two
+    steps: the first creates the state, the second runs as every later one."""
+    if not params:
+        return 0
+    with torch.random.fork_rng(devices=[]), device.memory_scope():
+        copies = [device.to_device(p.detach()).requires_grad_(True) for p in params]
+        for c in copies:
+            c.grad = torch.zeros_like(c)
+        opt = build_optimizer(copies)
+        before = device.allocated()
+        device.reset_peak()
+        for _ in range(2):
+            opt.step()
+        peak = device.peak()
+        state = device.allocated() - before  # the optimizer's state, and its step counters
+        del opt, copies
+    return max(0, peak - before - state)
 
 
 def measure_update(

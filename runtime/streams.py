@@ -38,14 +38,22 @@ class Stream:
         self._scope = scope
         self._setup = setup
         self._events: list[tuple[int | None, str, float, float]] = []
+        self._pending = 0  # jobs submitted and not yet finished
+        self._pending_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"harmony-{name}", daemon=True)
         self._thread.start()
 
     def submit(self, fn: Callable[..., Any], *args: Any, label: str | None = None, task: int | None = None) -> Future:
         """Queue ``fn(*args)``; with a ``label``, its span is recorded as work of ``task``."""
         future: Future = Future()
+        with self._pending_lock:
+            self._pending += 1
         self._jobs.put((fn, args, future, label, task))
         return future
+
+    def busy(self) -> bool:
+        """Whether a job submitted earlier has not finished yet."""
+        return self._pending > 0
 
     def take_events(self) -> list[tuple[int | None, str, float, float]]:
         """(task, label, start, end) of the labelled jobs run since the last call, in
@@ -66,6 +74,7 @@ class Stream:
                     return
                 fn, args, future, label, task = item
                 if not future.set_running_or_notify_cancel():
+                    self._finished()
                     continue
                 start = time.perf_counter()
                 try:
@@ -78,3 +87,8 @@ class Stream:
                     future.set_exception(exc)
                 result = None
                 del fn, args, future, item
+                self._finished()  # after its arguments (device tensors, maybe) are let go
+
+    def _finished(self) -> None:
+        with self._pending_lock:
+            self._pending -= 1

@@ -48,14 +48,17 @@ What is simulated (the runtime's semantics, which this module must keep in step 
   ``machine.bandwidth(channel, k)`` for the k copies active at the moment, rates recomputed whenever
   one starts or ends (processor sharing); the fixed ``latency`` is paid before joining the link.
   P2P and MSG copies do not contend.
-- **Memory.** A device holds, while a task computes, the task's peak (``pack_fwd_memory`` /
-  ``pack_bwd_memory`` at the task's largest microbatch; zero for UPD), which covers its weights,
-  buffers, gradient buffers, one microbatch's activations and its input X (and dY for BWD). On top:
-  every input from the moment its copy starts until its unit starts computing (then the task's peak
-  covers it; inputs the peak does not cover, K and T and everything of a UPD task, stay until the
-  unit ends); every output from the end of the unit that produced it until its copy ends (LOCAL
-  outputs until their consumer starts). The peak of that sum is reported per device; ``fits`` says
-  whether every device stays within ``capacity``.
+- **Memory.** What a task holds is ``memory.task_memory``'s: its state (W, B, and dW for a BWD)
+  from its first unit's start to its last unit's end, and each unit's work while it computes (a
+  microbatch's pack peak above the state, its inputs X, Xs, dY included; a fused update's optimizer
+  state and temporaries). On top: every input from the moment its copy starts until its unit
+  starts computing (then the unit's work covers it, ``memory.covers``; an input it does not cover,
+  everything of a UPD task, stays until the unit ends); every output from the end of the unit that
+  produced it until its copy ends (LOCAL outputs until their consumer starts; a pack state a
+  backward leaves for a later update, until that update ends). A fused update's optimizer state
+  is loaded when its backward is done, as the runtime loads it (no lookahead). The peak of that sum
+  is reported per device, and per task from its predecessor's end to its own (``task_peaks``, what
+  the runtime measures per task); ``fits`` says whether every device stays within ``capacity``.
 - **Memory-aware prefetch.** A swap-in that would push its device past ``capacity`` waits (the
   runtime's memory manager blocks the prefetch) until memory is freed or its consumer is the very
   next unit and the compute stream is idle; then it goes ahead regardless and the overflow shows in
@@ -80,6 +83,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from . import memory
 from .machine import Machine
 from .profiles import Profile
 from .tasks import HOST, Channel, Kind, Task, TaskGraph, Transfer
@@ -97,14 +101,7 @@ _KIND_LABEL = {_IN: "SWAP in", _OUT: "SWAP out", _MSG_IN: "MSG in", _MSG_OUT: "M
 # event codes
 _E_UNIT, _E_XFER, _E_JOIN, _E_LINK, _E_CPU = range(5)
 
-# Input tensors that a task's memory peak already includes (absorbed when the unit starts).
-_COVERED = {
-    Kind.FWD: frozenset(("X", "W", "B")),
-    # not dW: a gradient brought in (the per-GPU-swap baselines' running gradient, a tied weight's
-    # share) is what the backward then accumulates into, on top of the task's own peak
-    Kind.BWD: frozenset(("X", "Xs", "dY", "W", "B")),
-    Kind.UPD: frozenset(),
-}
+_STATE = ("W", "B")  # a pack's state, loaded before its first unit
 # (produced as, read as) pairs that are the same tensor seen from the two ends of a transfer
 _ALIASES = frozenset((("Y", "X"), ("dX", "dY"), ("X", "Xs"), ("Xs", "X"), ("Y", "Xs")))
 _HOSTLIKE = (Channel.SWAP, Channel.MSG, Channel.SHM)
@@ -132,6 +129,11 @@ class Estimate:
     deadlock: str | None = None  # what each stuck device waits for, if the graph cannot finish
     events: list[StreamEvent] = field(default_factory=list)
     capacity: int | None = None
+    # per task on a device: its device's bytes at most from its predecessor's end to its own end
+    # (what the runtime measures per task, and what an out-of-memory report quotes)
+    task_peaks: dict[int, int] = field(default_factory=dict)
+    # tasks whose state (W, B) began to load while the task before them on the device computed
+    prefetched: set[int] = field(default_factory=set)
 
     def utilization(self, device: int, stream: str = "compute") -> float:
         """Fraction of the iteration the stream was busy."""
@@ -223,15 +225,16 @@ def _where(device: int) -> str:
 
 
 def _profile_cache(profile: Profile) -> dict:
+    version = (len(profile.layers), profile.__dict__.get("_memory_version", 0))
     cache = profile.__dict__.get("_estimator_cache")
-    if cache is None or cache[0] != len(profile.layers):
-        cache = (len(profile.layers), {})
+    if cache is None or cache[0] != version:
+        cache = (version, {})
         profile.__dict__["_estimator_cache"] = cache
     return cache[1]
 
 
-def _task_costs(task: Task, profile: Profile, cache: dict) -> tuple[list[float], int]:
-    """Durations of the task's units and its memory peak."""
+def _task_costs(task: Task, profile: Profile, cache: dict) -> list[float]:
+    """Durations of the task's units."""
     key = (task.kind, task.loss, task.update, task.device == HOST, task.first, task.last, tuple(task.microbatches))
     hit = cache.get(key)
     if hit is not None:
@@ -249,7 +252,6 @@ def _task_costs(task: Task, profile: Profile, cache: dict) -> tuple[list[float],
     if task.kind == Kind.UPD:
         q = "upd_time_host" if task.device == HOST else "upd_time_device"
         durs = [float(sum(getattr(layer, q) for layer in layers))]
-        peak = 0
     else:
         durs = []
         for size in task.microbatches:
@@ -263,20 +265,22 @@ def _task_costs(task: Task, profile: Profile, cache: dict) -> tuple[list[float],
             durs.append(float(sum(layer.upd_time_device for layer in layers)))
         if not durs:
             durs = [0.0]
-        u = task.u
-        if u <= 0 or not layers:
-            peak = 0
-        elif task.kind == Kind.FWD:
-            peak = profile.pack_fwd_memory(first, last, u)
-        else:
-            peak = profile.pack_bwd_memory(first, last, u)
-    cache[key] = (durs, peak)
-    return durs, peak
+    cache[key] = durs
+    return durs
+
+
+def _task_memory(task: Task, profile: Profile, cache: dict, stashes: tuple[int, ...]) -> memory.TaskMemory:
+    """``memory.task_memory``, cached across the graphs of a search."""
+    key = ("memory", *memory.task_key(task, stashes))
+    hit = cache.get(key)
+    if hit is None:
+        hit = cache[key] = memory.task_memory(task, profile, stashes)
+    return hit
 
 
 def task_compute_seconds(task: Task, profile: Profile) -> float:
     """Seconds of compute the task needs on its device (all microbatches, and a fused update)."""
-    return sum(_task_costs(task, profile, _profile_cache(profile))[0])
+    return sum(_task_costs(task, profile, _profile_cache(profile)))
 
 
 def unit_overheads(task: Task, machine: Machine, units: int) -> list[float]:
@@ -302,7 +306,7 @@ def unit_overheads(task: Task, machine: Machine, units: int) -> list[float]:
 def task_seconds(task: Task, profile: Profile, machine: Machine) -> float:
     """Seconds the task keeps its device's compute stream busy when nothing else computes: its
     compute (scaled to the runtime's, on a device) and the runtime's overheads."""
-    durs = _task_costs(task, profile, _profile_cache(profile))[0]
+    durs = _task_costs(task, profile, _profile_cache(profile))
     scale = 1.0 if task.device == HOST else machine.compute_scale
     return sum(durs) * scale + sum(unit_overheads(task, machine, len(durs)))
 
@@ -358,7 +362,8 @@ def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: in
     end_on_slot: list[_Unit | None] = [None] * nslots
     for task in tasks:
         s = slot_of[task.device]
-        durs, peak = _task_costs(task, profile, cache)
+        durs = _task_costs(task, profile, cache)
+        held = _task_memory(task, profile, cache, memory.stash_layers(task, by_id))
         extra = unit_overheads(task, machine, len(durs))
         scale = 1.0 if s == host_slot else machine.compute_scale
         us = [_Unit(s, task, j, d * scale + e) for j, (d, e) in enumerate(zip(durs, extra))]
@@ -366,9 +371,12 @@ def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: in
         for u in us:
             u.order = len(su)
             su.append(u)
-        if s != host_slot:
-            us[0].delta_start += peak
-            us[-1].release_end += peak
+        if s != host_slot:  # the state for the task's span, each unit's work while it computes
+            us[0].delta_start += held.state
+            us[-1].release_end += held.state
+            for u, work in zip(us, held.work):
+                u.delta_start += work
+                u.release_end += work
         first_unit_prev[task.id] = last_on_slot[s]
         last_unit_prev[task.id] = end_on_slot[s]
         last_on_slot[s] = us[0]
@@ -505,11 +513,14 @@ def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: in
         prev_first = first_unit_prev[task.id]
         # a UPD task's inputs are loaded when it starts (no lookahead): issued as the previous task ends
         prev_end = last_unit_prev[task.id] if task.kind == Kind.UPD and not on_host else None
-        covered = _COVERED.get(task.kind, frozenset())
-        last_unit = units_of[task.id][-1]
+        task_units = units_of[task.id]
+        last_unit = task_units[-1]
         for i in task.inputs:
-            cu = unit_for(task, i.microbatch, produce=False)
+            cu = task_units[memory.input_unit(task, i.tensor, i.microbatch, len(task_units))]
             per_mb = cu.j == i.microbatch
+            covered = memory.covers(task, cu.j, len(task_units), i.tensor)
+            # the optimizer state of a fused update is loaded for the step, once the backward is done
+            load_after = task_units[cu.j - 1] if cu.j and i.tensor == "K" and not per_mb else prev_end
             k = i.task if i.task in by_id else None
             rec = match(k, task, i) if k is not None else None
             if rec is not None and rec[0].task is not None:
@@ -539,7 +550,7 @@ def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: in
                 x.unit = cu
                 if not on_host:
                     x.alloc_dst = n
-                    if i.tensor in covered:
+                    if covered:
                         cu.delta_start -= n
                     elif per_mb:
                         cu.release_end += n
@@ -548,9 +559,9 @@ def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: in
                 if source is not None:
                     x.need += 1
                     source.end_xfers.append(x)
-                if prev_end is not None:
+                if load_after is not None:
                     x.need += 1
-                    prev_end.end_xfers.append(x)
+                    load_after.end_xfers.append(x)
                 elif prev_first is not None:
                     x.need += 1
                     prev_first.issue.append(x)
@@ -565,12 +576,19 @@ def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: in
                 # a LOCAL tensor left on this device by its producer is taken over by the consumer
                 if rec is not None and ch == Channel.LOCAL and rec[0].channel == Channel.LOCAL and rec[4] == s and not on_host:
                     held = rec[0].nbytes
-                    if i.tensor in covered:
+                    if covered:
                         cu.delta_start -= held
                     elif per_mb:
                         cu.release_end += held
                     else:
                         last_unit.release_end += held
+                # a pack state a backward left resident for a later update on the device (dp):
+                # held from the backward's end until the update's
+                elif (rec is None and k is not None and ch == Channel.LOCAL and i.tensor == "W" and not on_host
+                      and k_slot == s):
+                    held = memory.resident_bytes(by_id[k], profile)
+                    units_of[k][-1].alloc_end += held
+                    last_unit.release_end += held
 
     # an update steps the summed gradient: it waits for every backward that deposits one of its
     # parameters' gradients, on any device, not only the one its dW input names (dp-swap's replicas)
@@ -631,6 +649,18 @@ def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: in
         seq += 1
         heappush(heap, (t, seq, code, obj, ver))
 
+    task_peak: dict[int, int] = {}  # task id -> device bytes at most from the previous task's end to its own
+
+    def note_task(s: int, m: int) -> None:
+        """Count ``m`` bytes on slot ``s`` against the task its compute thread runs or waits to run
+        (the runtime measures a task's peak from the moment its predecessor ended)."""
+        p = ptr[s] - 1 if computing[s] else ptr[s]
+        su = slot_units[s]
+        if 0 <= p < len(su):
+            tid = su[p].task.id
+            if m > task_peak.get(tid, -1):
+                task_peak[tid] = m
+
     def try_compute(s: int) -> None:
         if computing[s]:
             return
@@ -643,10 +673,15 @@ def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: in
             return
         computing[s] = True
         ptr[s] = p + 1
+        tid = u.task.id
+        if mem[s] > task_peak.get(tid, -1):  # the level it starts from (the runtime resets its peak there)
+            task_peak[tid] = mem[s]
         m = mem[s] + u.delta_start
         mem[s] = m
         if m > peak[s]:
             peak[s] = m
+        if m > task_peak[tid]:
+            task_peak[tid] = m
         u.start = now
         if cores is None:
             push(now + u.dur, _E_UNIT, u, 0)
@@ -738,14 +773,21 @@ def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: in
             busy_flag[dst][_P2P_IN] = True
         start(x)
 
+    prefetched: set[int] = set()
+
     def start(x: _Xfer) -> None:
         x.start = now
+        if x.unit is not None and x.unit.j == 0 and x.transfer.tensor in _STATE:
+            before = last_unit_prev.get(x.task_id)
+            if before is not None and not before.done:
+                prefetched.add(x.task_id)
         if x.alloc_dst:
             d = x.dst
             m = mem[d] + x.alloc_dst
             mem[d] = m
             if m > peak[d]:
                 peak[d] = m
+            note_task(d, m)
         link = x.link
         if link is None:
             push(now + x.dur, _E_XFER, x, 0)
@@ -855,6 +897,8 @@ def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: in
         mem[s] = m
         if m > peak[s]:
             peak[s] = m
+        if m > task_peak.get(u.task.id, -1):
+            task_peak[u.task.id] = m
         for v in u.end_units:
             v.need -= 1
             if not v.need:
@@ -919,6 +963,8 @@ def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: in
         deadlock=deadlock,
         events=events,
         capacity=cap,
+        task_peaks={t: int(v) for t, v in task_peak.items() if by_id[t].device != HOST},
+        prefetched=prefetched,
     )
 
 

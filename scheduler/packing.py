@@ -143,6 +143,11 @@ def clear_cache() -> None:
     _tables_cache.data.clear()
 
 
+def _memory_version(profile: Profile) -> int:
+    """Bumped by ``Profile.add_packs``: measured packs change the memory of the packs they name."""
+    return profile.__dict__.get("_memory_version", 0)
+
+
 def _check_pass(pass_: str) -> Pass:
     if pass_ not in _PASSES:
         raise ValueError(f"pass_ must be 'fwd' or 'bwd', not {pass_!r}")
@@ -151,7 +156,7 @@ def _check_pass(pass_: str) -> Pass:
 
 def _layer_arrays(profile: Profile, u: int, pass_: Pass) -> dict[str, np.ndarray]:
     """The per-layer values one pass needs at ``u``, read from the profile once."""
-    key = ("arrays", u, pass_, len(profile.layers))
+    key = ("arrays", u, pass_, len(profile.layers), _memory_version(profile))
     hit = _arrays_cache.get(profile, key)
     if hit is not None:
         return hit  # type: ignore[return-value]
@@ -210,8 +215,13 @@ def pack_memory_matrix(profile: Profile, u: int, pass_: Pass) -> np.ndarray:
             before_last[:, 1:] = run[:, :-1]  # max over k in [i, j-1]: the output is still held
             base = acts[:R, None]
             worst = np.maximum(before_last + 2.0 * a["y"][None, :], g[None, :]) - base
+            # the last pack is a loss task: its last layer's moment is the layer's loss task measured
+            # alone, above the activations of the layers before it; no output held before that
+            worst[:, R - 1] = np.maximum(before_last[:, R - 1], acts[R - 1] + profile.loss_memory(u)) - acts[:R]
             memory = span + x_first + np.maximum(worst, 0.0)
-            memory[:, R - 1] += profile.loss_memory(u)  # the last pack runs with the loss
+        for pack in profile.packs:  # packs measured whole replace their composition
+            if pack.u == u:
+                memory[pack.first, pack.last] = pack.fwd_peak if pass_ == "fwd" else pack.bwd_peak
     return np.where(upper, memory, np.inf)
 
 
@@ -222,7 +232,7 @@ class _Tables:
 
 
 def _tables(profile: Profile, u: int, capacity: int, pass_: Pass) -> _Tables:
-    key = ("tables", u, pass_, capacity, len(profile.layers))
+    key = ("tables", u, pass_, capacity, len(profile.layers), _memory_version(profile))
     hit = _tables_cache.get(profile, key)
     if hit is not None:
         return hit  # type: ignore[return-value]

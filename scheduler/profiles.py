@@ -25,8 +25,8 @@ PROFILE_FILE = "profile.msgpack"
 
 # Quantities that grow with the microbatch size and are interpolated.
 TIME_FIELDS = ("fwd_time", "bwd_time", "recompute_time")
-MEMORY_FIELDS = ("fwd_peak", "bwd_peak", "act_bytes", "x_bytes", "y_bytes", "dx_bytes")
-BWD_FIELDS = ("bwd_time", "recompute_time", "bwd_peak", "act_bytes", "dx_bytes")
+MEMORY_FIELDS = ("fwd_peak", "bwd_peak", "bwd_first_peak", "act_bytes", "x_bytes", "y_bytes", "dx_bytes")
+BWD_FIELDS = ("bwd_time", "recompute_time", "bwd_peak", "bwd_first_peak", "act_bytes", "dx_bytes")
 SAMPLE_FIELDS = TIME_FIELDS + MEMORY_FIELDS
 
 
@@ -36,7 +36,9 @@ class LayerSample:
 
     Times are seconds (median of trials). ``fwd_peak``/``bwd_peak`` are the peak device bytes of the
     forward / backward task on that layer alone, including its weights, inputs, outputs and
-    temporaries; the backward includes the recompute and the resident gradient buffer dW.
+    temporaries; the backward includes the recompute and the resident gradient buffer dW, into
+    which it adds each fresh gradient (a temporary), as every microbatch of a group but the first
+    does. ``bwd_first_peak`` is the first's, whose backward makes the buffer (0: not measured).
     ``act_bytes`` is what the recompute leaves alive for the backward (saved activations and Y).
     Sizes are of the layer's input X, output Y and input gradient dX.
     """
@@ -51,6 +53,7 @@ class LayerSample:
     y_bytes: int
     dx_bytes: int
     act_bytes: int = 0
+    bwd_first_peak: int = 0
 
 
 @dataclass
@@ -127,6 +130,7 @@ class LayerProfile:
     upd_time_host: float
     fwd_samples: list[LayerSample] = field(default_factory=list)
     bwd_samples: list[LayerSample] = field(default_factory=list)
+    upd_bytes: int = 0  # the optimizer's temporaries in a step of this layer on the device
 
     def fit(self, quantity: str) -> Fit:
         """The fit of one quantity, made on first use (the search asks for a few of them only)."""
@@ -167,6 +171,36 @@ class TiedWeight:
 
 
 @dataclass
+class LossSample:
+    """The model's last layer run alone as a loss task at microbatch size ``u`` (forward, loss,
+    backward): its peak device bytes beyond the layer's weights, buffers, gradient buffers and
+    input. That covers what the layer profiles cannot see: the loss's forward and target, its
+    backward, the output gradient it makes, and the output itself, which a loss task lets go once
+    the loss is computed unless the layer saved it for its backward. ``first_nbytes``: the same
+    for a group's first microbatch, which makes the gradient buffers."""
+
+    u: int
+    nbytes: int
+    first_nbytes: int = 0
+
+
+@dataclass
+class PackSample:
+    """A pack measured whole at microbatch size ``u``: the peak device bytes of its FWD task and
+    of its BWD task (the loss task's, loss included, when the pack ends with the model's last
+    layer). Measured for the packs a chosen plan runs, so that its estimate does not rest on
+    composing layer profiles (an upper bound, loose where layers share tensors: relays, residual
+    gradients)."""
+
+    first: int
+    last: int
+    u: int
+    fwd_peak: int
+    bwd_peak: int
+    bwd_first_peak: int = 0  # a group's first microbatch (0: as ``bwd_peak``)
+
+
+@dataclass
 class Profile:
     """Per-layer profiles of one model on one kind of device, with the sweep's maxima."""
 
@@ -180,6 +214,11 @@ class Profile:
     notes: dict[str, str] = field(default_factory=dict)
     machine: Machine | None = None  # devices and link bandwidths, probed or from a spec
     ties: list[TiedWeight] = field(default_factory=list)
+    loss_samples: list[LossSample] = field(default_factory=list)
+    packs: list[PackSample] = field(default_factory=list)
+    # how a pack's optimizer temporaries grow with its layers: 0 when the optimizer steps one
+    # parameter at a time (the largest layer's), 1 when it steps the whole group at once (their sum)
+    update_growth: float = 1.0
 
     def fit_errors(self) -> dict[str, float]:
         """The worst relative fit error per quantity over all layers (reported, not hidden)."""
@@ -204,50 +243,110 @@ class Profile:
                 prefix.append(prefix[-1] + layer.at(quantity, u))
         return prefix[last + 1] - prefix[first]
 
-    def pack_fwd_memory(self, first: int, last: int, u: int) -> int:
+    def measured_pack(self, first: int, last: int, u: int) -> PackSample | None:
+        """The pack measured whole at size u, if it was (``packs``)."""
+        index = self.__dict__.get("_packs")
+        if index is None or index[0] != len(self.packs):
+            index = (len(self.packs), {(p.first, p.last, p.u): p for p in self.packs})
+            self.__dict__["_packs"] = index
+        return index[1].get((first, last, u))
+
+    def add_packs(self, samples: list[PackSample]) -> None:
+        """Record packs measured whole; later estimates use them instead of composing layers."""
+        known = {(p.first, p.last, p.u): i for i, p in enumerate(self.packs)}
+        for sample in samples:
+            key = (sample.first, sample.last, sample.u)
+            if key in known:
+                self.packs[known[key]] = sample
+            else:
+                known[key] = len(self.packs)
+                self.packs.append(sample)
+        self.__dict__.pop("_packs", None)
+        self.__dict__["_memory_version"] = self.__dict__.get("_memory_version", 0) + 1
+
+    def pack_fwd_memory(self, first: int, last: int, u: int, stashes: tuple[int, ...] = ()) -> int:
         """Peak device bytes of a FWD task over layers first..last.
 
         The pack's weights and buffers are resident; layer l's input, output and temporaries come
-        and go in turn, while the pack's own input stays (it is stashed for the recompute).
+        and go in turn, while the pack's own input stays (it is stashed for the recompute). The
+        input of a layer in ``stashes`` (stashed for a backward starting there) is queued for the
+        host when that layer starts and may stay while the layers after it run.
         """
         layers = self.layers[first:last + 1]
+        held = [layers[k].at("x_bytes", u) if first + k in stashes and k else 0.0 for k in range(len(layers))]
+        measured = self.measured_pack(first, last, u)
+        if measured is not None:
+            return int(round(measured.fwd_peak + sum(held[:-1])))
         resident = sum(layer.w_bytes + layer.b_bytes for layer in layers)
         x_first = layers[0].at("x_bytes", u)
         worst = 0.0
         for k, layer in enumerate(layers):
             working = layer.at("fwd_peak", u) - layer.w_bytes - layer.b_bytes
-            worst = max(worst, working + (x_first if k else 0.0))
+            worst = max(worst, working + (x_first if k else 0.0) + sum(held[:k]))
         return int(round(resident + worst))
 
-    def pack_bwd_memory(self, first: int, last: int, u: int) -> int:
-        """Peak device bytes of a BWD task (recompute, then backward) over layers first..last.
+    def pack_bwd_memory(self, first: int, last: int, u: int, accumulate: bool = True) -> int:
+        """Peak device bytes of a BWD task (recompute, then backward) over layers first..last; for
+        the pack of the model's last layer, of the loss task (forward, loss, backward).
 
         Weights, buffers and gradient buffers of the pack are resident, and so is the pack's input.
         The recompute leaves every layer's activations alive; the backward then walks from the last
         layer down, freeing them as it goes, so during layer l's backward the activations of
-        layers ≤ l are alive plus l's own backward working memory (measured on the layer alone),
-        and the pack's output with its gradient, which the task holds until the backward ends.
+        layers ≤ l are alive plus l's own backward working memory (measured on the layer alone,
+        with its incoming gradient), and, in a BWD task, the pack's output with its gradient, which
+        the task holds until the backward ends. In a loss task the last layer's moment is its loss
+        task measured alone (``loss_memory``: its activations, the loss, the backward), above the
+        activations of the layers before it.
+        ``accumulate=False``: the group's first microbatch, which makes the gradient buffers rather
+        than adding a fresh gradient to them.
         """
+        measured = self.measured_pack(first, last, u)
+        if measured is not None:
+            return measured.bwd_peak if accumulate or not measured.bwd_first_peak else measured.bwd_first_peak
         layers = self.layers[first:last + 1]
         resident = sum(layer.w_bytes + layer.b_bytes + layer.dw_bytes for layer in layers)
         x_first = layers[0].at("x_bytes", u)
         acts = [layer.at("act_bytes", u) for layer in layers]
-        # the pack's output and its incoming gradient stay alive until the whole backward is done
-        held = 2 * layers[-1].at("y_bytes", u)
+        loss = last == len(self.layers) - 1
+        # a BWD task's output and its incoming gradient stay alive until the whole backward is done
+        held = 0.0 if loss else 2 * layers[-1].at("y_bytes", u)
         worst = 0.0
         for k, layer in enumerate(layers):
+            if loss and k == len(layers) - 1:  # the last layer's loss task, measured as a whole
+                worst = max(worst, sum(acts[:k]) + self.loss_memory(u, accumulate))
+                continue
             own_resident = layer.w_bytes + layer.b_bytes + layer.dw_bytes + layer.at("x_bytes", u) + acts[k]
-            extra = max(0.0, layer.at("bwd_peak", u) - own_resident)
+            peak = layer.at("bwd_peak", u) if accumulate else layer.at("bwd_first_peak", u) or layer.at("bwd_peak", u)
+            extra = max(0.0, peak - own_resident)
             worst = max(worst, sum(acts[: k + 1]) + extra + (held if k < len(layers) - 1 else 0.0))
-        if last == len(self.layers) - 1:
-            worst += self.loss_memory(u)
         return int(round(resident + x_first + worst))
 
-    def loss_memory(self, u: int) -> float:
-        """The loss function's working memory in the loss task, which the layer profiles lack (they
-        are measured with a given output gradient): a log-softmax as large as the model's output,
-        and the output's gradient. Every mode runs the pack of the last layer with the loss."""
-        return 2 * self.layers[-1].at("y_bytes", u)
+    def loss_memory(self, u: int, accumulate: bool = True) -> float:
+        """The model's last layer in its loss task beyond its weights, buffers, gradient buffers and
+        input (``LossSample``): measured (``loss_samples``), or, where nobody measured it, the
+        layer's backward (its activations, output and their gradients) and a cross-entropy's loss
+        above it: a log-softmax as large as the output and the gradient of the loss on it."""
+        if self.loss_samples:
+            field_ = "nbytes" if accumulate or not all(s.first_nbytes for s in self.loss_samples) else "first_nbytes"
+            fits = self.__dict__.setdefault("_loss_fits", {})
+            key = (field_, len(self.loss_samples))
+            if key not in fits:
+                fits[key] = fit_samples([s.u for s in self.loss_samples], [getattr(s, field_) for s in self.loss_samples])
+            exact = [getattr(s, field_) for s in self.loss_samples if s.u == u]
+            return float(exact[0]) if exact else fits[key](u)
+        layer = self.layers[-1]
+        own = layer.w_bytes + layer.b_bytes + layer.dw_bytes + layer.at("x_bytes", u)
+        return max(0.0, layer.at("bwd_peak", u) - own) + 2 * layer.at("y_bytes", u)
+
+    def pack_update_memory(self, first: int, last: int) -> int:
+        """The optimizer's temporaries in one step of a pack's parameters on the device (beyond
+        the weights, gradients and state): the largest layer's, and the others' by
+        ``update_growth``."""
+        scratch = [layer.upd_bytes for layer in self.layers[first:last + 1]]
+        if not scratch:
+            return 0
+        top = max(scratch)
+        return int(round(top + self.update_growth * (sum(scratch) - top)))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -267,8 +366,11 @@ class Profile:
                 layers.append(LayerProfile(**{**layer, **samples}))
             machine = Machine.from_dict(body["machine"]) if body.get("machine") else None
             ties = [TiedWeight(**check(TiedWeight, t, f"tie {i}")) for i, t in enumerate(body.get("ties", []))]
-            profile = cls(**{k: v for k, v in body.items() if k not in ("layers", "machine", "ties")}, layers=layers,
-                          machine=machine, ties=ties)
+            losses = [LossSample(**check(LossSample, x, f"loss sample {i}")) for i, x in enumerate(body.get("loss_samples", []))]
+            packs = [PackSample(**check(PackSample, x, f"pack {i}")) for i, x in enumerate(body.get("packs", []))]
+            nested = ("layers", "machine", "ties", "loss_samples", "packs")
+            profile = cls(**{k: v for k, v in body.items() if k not in nested}, layers=layers,
+                          machine=machine, ties=ties, loss_samples=losses, packs=packs)
         except serialization.MALFORMED as exc:
             raise FormatError(f"profile is malformed ({type(exc).__name__}: {exc})") from exc
         if any(layer.index != i or not layer.fwd_samples or not layer.bwd_samples for i, layer in enumerate(layers)):

@@ -144,6 +144,32 @@ class Configuration:
 
 
 @dataclass
+class MemoryPlan:
+    """What a plan promises about memory (``scheduler/memory.py`` counts it, the estimator times
+    it): per device the estimate's peak, which the runtime lets no prefetch go past; per task the
+    device's bytes while it runs (an out-of-memory report compares with it) and its reserve, the
+    most it holds at once, of which a prefetch beside it must leave free what it has not allocated;
+    and the tasks whose state the plan loads while the task before them computes (the runtime
+    prefetches those, and no other)."""
+
+    devices: dict[int, int]
+    tasks: dict[int, int]
+    reserves: dict[int, int]
+    prefetch: list[int] = field(default_factory=list)  # tasks whose state loads while the one before computes
+
+    def to_dict(self) -> dict:
+        body: dict = {name: {str(k): int(v) for k, v in getattr(self, name).items()}
+                      for name in ("devices", "tasks", "reserves")}
+        body["prefetch"] = sorted(int(t) for t in self.prefetch)
+        return body
+
+    @classmethod
+    def from_dict(cls, body: dict) -> "MemoryPlan":
+        maps = {name: {int(k): int(v) for k, v in body[name].items()} for name in ("devices", "tasks", "reserves")}
+        return cls(**maps, prefetch=[int(t) for t in body.get("prefetch", [])])
+
+
+@dataclass
 class TaskGraph:
     """One iteration's tasks in a valid execution order; each device runs its own in this order."""
 
@@ -152,6 +178,7 @@ class TaskGraph:
     minibatch: int
     config: Configuration
     tasks: list[Task]
+    memory: MemoryPlan | None = None  # set once estimated (search, compile)
 
     def __iter__(self) -> Iterator[Task]:
         return iter(self.tasks)
@@ -201,6 +228,7 @@ class TaskGraph:
     # ---------------------------------------------------------------- files
     def to_dict(self) -> dict:
         body = asdict(self)
+        body["memory"] = self.memory.to_dict() if self.memory is not None else None
         for task in body["tasks"]:
             task["kind"] = task["kind"].value if isinstance(task["kind"], Kind) else task["kind"]
             for t in task["inputs"] + task["outputs"]:
@@ -220,8 +248,10 @@ class TaskGraph:
                 inputs = [Transfer(**{**x, "channel": Channel(x["channel"])}) for x in t["inputs"]]
                 outputs = [Transfer(**{**x, "channel": Channel(x["channel"])}) for x in t["outputs"]]
                 tasks.append(Task(**{**t, "kind": Kind(t["kind"]), "inputs": inputs, "outputs": outputs}))
-            return cls(mode=body["mode"], devices=body["devices"], minibatch=body["minibatch"], config=config, tasks=tasks)
-        except (KeyError, TypeError, ValueError) as exc:
+            memory = MemoryPlan.from_dict(body["memory"]) if body.get("memory") else None
+            return cls(mode=body["mode"], devices=body["devices"], minibatch=body["minibatch"], config=config, tasks=tasks,
+                       memory=memory)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise FormatError(f"task graph is malformed ({type(exc).__name__}: {exc})") from exc
 
 

@@ -1,0 +1,158 @@
+"""What one task holds on its device, and when: the byte accounting of a task (§4.4's memory manager).
+
+The executor runs a task as *units* (the estimator's): one per microbatch and, for a backward that
+steps its pack on the device, one more for that update; a UPD task is one unit. A task holds:
+
+- ``state``: the pack's weights and buffers (W, B) and, for a BWD, its gradient buffers (dW), from
+  its first unit's start to its last unit's end (loaded before the first microbatch, let go after
+  the update);
+- ``work[j]``: what unit j allocates above the state while it computes, freed when it ends. For a
+  microbatch: the pack's peak at its size less the state, which counts the microbatch's inputs (X,
+  Xs, dY), the activations, the backward's temporaries and a loss task's loss; the stashed inputs a
+  forward queues for the host while its later layers run; the copies of the buffers a recompute
+  runs on. For the update: the optimizer state (K), the gradients summed on the host that come in
+  for the step, and the optimizer's temporaries.
+- Inputs a unit's work counts (``covers``) are held by their copy from its start until that unit
+  starts; every other input is held until its unit ends. Outputs are held from the end of the unit
+  that made them until they have left (the estimator adds both, as transfers between tasks).
+
+Nothing here simulates: each function answers for one task, so that the estimator's simulation, the
+runtime's reservation before a prefetch (``reserve``) and a per-device program with static
+reservations (issue 15) count the same bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .profiles import Profile
+from .tasks import HOST, Channel, Kind, MemoryPlan, Task
+
+__all__ = ["TaskMemory", "covers", "input_unit", "memory_plan", "reserve", "resident_bytes", "stash_layers",
+           "task_key", "task_memory"]
+
+# what the work of a unit counts among the task's inputs, by unit kind
+_FIRST_COVERS = frozenset(("W", "B"))
+_MICROBATCH_COVERS = {Kind.FWD: frozenset(("X",)), Kind.BWD: frozenset(("X", "Xs", "dY"))}
+_UPDATE_COVERS = frozenset(("K",))
+
+
+@dataclass(frozen=True)
+class TaskMemory:
+    """Bytes a task holds on its device: ``state`` for its whole span, ``work[j]`` while unit j
+    computes (see the module docs)."""
+
+    state: int
+    work: tuple[int, ...]
+
+    @property
+    def peak(self) -> int:
+        """The most the task itself holds at once (its transfers in flight aside)."""
+        return self.state + max(self.work, default=0)
+
+
+def fused_update(task: Task) -> bool:
+    """Whether the task's last unit is an update on the device (a backward stepping its pack)."""
+    return task.kind == Kind.BWD and task.update == "device" and task.device != HOST
+
+
+def stash_layers(task: Task, consumers: dict[int, Task]) -> tuple[int, ...]:
+    """The layers of a FWD task whose inputs it stashes for a backward starting there."""
+    if task.kind != Kind.FWD:
+        return ()
+    return tuple(sorted({consumers[o.task].first for o in task.outputs
+                         if o.tensor == "Xs" and o.task in consumers}))
+
+
+def _update_inputs(task: Task) -> int:
+    """Gradient bytes an update brings in from host slots (a tied weight's other share) on top
+    of its own."""
+    return sum(t.nbytes for t in task.inputs if t.tensor == "dW" and t.channel == Channel.SHM)
+
+
+def _running_gradient(task: Task) -> bool:
+    """Whether a BWD task starts from a gradient brought in (the per-GPU-swap baselines' running
+    gradient), adding to it from its first microbatch on."""
+    return task.kind == Kind.BWD and any(t.tensor == "dW" and t.channel == Channel.SWAP for t in task.inputs)
+
+
+def task_key(task: Task, stashes: tuple[int, ...] = ()) -> tuple:
+    """What ``task_memory`` depends on, for caching across the many graphs of a search."""
+    return (task.kind, task.loss, fused_update(task), task.device == HOST, task.first, task.last,
+            tuple(task.microbatches), stashes, _update_inputs(task) if fused_update(task) else 0,
+            _running_gradient(task))
+
+
+def task_memory(task: Task, profile: Profile, stashes: tuple[int, ...] = ()) -> TaskMemory:
+    """What ``task`` holds on its device (``stashes``: see ``stash_layers``); nothing for a task
+    on the host."""
+    if task.device == HOST:
+        return TaskMemory(0, (0,))
+    first, last = task.first, task.last
+    layers = profile.layers[first:last + 1]
+    weights = sum(layer.w_bytes + layer.b_bytes for layer in layers)
+    if task.kind == Kind.UPD:
+        return TaskMemory(0, (profile.pack_update_memory(first, last),))
+    if task.kind == Kind.FWD:
+        work = tuple(profile.pack_fwd_memory(first, last, u, stashes) - weights for u in task.microbatches)
+        return TaskMemory(weights, work or (0,))
+    gradients = sum(layer.dw_bytes for layer in layers)
+    # a recompute runs on copies of the buffers, so that running statistics are updated once
+    scratch = 0 if task.loss else sum(layer.b_bytes for layer in layers)
+    # the first microbatch makes the gradient buffers, unless a running gradient came in to start from
+    running = _running_gradient(task)
+    work = tuple(profile.pack_bwd_memory(first, last, u, accumulate=bool(j) or running) - weights - gradients + scratch
+                 for j, u in enumerate(task.microbatches))
+    if fused_update(task):
+        optimizer = sum(layer.k_bytes for layer in layers)
+        work += (optimizer + _update_inputs(task) + profile.pack_update_memory(first, last),)
+    return TaskMemory(weights + gradients, work or (0,))
+
+
+def input_unit(task: Task, tensor: str, microbatch: int | None, units: int) -> int:
+    """The unit of ``task`` (of ``units``) that reads an input: its microbatch's, the update's for
+    the optimizer state of a fused update (the executor loads it for the step, not before), else
+    the first."""
+    if microbatch is not None and 0 <= microbatch < len(task.microbatches) and microbatch < units:
+        return microbatch
+    if tensor == "K" and fused_update(task):
+        return units - 1
+    return 0
+
+
+def covers(task: Task, unit: int, units: int, tensor: str) -> bool:
+    """Whether unit ``unit`` (of ``units``) of ``task`` counts input ``tensor`` in its work."""
+    if task.kind == Kind.UPD:
+        return False
+    if fused_update(task) and unit == units - 1:
+        return tensor in _UPDATE_COVERS
+    return tensor in _MICROBATCH_COVERS[task.kind] or (unit == 0 and tensor in _FIRST_COVERS)
+
+
+def resident_bytes(task: Task, profile: Profile) -> int:
+    """The pack state (W, B) a task leaves on its device for a later task that reads it LOCAL."""
+    return sum(layer.w_bytes + layer.b_bytes for layer in profile.layers[task.first:task.last + 1])
+
+
+def reserve(task: Task, profile: Profile, stashes: tuple[int, ...] = ()) -> int:
+    """The most a running task holds at once: its state, its largest unit's work and the inputs its
+    work does not count (an update's weights, gradients and optimizer state). The runtime lets a
+    copy ahead of need in beside the running task only if what the task has not allocated yet of
+    this stays free."""
+    held = task_memory(task, profile, stashes)
+    units = len(held.work)
+    uncovered = sum(t.nbytes for t in task.inputs
+                    if not covers(task, input_unit(task, t.tensor, t.microbatch, units), units, t.tensor)
+                    and t.channel not in (Channel.SHM, Channel.LOCAL))
+    return held.peak + uncovered
+
+
+def memory_plan(graph, device_peaks: dict[int, int], task_peaks: dict[int, int], prefetched: set[int],
+                profile: Profile) -> MemoryPlan:
+    """What a plan promises: per device the estimate's peak, per task the device's bytes while it
+    runs (estimated) and its ``reserve``, the most it holds at once; and the tasks whose state
+    the estimate loads while the task before them computes."""
+    consumers = {t.id: t for t in graph.tasks}
+    reserves = {t.id: reserve(t, profile, stash_layers(t, consumers)) for t in graph.tasks if t.device != HOST}
+    return MemoryPlan(devices=dict(device_peaks), tasks=dict(task_peaks), reserves=reserves,
+                      prefetch=sorted(prefetched))
