@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable
 
+import pytest
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
@@ -50,14 +51,15 @@ def _images(dtype: torch.dtype) -> tuple:
 
 
 def tv_resnet18(dtype: torch.dtype, dropout: bool) -> tuple[nn.Module, tuple]:
-    import torchvision
+    torchvision = pytest.importorskip("torchvision")
 
     torch.manual_seed(0)
     return torchvision.models.resnet18(num_classes=10).to(dtype), _images(dtype)
 
 
 def tv_vgg(dtype: torch.dtype, dropout: bool) -> tuple[nn.Module, tuple]:
-    from torchvision.models.vgg import VGG, make_layers
+    vgg_module = pytest.importorskip("torchvision.models.vgg")
+    VGG, make_layers = vgg_module.VGG, vgg_module.make_layers
 
     torch.manual_seed(0)
     p = 0.3 if dropout else 0.0
@@ -72,7 +74,7 @@ def tv_vgg(dtype: torch.dtype, dropout: bool) -> tuple[nn.Module, tuple]:
 
 
 def tv_vit(dtype: torch.dtype, dropout: bool) -> tuple[nn.Module, tuple]:
-    from torchvision.models.vision_transformer import VisionTransformer
+    VisionTransformer = pytest.importorskip("torchvision.models.vision_transformer").VisionTransformer
 
     torch.manual_seed(0)
     p = 0.2 if dropout else 0.0
