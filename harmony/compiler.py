@@ -118,13 +118,10 @@ def compile_plan(
                 raise HarmonyError(str(exc) + _memory_that_fits(exc, options.memory_margin)) from exc
             log.info("%s", exc)
             infeasible.append(mode)
-    chosen = results[options.mode]
-    if profile.source == "measured":
-        on_progress("measuring the plan's packs")
-        measure = _pack_measurer(graph, get_batch, build_optimizer, loss_fn, options, capacity)
-        chosen = measured_packs_plan(chosen, profile, machine, options, planned, bool(same_u), measure)
+    on_progress("measuring the plan's packs")
+    measure = pack_measurer(graph, get_batch, build_optimizer, loss_fn, options, capacity)
+    chosen = finish_plan(results[options.mode], profile, machine, options, planned, bool(same_u), measure)
     est = chosen.estimate
-    chosen.graph.memory = memory_plan(chosen.graph, est.peak_memory, est.task_peaks, est.prefetched, profile)
     comparison = [
         {
             "mode": mode, "iteration_time": r.estimate.iteration_time, "swap_bytes": r.graph.swap_bytes(),
@@ -154,6 +151,17 @@ def compile_plan(
     return plan, chrome_trace(est)
 
 
+def finish_plan(result: SearchResult, profile: Profile, machine: Machine, options: CompileOptions, planned: int,
+                same_u: bool, measure: Callable[[list[tuple[int, int, int]]], list[PackSample]] | None) -> SearchResult:
+    """The search's choice made a plan's: re-estimated on its packs measured whole (a measured
+    profile), and its memory promise attached to its task graph (``TaskGraph.memory``)."""
+    if profile.source == "measured" and measure is not None:
+        result = measured_packs_plan(result, profile, machine, options, planned, same_u, measure)
+    est = result.estimate
+    result.graph.memory = memory_plan(result.graph, est.peak_memory, est.task_peaks, est.prefetched, profile)
+    return result
+
+
 def measured_packs_plan(result: SearchResult, profile: Profile, machine: Machine, options: CompileOptions,
                         planned: int, same_u: bool, measure: Callable[[list[tuple[int, int, int]]], list[PackSample]],
                         rounds: int = 3) -> SearchResult:
@@ -172,8 +180,8 @@ def measured_packs_plan(result: SearchResult, profile: Profile, machine: Machine
             return dataclasses.replace(result, estimate=est)
         log.info("with its packs measured, %s no longer fits: searching again", result.config)
         try:
-            result = search(profile, machine, options.mode, options.devices, options.minibatch, capacity=planned,
-                            same_u=same_u)
+            graph = result.graph
+            result = search(profile, machine, graph.mode, graph.devices, graph.minibatch, capacity=planned, same_u=same_u)
         except NoFeasibleConfiguration as exc:
             raise HarmonyError(str(exc) + _memory_that_fits(exc, options.memory_margin)) from exc
     return result
@@ -185,7 +193,7 @@ def plan_packs(graph) -> set[tuple[int, int, int]]:
             if t.kind in (Kind.FWD, Kind.BWD) and t.device != HOST for u in set(t.microbatches)}
 
 
-def _pack_measurer(graph: LayerGraph, get_batch, build_optimizer, loss_fn, options: CompileOptions, capacity: int):
+def pack_measurer(graph: LayerGraph, get_batch, build_optimizer, loss_fn, options: CompileOptions, capacity: int):
     """Measures packs on a device like the profile's (an emulated one without a limit: a pack of a
     plan fits by construction, and tracking is exact either way)."""
 

@@ -185,17 +185,18 @@ class Profiler:
             loss_samples=losses, update_growth=self._update_growth(layers),
         )
 
-    def loss_on_device(self, u: int) -> Callable[[tuple, Device], torch.Tensor] | None:
+    def loss_on_device(self, u: int) -> Callable[[tuple, Device], tuple[torch.Tensor, Any]] | None:
         """The loss of a microbatch of ``u`` samples as a loss task computes it from the last
-        layer's outputs (its target copied to the device), or None without a loss function."""
+        layer's outputs, with its target copied to the device (held until the backward ends, as
+        the loss task holds it), or None without a loss function."""
         if self.loss_fn is None:
             return None
         target = self.get_batch(u, 0)[1]
         spec = self.graph.out_spec()
 
-        def loss(outputs: tuple, device: Device) -> torch.Tensor:
+        def loss(outputs: tuple, device: Device) -> tuple[torch.Tensor, Any]:
             t = device.to_device(target) if isinstance(target, torch.Tensor) else target
-            return self.loss_fn(tree_unflatten(list(outputs), spec), t)
+            return self.loss_fn(tree_unflatten(list(outputs), spec), t) * 1.0, t  # scaled, as a loss task does
 
         return loss
 

@@ -228,7 +228,8 @@ class Executor:
         plan = routes.graph.memory
         self._budget = plan.devices.get(rank) if plan is not None else None
         self._reserves = plan.reserves if plan is not None else {}
-        self._prefetches = set(plan.prefetch) if plan is not None else None  # states loaded ahead
+        self._prefetches = dict(plan.prefetch) if plan is not None else None  # states loaded ahead, and when
+        self._next: Task | None = None  # the next task, while its state may still be prefetched
         self.slabs = slabs
         self.transport = transport  # P2P over torch.distributed; None: through shared memory
         self._awaited: dict[tuple[int, bool], int] = {}  # (sender, on the compute thread) -> P2P waits
@@ -302,9 +303,11 @@ class Executor:
                 # the task's room is reserved before the next task's state may be prefetched beside it
                 self._headroom = self._reserve(task)
                 self.device.reset_peak()
-                if self.prefetch and i + 1 < len(self.tasks):
-                    self._prefetch_state(self.tasks[i + 1])
+                self._next = self.tasks[i + 1] if self.prefetch and i + 1 < len(self.tasks) else None
+                if self._prefetches is None and self._next is not None:
+                    self._prefetch_state(self._next)  # no memory plan: wherever it fits
                 loss += self._run_task(task)
+                self._next = None
                 self._headroom = 0
                 t1 = time.perf_counter()
                 task_seconds[task.id] = t1 - t0
@@ -373,14 +376,14 @@ class Executor:
         return value
 
     def _let_outputs_leave(self) -> None:
-        """The compute thread would take the device past the plan's peak for it: outputs still
-        leaving it (queued swap-outs and sends) were gone by then in the plan, so wait for them
-        first. A send that cannot leave within a second (a receiver short of room) is not waited
-        for again in this task."""
-        if not _on_compute_thread() or self._gave_up_waiting == self._task:
+        """An allocation would take the device past the plan's peak for it: the plan does not count
+        outputs still leaving the device (queued swap-outs and sends; see the estimator's module
+        docs), so let them go first. A job that cannot finish within a second (a send whose
+        receiver is short of room) is not waited for again in this task; nor do the outbound
+        streams wait for themselves."""
+        if self._gave_up_waiting == self._task or self._on_outbound_stream():
             return
-        outbound = [self.swap_out] + ([self.p2p_out] if self.transport is None else [])
-        for stream in outbound:
+        for stream in (self.swap_out, self.p2p_out):
             if not stream.busy():
                 continue
             try:
@@ -390,6 +393,10 @@ class Executor:
                 return
             except Exception:  # noqa: BLE001 - a failed job reports itself where it is awaited
                 return
+
+    def _on_outbound_stream(self) -> bool:
+        name = threading.current_thread().name
+        return name in (f"harmony-{self.swap_out.name}", f"harmony-{self.p2p_out.name}")
 
     def _reclaim(self) -> bool:
         """The memory manager's last resort before out-of-memory on the compute thread: outputs
@@ -525,7 +532,10 @@ class Executor:
                 self._awaited[key] -= 1
 
     def _values_to_device(self, values: Values, channel: str, tensor: str) -> Values:
-        return [self._to_device(v, channel, tensor) if isinstance(v, torch.Tensor) else v for v in values]
+        """A microbatch's inputs copied in. Under a memory plan they come one microbatch ahead, as the
+        plan counts them (beside the running microbatch's work): they keep no more room free."""
+        room = 0 if self._prefetches is not None else None
+        return [self._to_device(v, channel, tensor, room=room) if isinstance(v, torch.Tensor) else v for v in values]
 
     def _to_host_into(self, dst: torch.Tensor, src: torch.Tensor, tensor: str) -> None:
         with torch.no_grad(), self.device.host_side():
@@ -541,13 +551,21 @@ class Executor:
                     names.append(name)
         return names
 
+    def _unit_starts(self, unit: int) -> None:
+        """Unit ``unit`` of the running task (a microbatch, or its update) is about to compute: the
+        moment the plan may load the next task's state (``MemoryPlan.prefetch``), its memory counted
+        beside this unit's."""
+        nxt = self._next
+        if nxt is None or self._prefetches is None or self._prefetches.get(nxt.id, -1) != unit:
+            return
+        self._next = None
+        self._prefetch_state(nxt)
+
     def _prefetch_state(self, task: Task) -> None:
         """Load the next task's state while the running one computes: where the plan does (its
         memory counts it beside the running task), or, for a plan without a memory plan, wherever
         it fits beside the running task's planned working memory."""
         if task.kind == Kind.UPD or any(t.tensor == "W" and t.channel == Channel.LOCAL for t in task.inputs):
-            return
-        if self._prefetches is not None and task.id not in self._prefetches:
             return
         before = self.routes.buffers_after.get(task.id)
         if before is not None and not self.shared.is_done(before, self.iteration):
@@ -803,6 +821,7 @@ class Executor:
         for mb in range(len(task.microbatches)):
             got = self._inputs(task, ["X"], mb, ready)
             ready = self._stream_prefetch(task, ["X"], mb + 1)
+            self._unit_starts(mb)
             values, gen = got["X"]
             if gen is not None:
                 rng.restore(device, gen)
@@ -833,6 +852,7 @@ class Executor:
         for mb, (start, size) in enumerate(ranges(task)):
             got = self._inputs(task, streams, mb, ready)
             ready = self._stream_prefetch(task, streams, mb + 1)
+            self._unit_starts(mb)
             if task.loss:
                 xs, gen = got["X"]
                 xs = _leaves(xs)
@@ -866,7 +886,11 @@ class Executor:
             if task.first > 0:
                 dx = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in xs]
                 self._send(task, mb, [o for o in self.routes.outputs[task.id] if o.name == "dY"], dx, None)
+                del dx
+            # nothing of this microbatch outlives it but what its sends hold until they have left (the
+            # plan counts its gradients gone then, not alive into the next microbatch)
             del xs, got
+            grads = None
         if task.loss:
             self._write_buffers(task, state)
         self._after_backward(task, state, params, overwrite)
@@ -903,6 +927,7 @@ class Executor:
             self._after_compute(self.swap_out, "dW out", self._deposit, grads, overwrite)
         if task.id in self.routes.jit:
             owned = {name: params[name] for name in self.routes.updates.get(task.id, [])}
+            self._unit_starts(len(task.microbatches))
             self._step(task, owned, write=True)
         self._evict_weights(task, state)
         for p in params.values():
@@ -951,6 +976,7 @@ class Executor:
                 params[name] = self._to_device(self.store.weight(name), "SWAP", "W")
         replicas = self.routes.replicas.get(task.id, [task.id])
         writer = min(replicas, key=lambda t: self.routes.by_id[t].device)
+        self._unit_starts(0)
         self._step(task, params, write=task.id == writer, replicas=replicas)
 
     def _gradient(self, name: str, own: torch.Tensor | None) -> torch.Tensor | None:

@@ -128,7 +128,7 @@ def measure_layer(
 
 def measure_pack(
     modules: Sequence[torch.nn.Module], inputs: tuple, device: Device, trials: int = 3, backward: bool = True,
-    loss: Callable[[tuple, Device], torch.Tensor] | None = None,
+    loss: Callable[[tuple, Device], tuple[torch.Tensor, Any]] | None = None,
 ) -> tuple[Measurement, tuple]:
     """Time and peak memory of a pack's FWD task and (with ``backward``) its BWD task, and the
     pack's outputs in host memory (the next layer's inputs).
@@ -136,7 +136,8 @@ def measure_pack(
     The BWD task runs as under input-batch grouping: the pack's gradient buffers are resident
     (allocated before the task), and the recompute and backward add to them. Its backward starts
     from an output gradient of ones, or, with ``loss`` (the pack's outputs and the device -> the
-    scalar loss, its target copied in), from the loss, as a loss task runs it. A forward that does
+    scalar loss and what the loss task holds until its backward ends: the target it copied in),
+    from the loss, as a loss task runs it. A forward that does
     not fit raises ``DeviceOutOfMemoryError``; a backward that does not fit is recorded in
     ``Measurement.bwd_error``, since the forward figures are still good. The device is left as
     before either way.
@@ -171,7 +172,7 @@ def measure_pack(
 
 
 def _measure_backward(modules, states, inputs: tuple, device: Device, trials: int, m: Measurement,
-                      loss: Callable[[tuple, Device], torch.Tensor] | None = None) -> None:
+                      loss: Callable[[tuple, Device], tuple[torch.Tensor, Any]] | None = None) -> None:
     params = [t for state in states for t in state.values() if t.requires_grad]
     # the group's first microbatch: autograd makes the gradient buffers (it keeps each fresh gradient)
     _backward_once(modules, states, params, inputs, device, m, loss)
@@ -193,7 +194,7 @@ def _measure_backward(modules, states, inputs: tuple, device: Device, trials: in
 
 
 def _backward_once(modules, states, params, inputs: tuple, device: Device, m: Measurement,
-                   loss: Callable[[tuple, Device], torch.Tensor] | None = None) -> tuple[float, float]:
+                   loss: Callable[[tuple, Device], tuple[torch.Tensor, Any]] | None = None) -> tuple[float, float]:
     """One BWD task; in a function of its own so that every tensor it made is gone when it returns
     (a tensor surviving into the next trial would inflate that trial's peak)."""
     xs = _on_device(device, inputs, grad=True)
@@ -205,8 +206,10 @@ def _backward_once(modules, states, params, inputs: tuple, device: Device, m: Me
     recompute = timer.stop()
     m.act_bytes = device.allocated() - before
     outs = [y for y in ys if isinstance(y, torch.Tensor) and y.requires_grad]
-    if loss is not None:  # the loss task drops its outputs once the loss is computed
-        outs = [loss(ys, device)] if outs else []
+    held = None
+    if loss is not None and outs:  # the loss task drops its outputs once the loss is computed
+        value, held = loss(ys, device)
+        outs = [value]
     del ys
     timer = device.timer()
     timer.start()
@@ -214,6 +217,7 @@ def _backward_once(modules, states, params, inputs: tuple, device: Device, m: Me
         wanted = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad] + params
         grads = None if loss is not None else [torch.ones_like(y) for y in outs]
         torch.autograd.backward(outs, grads, inputs=wanted)
+    del held
     backward = timer.stop()
     m.bwd_peak = max(m.bwd_peak, device.peak())
     m.dx_bytes = _nbytes([x.grad for x in xs if isinstance(x, torch.Tensor) and x.grad is not None])
@@ -224,9 +228,10 @@ def update_scratch(
     params: list[torch.Tensor], build_optimizer: Callable[[Any], torch.optim.Optimizer], device: Device
 ) -> int:
     """Bytes the optimizer allocates on ``device`` during a step beyond the weights, their
-    gradients and its state (K): the temporaries of the update (Adam's denominator, one parameter
-    at a time in the per-tensor implementation, the whole group at once in the foreach one). Two
-    steps: the first creates the state, the second runs as every later one."""
+    gradients and its state (K, its tensors of one dimension or more): the temporaries of the update
+    (Adam's denominator, one parameter at a time in the per-tensor implementation, the whole group
+    at once in the foreach one) and its step counters. Two steps: the first creates the state, the
+    second runs as every later one."""
     if not params:
         return 0
     with torch.random.fork_rng(devices=[]), device.memory_scope():
@@ -239,7 +244,8 @@ def update_scratch(
         for _ in range(2):
             opt.step()
         peak = device.peak()
-        state = device.allocated() - before  # the optimizer's state, and its step counters
+        state = sum(v.untyped_storage().nbytes() for s in opt.state.values() for v in s.values()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0)
         del opt, copies
     return max(0, peak - before - state)
 

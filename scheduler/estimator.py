@@ -59,6 +59,11 @@ What is simulated (the runtime's semantics, which this module must keep in step 
   is loaded when its backward is done, as the runtime loads it (no lookahead). The peak of that sum
   is reported per device, and per task from its predecessor's end to its own (``task_peaks``, what
   the runtime measures per task); ``fits`` says whether every device stays within ``capacity``.
+  A microbatch's input counts in device memory from when the runtime copies it in, one microbatch
+  ahead (as the previous microbatch of its task starts; the first microbatch's once the task before
+  has ended), whenever its transfer runs. On emulated devices (``machine.kind == "cpu"``)
+  outputs still leaving the device are not part of the peak: the runtime's memory manager lets
+  them go before it lets an allocation past the plan's peak (``runtime/memory.py``'s budget).
 - **Memory-aware prefetch.** A swap-in that would push its device past ``capacity`` waits (the
   runtime's memory manager blocks the prefetch) until memory is freed or its consumer is the very
   next unit and the compute stream is idle; then it goes ahead regardless and the overflow shows in
@@ -132,8 +137,9 @@ class Estimate:
     # per task on a device: its device's bytes at most from its predecessor's end to its own end
     # (what the runtime measures per task, and what an out-of-memory report quotes)
     task_peaks: dict[int, int] = field(default_factory=dict)
-    # tasks whose state (W, B) began to load while the task before them on the device computed
-    prefetched: set[int] = field(default_factory=set)
+    # task -> the unit of the task before it on its device during which its state (W, B) began to
+    # load (tasks whose state loaded once that task had ended are not in it)
+    prefetched: dict[int, int] = field(default_factory=dict)
 
     def utilization(self, device: int, stream: str = "compute") -> float:
         """Fraction of the iteration the stream was busy."""
@@ -149,6 +155,7 @@ class _Unit:
     __slots__ = (
         "slot", "order", "task", "j", "dur", "need", "end_units", "end_xfers", "issue",
         "delta_start", "release_end", "alloc_end", "waits", "done", "start", "remaining", "version",
+        "started", "fetch_on_start", "fetch_on_end", "outbound_end",
     )
 
     def __init__(self, slot: int, task: Task, j: int, dur: float):
@@ -169,13 +176,18 @@ class _Unit:
         self.start = 0.0
         self.remaining = 0.0  # seconds of work left at full speed (shared cores)
         self.version = 0
+        self.started = False
+        # inputs of later microbatches whose device copy the runtime makes when this unit starts / ends
+        self.fetch_on_start: list[_Xfer] = []
+        self.fetch_on_end: list[_Xfer] = []
+        self.outbound_end = 0  # bytes of alloc_end that leave the device (swap-outs, sends)
 
 
 class _Xfer:
     __slots__ = (
         "kind", "nbytes", "dur", "link", "src", "dst", "need", "end_units", "end_xfers", "unit",
         "alloc_dst", "free_src", "free_dst", "done", "start", "transfer", "task_id",
-        "remaining", "version",
+        "remaining", "version", "fetch_after", "fetch_at_end", "fetched",
     )
 
     def __init__(self, kind: int, transfer: Transfer, task_id: int, src: int | None, dst: int | None):
@@ -198,6 +210,9 @@ class _Xfer:
         self.start = 0.0
         self.remaining = 0.0
         self.version = 0
+        self.fetch_after: _Unit | None = None  # the unit whose start (or end) the device copy waits for
+        self.fetch_at_end = False
+        self.fetched = False  # its bytes are on the device
 
 
 class _Link:
@@ -211,6 +226,22 @@ class _Link:
         self.last = 0.0
         self.rate = 0.0
         self.rates = [0.0] + [machine.bandwidth(channel, k) for k in range(1, devices + 2)]
+
+
+def _fetch_point(x: _Xfer, units: list[_Unit], before: _Unit | None) -> None:
+    """When a microbatch's input counts in device memory: the runtime copies it in (from host
+    memory, or from the message a P2P sender left there) one microbatch ahead, as the previous
+    microbatch of its task starts, and the first microbatch's when the task starts, once the task
+    before it has ended; counted from then on whenever its transfer runs (if later, the runtime's
+    copy waits for the data, and the plan keeps its room)."""
+    j = x.unit.j
+    if j > 0:
+        x.fetch_after = units[j - 1]
+        units[j - 1].fetch_on_start.append(x)
+    elif before is not None:
+        x.fetch_after = before
+        x.fetch_at_end = True
+        before.fetch_on_end.append(x)
 
 
 def _compatible(produced: str, read: str) -> bool:
@@ -452,9 +483,12 @@ def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: in
                 pu.end_xfers.append(x)
                 if not on_host:
                     pu.alloc_end += o.nbytes
+                    pu.outbound_end += o.nbytes
                     x.free_src = o.nbytes
             elif not on_host and o.nbytes > 0 and ch in (Channel.P2P, Channel.LOCAL):
                 pu.alloc_end += o.nbytes  # held until sent / read
+                if ch == Channel.P2P:
+                    pu.outbound_end += o.nbytes
             rec = [o, pu, x, False, s]
             if o.task is not None and o.task in by_id:
                 group = _GROUP[ch]
@@ -550,6 +584,8 @@ def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: in
                 x.unit = cu
                 if not on_host:
                     x.alloc_dst = n
+                    if per_mb:
+                        _fetch_point(x, task_units, last_unit_prev[task.id])
                     if covered:
                         cu.delta_start -= n
                     elif per_mb:
@@ -651,15 +687,27 @@ def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: in
 
     task_peak: dict[int, int] = {}  # task id -> device bytes at most from the previous task's end to its own
 
-    def note_task(s: int, m: int) -> None:
-        """Count ``m`` bytes on slot ``s`` against the task its compute thread runs or waits to run
-        (the runtime measures a task's peak from the moment its predecessor ended)."""
-        p = ptr[s] - 1 if computing[s] else ptr[s]
-        su = slot_units[s]
-        if 0 <= p < len(su):
+    # On an emulated device the runtime's memory manager lets outputs still leaving the device (queued
+    # swap-outs and sends) go before it lets an allocation past the plan's peak: there they are not
+    # part of the peak the plan promises.
+    reclaim = machine.kind == "cpu"
+    outbound = [0] * nslots
+
+    def bump(s: int, tid: int | None) -> None:
+        """Record slot ``s``'s level in its peak and in the peak of task ``tid`` (None: the task its
+        compute thread runs or waits to run; the runtime measures a task's peak from the moment its
+        predecessor ended)."""
+        level = mem[s] - outbound[s] if reclaim else mem[s]
+        if level > peak[s]:
+            peak[s] = level
+        if tid is None:
+            p = ptr[s] - 1 if computing[s] else ptr[s]
+            su = slot_units[s]
+            if not 0 <= p < len(su):
+                return
             tid = su[p].task.id
-            if m > task_peak.get(tid, -1):
-                task_peak[tid] = m
+        if level > task_peak.get(tid, -1):
+            task_peak[tid] = level
 
     def try_compute(s: int) -> None:
         if computing[s]:
@@ -673,15 +721,15 @@ def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: in
             return
         computing[s] = True
         ptr[s] = p + 1
+        u.started = True
         tid = u.task.id
-        if mem[s] > task_peak.get(tid, -1):  # the level it starts from (the runtime resets its peak there)
-            task_peak[tid] = mem[s]
-        m = mem[s] + u.delta_start
-        mem[s] = m
-        if m > peak[s]:
-            peak[s] = m
-        if m > task_peak[tid]:
-            task_peak[tid] = m
+        level = mem[s] - outbound[s] if reclaim else mem[s]
+        if level > task_peak.get(tid, -1):  # the level it starts from (the runtime resets its peak there)
+            task_peak[tid] = level
+        mem[s] += u.delta_start
+        bump(s, tid)
+        if u.fetch_on_start:
+            fetch_waiting(u.fetch_on_start)
         u.start = now
         if cores is None:
             push(now + u.dur, _E_UNIT, u, 0)
@@ -743,7 +791,7 @@ def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: in
             return
         x = q[0][2]
         c = caps[s]
-        if c is not None and mem[s] + x.alloc_dst > c:
+        if c is not None and not x.fetched and mem[s] + x.alloc_dst > c:
             # a prefetch that does not fit waits, unless the compute stream idles waiting for it
             if computing[s] or ptr[s] != x.unit.order:
                 return
@@ -773,21 +821,31 @@ def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: in
             busy_flag[dst][_P2P_IN] = True
         start(x)
 
-    prefetched: set[int] = set()
+    prefetched: dict[int, int] = {}
+
+    def fetch(x: _Xfer) -> None:
+        """The transfer's bytes land in its device's memory."""
+        x.fetched = True
+        d = x.dst
+        mem[d] += x.alloc_dst
+        bump(d, None)
+
+    def fetch_waiting(xs: list[_Xfer]) -> None:
+        for x in xs:
+            if not x.fetched:
+                fetch(x)
 
     def start(x: _Xfer) -> None:
         x.start = now
         if x.unit is not None and x.unit.j == 0 and x.transfer.tensor in _STATE:
             before = last_unit_prev.get(x.task_id)
             if before is not None and not before.done:
-                prefetched.add(x.task_id)
-        if x.alloc_dst:
-            d = x.dst
-            m = mem[d] + x.alloc_dst
-            mem[d] = m
-            if m > peak[d]:
-                peak[d] = m
-            note_task(d, m)
+                d = x.dst
+                at = slot_units[d][ptr[d] - 1 if computing[d] else ptr[d]]  # the unit computing, or next
+                unit = at.j if at.task is before.task else 0
+                prefetched[x.task_id] = min(unit, prefetched.get(x.task_id, unit))
+        if x.alloc_dst and x.fetch_after is None:
+            fetch(x)
         link = x.link
         if link is None:
             push(now + x.dur, _E_XFER, x, 0)
@@ -850,8 +908,9 @@ def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: in
             busy_time[src][_SWAP_OUT] += d
             if record_events:
                 events.append(StreamEvent(slot_dev[src], "swap-out", x.task_id, _xfer_label(x), x.start, now))
-        if x.free_src:
+        if x.free_src:  # an output that has left
             mem[src] -= x.free_src
+            outbound[src] -= x.free_src
         if x.free_dst:
             mem[dst] -= x.free_dst
         for u in x.end_units:
@@ -893,12 +952,11 @@ def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: in
         busy_time[s][_COMPUTE] += now - u.start
         if record_events:
             events.append(StreamEvent(slot_dev[s], "compute", u.task.id, _unit_label(u), u.start, now))
-        m = mem[s] - u.release_end + u.alloc_end
-        mem[s] = m
-        if m > peak[s]:
-            peak[s] = m
-        if m > task_peak.get(u.task.id, -1):
-            task_peak[u.task.id] = m
+        mem[s] += u.alloc_end - u.release_end
+        outbound[s] += u.outbound_end
+        bump(s, u.task.id)
+        if u.fetch_on_end:
+            fetch_waiting(u.fetch_on_end)
         for v in u.end_units:
             v.need -= 1
             if not v.need:

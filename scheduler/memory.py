@@ -147,12 +147,13 @@ def reserve(task: Task, profile: Profile, stashes: tuple[int, ...] = ()) -> int:
     return held.peak + uncovered
 
 
-def memory_plan(graph, device_peaks: dict[int, int], task_peaks: dict[int, int], prefetched: set[int],
+def memory_plan(graph, device_peaks: dict[int, int], task_peaks: dict[int, int], prefetched: dict[int, int],
                 profile: Profile) -> MemoryPlan:
     """What a plan promises: per device the estimate's peak, per task the device's bytes while it
     runs (estimated) and its ``reserve``, the most it holds at once; and the tasks whose state
-    the estimate loads while the task before them computes."""
+    the estimate loads while the task before them computes, with the unit of that task it loads
+    during."""
     consumers = {t.id: t for t in graph.tasks}
     reserves = {t.id: reserve(t, profile, stash_layers(t, consumers)) for t in graph.tasks if t.device != HOST}
     return MemoryPlan(devices=dict(device_peaks), tasks=dict(task_peaks), reserves=reserves,
-                      prefetch=sorted(prefetched))
+                      prefetch=dict(prefetched))

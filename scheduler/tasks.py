@@ -149,24 +149,23 @@ class MemoryPlan:
     it): per device the estimate's peak, which the runtime lets no prefetch go past; per task the
     device's bytes while it runs (an out-of-memory report compares with it) and its reserve, the
     most it holds at once, of which a prefetch beside it must leave free what it has not allocated;
-    and the tasks whose state the plan loads while the task before them computes (the runtime
-    prefetches those, and no other)."""
+    and the tasks whose state the plan loads while the task before them computes, with the unit of
+    that task at whose start it does (the runtime prefetches those there, and no other)."""
 
     devices: dict[int, int]
     tasks: dict[int, int]
     reserves: dict[int, int]
-    prefetch: list[int] = field(default_factory=list)  # tasks whose state loads while the one before computes
+    # task -> the unit of the task before it on its device at whose start its state loads
+    prefetch: dict[int, int] = field(default_factory=dict)
+
+    _MAPS = ("devices", "tasks", "reserves", "prefetch")
 
     def to_dict(self) -> dict:
-        body: dict = {name: {str(k): int(v) for k, v in getattr(self, name).items()}
-                      for name in ("devices", "tasks", "reserves")}
-        body["prefetch"] = sorted(int(t) for t in self.prefetch)
-        return body
+        return {name: {str(k): int(v) for k, v in getattr(self, name).items()} for name in self._MAPS}
 
     @classmethod
     def from_dict(cls, body: dict) -> "MemoryPlan":
-        maps = {name: {int(k): int(v) for k, v in body[name].items()} for name in ("devices", "tasks", "reserves")}
-        return cls(**maps, prefetch=[int(t) for t in body.get("prefetch", [])])
+        return cls(**{name: {int(k): int(v) for k, v in body.get(name, {}).items()} for name in cls._MAPS})
 
 
 @dataclass
