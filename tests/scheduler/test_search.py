@@ -80,7 +80,7 @@ def test_pipeline_baselines_skip_configurations_with_fewer_packs_than_stages():
     assert len(result.config.packs_f) >= 3
 
 
-@pytest.mark.parametrize("mode, capacity", [("dp", 4_500_000), ("pp", 6_000_000)])
+@pytest.mark.parametrize("mode, capacity", [("dp", 4_500_000), ("pp", 4_500_000)])
 def test_nothing_fits_names_the_closest_configuration_and_the_memory_that_fits_it(mode, capacity):
     """Issue 14: the refusal says what the closest configuration needs, and that much memory fits."""
     profile = skewed_profile(capacity=capacity)
