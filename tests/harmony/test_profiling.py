@@ -130,3 +130,20 @@ def test_interpolated_time_matches_a_fresh_measurement_within_noise():
         fit = fit_samples(list(sizes), [median[u] for u in sizes])
         spread = max(max(getattr(m, quantity) for m in ms) / min(getattr(m, quantity) for m in ms) - 1 for ms in runs.values())
         assert fit(target) == pytest.approx(median[target], rel=0.10 + 2 * spread), (quantity, spread)
+
+
+def test_the_profile_measures_the_loss_task_the_optimizers_temporaries_and_a_groups_first_microbatch():
+    """What a plan needs beyond each layer's forward and backward (issue 14, part 2): the last
+    layer's loss task with the loss function, Adam's temporaries, and a group's first microbatch,
+    which makes the gradient buffers instead of adding a fresh gradient to them."""
+    graph = harmony.decompose(_mlp(), _get_batch(2, 0)[0])
+    profile = Profiler(graph, _get_batch, lambda p: torch.optim.Adam(p, lr=1e-3), CpuDevice("emu", None), trials=0,
+                       loss_fn=torch.nn.functional.cross_entropy).profile(u_cap=8, samples=2)
+    last = profile.layers[-1]
+    assert profile.loss_samples and all(s.nbytes > last.at("y_bytes", s.u) for s in profile.loss_samples)
+    weighted = [layer for layer in profile.layers if layer.dw_bytes]
+    assert all(layer.upd_bytes >= layer.dw_bytes // 4 for layer in weighted)  # Adam's denominator, at least
+    assert 0.0 <= profile.update_growth < 0.5  # per tensor on the CPU: the largest layer's, not the sum
+    for layer in weighted:
+        for s in layer.bwd_samples:
+            assert 0 < s.bwd_first_peak < s.bwd_peak, layer.name

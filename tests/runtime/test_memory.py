@@ -246,3 +246,28 @@ def test_paused_block_is_not_counted_and_nesting_works():
     c = torch.empty(10)  # after exit: not tracked
     assert tr.current == 80
     del host, a, b, c
+
+
+def test_an_allocation_past_the_budget_first_lets_memory_about_to_leave_go_then_counts():
+    """The plan's peak for a device is a soft limit below its capacity: before an allocation
+    passes it, the executor lets outputs still leaving the device go (``over_budget``)."""
+    tr = MemoryTracker(10_000, "dev0")
+    leaving = []
+    calls = []
+
+    def over_budget():
+        calls.append(tr.current)
+        leaving.clear()  # what the outbound streams held
+
+    tr.budget, tr.over_budget = 4_000, over_budget
+    with tr:
+        leaving.append(torch.empty(500))  # 2000 bytes on their way out
+        kept = torch.empty(250)  # 1000 bytes: within the budget, no call
+        assert calls == [] and tr.current == 3_000
+        more = torch.empty(500)  # 2000 more would pass 4000: the leaving bytes go first
+    assert calls == [3_000]
+    assert tr.current == 3_000 and tr.peak == 3_000
+    with tr:
+        extra = torch.empty(500)  # past the budget with nothing to let go: counted anyway, under capacity
+    assert tr.current == 5_000 and calls == [3_000, 3_000]
+    del kept, more, extra
