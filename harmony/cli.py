@@ -90,8 +90,8 @@ def _add_device_args(p: argparse.ArgumentParser, what: str = "number of devices 
     g.add_argument("--device-memory", help="capacity per device, e.g. 8GiB (default: free GPU memory; emulated cpu: "
                    "a quarter of the model's training footprint)")
     g.add_argument("--memory-margin", type=float, default=0.1,
-                   help="share of device memory the plan leaves unplanned, for what the estimate misses (default "
-                        "0.1; raise it if a run runs out of memory)")
+                   help="share of device memory the plan leaves unplanned, for noise the estimate cannot know (a "
+                        "GPU allocator's fragmentation; default 0.1); the plan's peak itself bounds the run's")
 
 
 def _cmd_decompose(ns: argparse.Namespace) -> int:

@@ -46,8 +46,10 @@ class CompileOptions:
     trials: int = 3
     samples: int = 4
     probe: bool = True
-    # the share of device memory the plan leaves unplanned: the estimate's error and what a run
-    # holds that the model does not (prefetched inputs arriving early, allocator slack)
+    # the share of device memory the plan leaves unplanned, for noise the estimate cannot know (a GPU
+    # allocator's rounding and fragmentation, a library's workspaces): the plan's peak per device is
+    # an upper bound of the run's on its own (scheduler/memory.py, the estimator), and the runtime
+    # lets nothing optional (prefetches) past it; the margin does not hide the estimate's errors
     memory_margin: float = 0.1
     extra: dict[str, Any] = field(default_factory=dict)
 
