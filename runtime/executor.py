@@ -880,7 +880,8 @@ class Executor:
                     _backward(values, grads)
                     del values
                     grads = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in xs]
-                    got[f"Xs{layer}"] = (xs, None)
+                    # a later layer's stash is done with once its gradient moved on; the first's gives dX
+                    got[f"Xs{layer}"] = (xs, None) if layer == layers[0] else None
                 xs = got[f"Xs{layers[0]}"][0]
                 del scratch
             if task.first > 0:

@@ -206,7 +206,7 @@ def _backward_once(modules, states, params, inputs: tuple, device: Device, m: Me
     recompute = timer.stop()
     m.act_bytes = device.allocated() - before
     outs = [y for y in ys if isinstance(y, torch.Tensor) and y.requires_grad]
-    held = None
+    held = ys  # a BWD task holds all of its pack's outputs (masks relayed beside activations too)
     if loss is not None and outs:  # the loss task drops its outputs once the loss is computed
         value, held = loss(ys, device)
         outs = [value]

@@ -70,6 +70,15 @@ def _update_inputs(task: Task) -> int:
     return sum(t.nbytes for t in task.inputs if t.tensor == "dW" and t.channel == Channel.SHM)
 
 
+def stashes_every_layer(task: Task) -> bool:
+    """Whether a BWD task reads a stash of every layer's input (the no-recompute baselines) and so
+    recomputes layer by layer (``runtime/routes.stash_layers``)."""
+    if task.kind != Kind.BWD or task.loss or task.last == task.first:
+        return False
+    stashes = [t for t in task.inputs if t.tensor in ("X", "Xs") and t.microbatch in (0, None) and t.channel == Channel.SWAP]
+    return len(stashes) == task.last - task.first + 1
+
+
 def _running_gradient(task: Task) -> bool:
     """Whether a BWD task starts from a gradient brought in (the per-GPU-swap baselines' running
     gradient), adding to it from its first microbatch on."""
@@ -80,7 +89,7 @@ def task_key(task: Task, stashes: tuple[int, ...] = ()) -> tuple:
     """What ``task_memory`` depends on, for caching across the many graphs of a search."""
     return (task.kind, task.loss, fused_update(task), task.device == HOST, task.first, task.last,
             tuple(task.microbatches), stashes, _update_inputs(task) if fused_update(task) else 0,
-            _running_gradient(task))
+            _running_gradient(task), stashes_every_layer(task))
 
 
 def task_memory(task: Task, profile: Profile, stashes: tuple[int, ...] = ()) -> TaskMemory:
@@ -101,7 +110,8 @@ def task_memory(task: Task, profile: Profile, stashes: tuple[int, ...] = ()) -> 
     scratch = 0 if task.loss else sum(layer.b_bytes for layer in layers)
     # the first microbatch makes the gradient buffers, unless a running gradient came in to start from
     running = _running_gradient(task)
-    work = tuple(profile.pack_bwd_memory(first, last, u, accumulate=bool(j) or running) - weights - gradients + scratch
+    pack = profile.pack_bwd_memory_layerwise if stashes_every_layer(task) else profile.pack_bwd_memory
+    work = tuple(pack(first, last, u, accumulate=bool(j) or running) - weights - gradients + scratch
                  for j, u in enumerate(task.microbatches))
     if fused_update(task):
         optimizer = sum(layer.k_bytes for layer in layers)

@@ -321,6 +321,22 @@ class Profile:
             worst = max(worst, sum(acts[: k + 1]) + extra + (held if k < len(layers) - 1 else 0.0))
         return int(round(resident + x_first + worst))
 
+    def pack_bwd_memory_layerwise(self, first: int, last: int, u: int, accumulate: bool = True) -> int:
+        """Peak device bytes of a BWD task that stashed every layer's input (the no-recompute
+        baselines): it recomputes and back-propagates one layer at a time, from the last down,
+        holding the pack's weights and gradient buffers, its own input and the stashes of the layers
+        still to come, and the layer at hand's backward as measured alone (its input, activations,
+        incoming gradient and temporaries)."""
+        layers = self.layers[first:last + 1]
+        resident = sum(layer.w_bytes + layer.b_bytes + layer.dw_bytes for layer in layers)
+        xs = [layer.at("x_bytes", u) for layer in layers]
+        worst = 0.0
+        for k, layer in enumerate(layers):
+            peak = layer.at("bwd_peak", u) if accumulate else layer.at("bwd_first_peak", u) or layer.at("bwd_peak", u)
+            own = peak - layer.w_bytes - layer.b_bytes - layer.dw_bytes
+            worst = max(worst, sum(xs[:k]) + own)
+        return int(round(resident + worst))
+
     def loss_memory(self, u: int, accumulate: bool = True) -> float:
         """The model's last layer in its loss task beyond its weights, buffers, gradient buffers and
         input (``LossSample``): measured (``loss_samples``), or, where nobody measured it, the
