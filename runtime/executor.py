@@ -922,13 +922,13 @@ class Executor:
 
     def _after_backward(self, task: Task, state: dict[str, torch.Tensor], params: dict[str, torch.Tensor],
                         overwrite: bool) -> None:
+        self._unit_starts(len(task.microbatches))  # the plan's update unit (a step here or none)
         deposits = self.routes.deposits.get(task.id, [])
         if deposits:
             grads = {name: params[name].grad for name in deposits if params[name].grad is not None}
             self._after_compute(self.swap_out, "dW out", self._deposit, grads, overwrite)
         if task.id in self.routes.jit:
             owned = {name: params[name] for name in self.routes.updates.get(task.id, [])}
-            self._unit_starts(len(task.microbatches))
             self._step(task, owned, write=True)
         self._evict_weights(task, state)
         for p in params.values():

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from .profiles import Profile
 from .tasks import HOST, Channel, Kind, MemoryPlan, Task
 
-__all__ = ["TaskMemory", "covers", "input_unit", "memory_plan", "reserve", "resident_bytes", "stash_layers",
-           "task_key", "task_memory"]
+__all__ = ["TaskMemory", "covers", "fused_update", "input_unit", "memory_plan", "reserve", "resident_bytes",
+           "stash_layers", "stashes_every_layer", "task_key", "task_memory"]
 
 # what the work of a unit counts among the task's inputs, by unit kind
 _FIRST_COVERS = frozenset(("W", "B"))
@@ -52,7 +52,9 @@ class TaskMemory:
 
 
 def fused_update(task: Task) -> bool:
-    """Whether the task's last unit is an update on the device (a backward stepping its pack)."""
+    """Whether the task has a unit for an update on the device after its microbatches (the
+    estimator's); it holds something only where the backward steps its own pack (``jit_update``:
+    it reads the optimizer state), not where a later UPD task does (dp)."""
     return task.kind == Kind.BWD and task.update == "device" and task.device != HOST
 
 
@@ -87,7 +89,7 @@ def _running_gradient(task: Task) -> bool:
 
 def task_key(task: Task, stashes: tuple[int, ...] = ()) -> tuple:
     """What ``task_memory`` depends on, for caching across the many graphs of a search."""
-    return (task.kind, task.loss, fused_update(task), task.device == HOST, task.first, task.last,
+    return (task.kind, task.loss, fused_update(task), task.jit_update(), task.device == HOST, task.first, task.last,
             tuple(task.microbatches), stashes, _update_inputs(task) if fused_update(task) else 0,
             _running_gradient(task), stashes_every_layer(task))
 
@@ -115,7 +117,8 @@ def task_memory(task: Task, profile: Profile, stashes: tuple[int, ...] = ()) -> 
                  for j, u in enumerate(task.microbatches))
     if fused_update(task):
         optimizer = sum(layer.k_bytes for layer in layers)
-        work += (optimizer + _update_inputs(task) + profile.pack_update_memory(first, last),)
+        steps = task.jit_update()
+        work += ((optimizer + _update_inputs(task) + profile.pack_update_memory(first, last)) if steps else 0,)
     return TaskMemory(weights + gradients, work or (0,))
 
 
