@@ -54,6 +54,10 @@ from harmony.runtime.routes import OutStream, Routes, ranges, stash_layers
 from harmony.runtime.streams import Stream
 from harmony.scheduler.tasks import Channel, Kind, Task
 
+# the program stream (scheduler/lower.py) each channel's transfers belong to
+_IN_STREAM = {Channel.P2P: "p2p-in", Channel.SWAP: "swap-in", Channel.MSG: "swap-in", Channel.LOCAL: "compute"}
+_OUT_STREAM = {Channel.P2P: "p2p-out", Channel.SWAP: "swap-out", Channel.MSG: "swap-out", Channel.LOCAL: "compute"}
+
 log = logging.getLogger(__name__)
 
 Values = list  # a boundary: tensors and plain objects, in the layer graph's value order
@@ -184,6 +188,10 @@ class IterationResult:
     # (stream, task, label, start, end) in time.perf_counter seconds: the compute thread's tasks and
     # the side streams' timed jobs, for the run's timeline (runtime/timeline.py)
     events: list[tuple[str, int | None, str, float, float]] = field(default_factory=list)
+    # what this worker moved, per program stream, in the order it moved it: (op, what, bytes) with
+    # ``what`` an edge's key (consumer, stream, first sample) or (task, state tensor); compared with
+    # the lowered program's actions (``scheduler/lower.py``) by the tests
+    transfers: dict[str, list[tuple[str, tuple, int]]] = field(default_factory=dict)
 
 
 class _NoRoom(Exception):
@@ -222,6 +230,7 @@ class Executor:
         self._headroom = 0  # bytes the running task may still allocate (planned): prefetches leave them free
         self._task: int | None = None  # the task the compute thread runs (what side-stream jobs serve)
         self._waits: list[tuple[str, int | None, str, float, float]] = []  # the compute thread's, this iteration
+        self._transfers: dict[str, list[tuple[str, tuple, int]]] = {}  # see IterationResult.transfers
         self.working_memory = working_memory or {}
         # the plan's promise (scheduler/memory.py): what no prefetch may take this device past, and
         # per task the most it holds at once
@@ -287,6 +296,7 @@ class Executor:
         self.iteration = iteration
         self.batch = batch
         self.counters.reset()
+        self._transfers = {}
         if self.slabs is not None:
             self.slabs.reset()
         self.device.reset_peak()
@@ -304,8 +314,6 @@ class Executor:
                 self._headroom = self._reserve(task)
                 self.device.reset_peak()
                 self._next = self.tasks[i + 1] if self.prefetch and i + 1 < len(self.tasks) else None
-                if self._prefetches is None and self._next is not None:
-                    self._prefetch_state(self._next)  # no memory plan: wherever it fits
                 loss += self._run_task(task)
                 self._next = None
                 self._headroom = 0
@@ -331,7 +339,12 @@ class Executor:
             events.extend((kind, *event) for event in stream.take_events())
         return IterationResult(loss=loss, seconds=seconds, peak=peak, bytes_by_channel=by_channel,
                                bytes_by_tensor=by_tensor, task_seconds=task_seconds, task_peaks=task_peaks,
-                               events=events)
+                               events=events, transfers=self._transfers)
+
+    def _moved(self, stream: str, op: str, what: tuple, nbytes: int) -> None:
+        """Log one transfer in program terms (a list append per transfer; streams are FIFO, so a
+        stream's log is in the order its thread ran them)."""
+        self._transfers.setdefault(stream, []).append((op, what, nbytes))
 
     def _drain(self) -> None:
         for stream in (self.swap_out, self.p2p_out, self.swap_in, self.p2p_in):
@@ -610,6 +623,10 @@ class Executor:
                 self.counters.add("SWAP", "in", "B", t.numel() * t.element_size())
         for t in copies.values():
             self.counters.add("SWAP", "in", "W", t.numel() * t.element_size())
+        for tensor, group in (("W", list(copies.values())),
+                              ("B", [t for n, t in state.items() if self.layers.state[n].kind != "parameter"])):
+            if group:
+                self._moved("swap-in", "LOAD", (task.id, tensor), sum(t.numel() * t.element_size() for t in group))
         return state
 
     def _pack_state(self, task: Task) -> dict[str, torch.Tensor]:
@@ -622,7 +639,15 @@ class Executor:
             self._headroom = max(0, self._reserves[task.id] - sum(loaded.values()))
         if task.id in self.routes.kept_resident:
             self.resident[task.id] = state
+        self._prefetch_unplanned()
         return state
+
+    def _prefetch_unplanned(self) -> None:
+        """Without a memory plan, the next task's state loads once this task's is in, wherever it
+        fits (``lower.py`` lists it there)."""
+        if self._prefetches is None and self._next is not None:
+            nxt, self._next = self._next, None
+            self._prefetch_state(nxt)
 
     def _params(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Canonical name -> device tensor of the trainable parameters in a pack state."""
@@ -687,6 +712,7 @@ class Executor:
                 self._route(key, consumer, out.channel, part, state, tensor)
 
     def _route(self, key: tuple, consumer: Task, channel: Channel, values: Values, state, tensor: str) -> None:
+        self._moved(_OUT_STREAM[channel], "SEND", key[1:], tensor_bytes(values))
         if channel == Channel.LOCAL:
             self.local[key] = (values, state)
             return
@@ -745,6 +771,7 @@ class Executor:
             raise RuntimeError(f"task {task.id} ({task}) has no input for {stream}; the plan is incomplete")
         if source is None or source.producer is None:  # the minibatch, in host memory
             values = [self._slice(v, start, size) for v in self.batch.inputs]
+            self._moved("swap-in", "RECV", (task.id, stream, start), tensor_bytes(values))
             values = self._values_to_device(values, "SWAP", "X")
             return values, rng.seeded(self.device.torch_device, rng.microbatch_seed(self.batch.seed, self.iteration, start))
         producer = self.routes.by_id[source.producer]
@@ -769,6 +796,7 @@ class Executor:
                 else:
                     values = self._values_to_device(host, label, tensor)
                 del host
+            self._moved(_IN_STREAM[source.channel], "RECV", key[1:], tensor_bytes(values))
             state = piece_state if state is None else state
             parts.append(values)
         return self._join(parts, boundary), state
@@ -866,7 +894,9 @@ class Executor:
                 loss_total += float(loss.detach())
                 del loss, target
             else:
-                grads = got["dY"][0]
+                # the pack's incoming gradient is the last layer's alone: let go once its gradient moved
+                # on (a plan stepping layer by layer counts it in that layer's step, not in earlier ones)
+                grads = got.pop("dY")[0]
                 scratch = {n: (t.clone() if self.layers.state[n].kind != "parameter" else t) for n, t in state.items()}
                 for layer in reversed(layers):
                     xs, gen = got[f"Xs{layer}"]
@@ -975,6 +1005,9 @@ class Executor:
                 params[name] = next(t for n, t in state.items() if self.layers.canonical(n) == name)
             else:
                 params[name] = self._to_device(self.store.weight(name), "SWAP", "W")
+        if state is None and params:
+            self._moved("swap-in", "LOAD", (task.id, "W"), sum(t.numel() * t.element_size() for t in params.values()))
+        self._prefetch_unplanned()
         replicas = self.routes.replicas.get(task.id, [task.id])
         writer = min(replicas, key=lambda t: self.routes.by_id[t].device)
         self._unit_starts(0)

@@ -1,6 +1,6 @@
-"""What the executor needs to know about a task graph beyond each task's own line: sample ranges,
-who sends which activation stream to whom, which layers a backward needs stashed, and which
-tasks update (or contribute a gradient to) each parameter. Pure functions of the plan's data, so
+"""What the executor needs to know about a task graph beyond each task's own line: who sends
+which activation stream to whom (``scheduler/lower.py`` decides the streams and their pieces),
+which tasks update (or contribute a gradient to) each parameter. Pure functions of the plan's data, so
 every worker and the launcher derive the same answers.
 
 Streams: an activation stream is named by what its consumer reads: ``X`` (a pack's input, sent as
@@ -16,57 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from harmony.decomposer.layer_graph import LayerGraph
+from harmony.scheduler.lower import InStream, Piece, input_streams, pieces, ranges, stash_layers, stream_layer
 from harmony.scheduler.tasks import HOST, Channel, Kind, Task, TaskGraph
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Samples [start, stop) (minibatch positions) of producer microbatch ``src`` and consumer
-    microbatch ``dst``."""
-
-    src: int
-    dst: int
-    start: int
-    stop: int
-
-
-def ranges(task: Task) -> list[tuple[int, int]]:
-    """(first sample, size) of each microbatch of the task's group."""
-    out, start = [], task.offset
-    for size in task.microbatches:
-        out.append((start, size))
-        start += size
-    return out
-
-
-def pieces(producer: Task, consumer: Task) -> list[Piece]:
-    """The overlaps of the producer's and the consumer's microbatches, in producer order."""
-    out = []
-    dst = ranges(consumer)
-    for i, (a, n) in enumerate(ranges(producer)):
-        for j, (b, m) in enumerate(dst):
-            lo, hi = max(a, b), min(a + n, b + m)
-            if lo < hi:
-                out.append(Piece(i, j, lo, hi))
-    return out
-
-
-def stash_layers(task: Task) -> list[int]:
-    """Layers whose stashed input a BWD task reads: the pack's first layer (recompute), or every
-    layer of the pack when the plan stashes them all (the no-recompute baselines)."""
-    if task.kind != Kind.BWD or task.loss:
-        return []
-    per_mb = [t for t in task.inputs if t.tensor in ("X", "Xs") and t.microbatch in (0, None) and t.channel == Channel.SWAP]
-    count = len(per_mb)
-    span = task.last - task.first + 1
-    return list(range(task.first, task.last + 1)) if count == span and span > 1 else [task.first]
-
-
-@dataclass
-class InStream:
-    name: str
-    producer: int | None  # None: the minibatch in host memory
-    channel: Channel
 
 
 @dataclass
@@ -133,30 +84,10 @@ def _buffer_chain(r: Routes) -> None:
 
 
 def _stream_inputs(r: Routes, task: Task) -> None:
-    if task.kind == Kind.UPD:
-        return
-    ins = r.inputs[task.id]
-    layers = stash_layers(task)
-    xs_inputs = [t for t in task.inputs if t.tensor in ("X", "Xs") and t.microbatch in (0, None)]
-    for t in task.inputs:
-        if t.microbatch not in (0, None) or t.tensor not in ("X", "Xs", "dY"):
-            continue
-        if t.tensor == "dY":
-            name, layer = "dY", task.last
-        elif task.loss or task.kind == Kind.FWD:
-            name, layer = "X", task.first
-        else:
-            position = next(i for i, x in enumerate(xs_inputs) if x is t)  # identity: equal transfers repeat
-            layer = layers[position] if len(layers) > 1 else task.first
-            name = f"Xs{layer}"
-        if name in ins:
-            continue
-        ins[name] = InStream(name, t.task, t.channel)
-        if t.task is not None:
-            # the boundary the producer takes the value at: its output (X), its input gradient
-            # (dY, at this pack's output boundary) or a stash before a layer
-            at = {"X": task.first, "dY": task.last + 1}.get(name, layer)
-            r.outputs[t.task].append(OutStream(name, task.id, t.channel, at))
+    for src in input_streams(task):
+        r.inputs[task.id][src.name] = src
+        if src.producer is not None:
+            r.outputs[src.producer].append(OutStream(src.name, task.id, src.channel, stream_layer(task, src.name)))
 
 
 def _parameters(r: Routes, layers: LayerGraph) -> None:

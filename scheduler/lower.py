@@ -1,0 +1,389 @@
+"""Lowering: a task graph becomes one ordered action list per device and stream (the program).
+
+A :class:`~harmony.scheduler.tasks.TaskGraph` says what each task reads and writes; it leaves open
+which sample ranges travel between two tasks of different microbatch sizes, which stream carries
+each copy, and in which order. Lowering decides those once, so that whoever plays the plan (the
+estimator simulating it, the executor running it, a test comparing the two) reads the same answer
+instead of deriving its own. Modelled on ``torch.distributed.pipelining``'s per-rank ``_Action``
+lists, with the five streams of a Harmony device and host-memory swaps.
+
+- **Edges.** Every activation or gradient that moves from one task to another is cut into
+  *pieces*: the overlap of one producer microbatch and one consumer microbatch (``U_F != U_B``
+  makes one producer microbatch feed several consumer microbatches, or the reverse). Each piece is
+  an :class:`Edge` with an id; its send and its receive name that id. An edge is keyed, as the
+  executor keys its messages, by (consumer task, stream, first sample).
+- **Streams.** ``compute`` (a task's units: each microbatch, then a fused update), ``swap-in``
+  (pack state and host-parked activations onto the device), ``swap-out`` (activations parked in
+  host memory, state and gradients leaving), ``p2p-in`` and ``p2p-out`` (device to device).
+  ``LOCAL`` edges stay on the device: their send and receive are on ``compute``.
+- **Order.** Per stream, actions are listed in the order the runtime issues them: a task's first
+  microbatch's inputs when it starts, each later microbatch's while the one before computes, the
+  next task's state at the unit the memory plan chose (``MemoryPlan.prefetch``), else once the
+  task's own state is in.
+
+Each action prints as one short line (``t3.1 RECV X e12 <-dev0 4.0K``), a program as one block per
+device and stream; ``harmony show PLAN --program`` prints it, ``Program.save`` writes it to the plan
+directory as versioned msgpack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from harmony import serialization
+from harmony.scheduler.profiles import Profile
+from harmony.scheduler.tasks import HOST, Channel, Kind, Task, TaskGraph
+
+__all__ = ["Action", "Edge", "Piece", "Program", "PROGRAM_FILE", "STREAMS", "lower", "pieces", "ranges",
+           "stash_layers", "stream_layer"]
+
+SCHEMA_VERSION = 1
+PROGRAM_FILE = "program.msgpack"
+STREAMS = ("compute", "swap-in", "swap-out", "p2p-in", "p2p-out")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Samples [start, stop) (minibatch positions) of producer microbatch ``src`` and consumer
+    microbatch ``dst``."""
+
+    src: int
+    dst: int
+    start: int
+    stop: int
+
+
+def ranges(task: Task) -> list[tuple[int, int]]:
+    """(first sample, size) of each microbatch of the task's group."""
+    out, start = [], task.offset
+    for size in task.microbatches:
+        out.append((start, size))
+        start += size
+    return out
+
+
+def pieces(producer: Task, consumer: Task) -> list[Piece]:
+    """The overlaps of the producer's and the consumer's microbatches, in producer order."""
+    out = []
+    dst = ranges(consumer)
+    for i, (a, n) in enumerate(ranges(producer)):
+        for j, (b, m) in enumerate(dst):
+            lo, hi = max(a, b), min(a + n, b + m)
+            if lo < hi:
+                out.append(Piece(i, j, lo, hi))
+    return out
+
+
+def stash_layers(task: Task) -> list[int]:
+    """Layers whose stashed input a BWD task reads: the pack's first layer (recompute), or every
+    layer of the pack when the plan stashes them all (the no-recompute baselines)."""
+    if task.kind != Kind.BWD or task.loss:
+        return []
+    per_mb = [t for t in task.inputs if t.tensor in ("X", "Xs") and t.microbatch in (0, None) and t.channel == Channel.SWAP]
+    span = task.last - task.first + 1
+    return list(range(task.first, task.last + 1)) if len(per_mb) == span and span > 1 else [task.first]
+
+
+def stream_layer(task: Task, stream: str) -> int:
+    """The layer boundary a stream of ``task`` is taken at: its input (X), its output gradient
+    (dY, at the boundary after its last layer) or a stash before layer l (Xs<l>)."""
+    if stream == "dY":
+        return task.last + 1
+    if stream.startswith("Xs"):
+        return int(stream[2:])
+    return task.first
+
+
+@dataclass(frozen=True)
+class InStream:
+    """An input stream of a task: its name, the task producing it (None: the minibatch in host
+    memory) and the channel it arrives on."""
+
+    name: str
+    producer: int | None
+    channel: Channel
+
+
+def input_streams(task: Task) -> list[InStream]:
+    """The activation and gradient streams a FWD or BWD task reads, in the order it reads them."""
+    if task.kind == Kind.UPD:
+        return []
+    out: dict[str, InStream] = {}
+    layers = stash_layers(task)
+    xs_inputs = [t for t in task.inputs if t.tensor in ("X", "Xs") and t.microbatch in (0, None)]
+    for t in task.inputs:
+        if t.microbatch not in (0, None) or t.tensor not in ("X", "Xs", "dY"):
+            continue
+        if t.tensor == "dY":
+            name = "dY"
+        elif task.loss or task.kind == Kind.FWD:
+            name = "X"
+        else:
+            position = next(i for i, x in enumerate(xs_inputs) if x is t)  # identity: equal transfers repeat
+            name = f"Xs{layers[position] if len(layers) > 1 else task.first}"
+        out.setdefault(name, InStream(name, t.task, t.channel))
+    return list(out.values())
+
+
+def read_order(task: Task) -> list[str]:
+    """The streams a task's microbatch loop reads, in the runtime's order."""
+    if task.kind == Kind.FWD or task.loss:
+        return ["X"]
+    return ["dY"] + [f"Xs{layer}" for layer in stash_layers(task)]
+
+
+# ------------------------------------------------------------------------------------ the IR
+@dataclass(frozen=True)
+class Edge:
+    """One piece of an activation or gradient moving from a producer task to a consumer task.
+    ``stream`` is the consumer's name for it (X, dY, Xs<layer>); ``producer`` None is the
+    minibatch in host memory."""
+
+    id: int
+    stream: str
+    channel: str
+    producer: int | None
+    src_unit: int | None
+    consumer: int
+    dst_unit: int
+    start: int
+    stop: int
+    nbytes: int
+    src_device: int | None
+    dst_device: int
+
+    @property
+    def key(self) -> tuple[int, str, int]:
+        """What the runtime names the message by: (consumer, stream, first sample)."""
+        return (self.consumer, self.stream, self.start)
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of one stream of one device. ``op``: FWD, BWD, UPD (compute units: ``unit`` is
+    the microbatch, or the fused update's index after them); SEND and RECV of an ``edge``; LOAD
+    and STORE of a pack's state (``tensor`` W, B, K or dW)."""
+
+    stream: str
+    op: str
+    task: int
+    unit: int | None = None
+    tensor: str = ""
+    edge: int | None = None
+    nbytes: int = 0
+    peer: int | None = None
+
+    def __str__(self) -> str:
+        where = f"t{self.task}" + (f".{self.unit}" if self.unit is not None else "")
+        parts = [where, self.op]
+        if self.tensor:
+            parts.append(self.tensor)
+        if self.edge is not None:
+            parts.append(f"e{self.edge}")
+        if self.peer is not None:
+            arrow = "->" if self.op == "SEND" else "<-"
+            parts.append(f"{arrow}{'host' if self.peer == HOST else f'dev{self.peer}'}")
+        if self.nbytes:
+            parts.append(_size(self.nbytes))
+        return " ".join(parts)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("G", 2 ** 30), ("M", 2 ** 20), ("K", 2 ** 10)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n}B"
+
+
+@dataclass
+class Program:
+    """Per device (``HOST`` for offloaded updates), per stream, the ordered actions; the edges they
+    name; and the per-device peak the plan reserves."""
+
+    mode: str
+    edges: list[Edge]
+    streams: dict[int, dict[str, list[Action]]]
+    peaks: dict[int, int] = field(default_factory=dict)
+
+    def actions(self, device: int, stream: str) -> list[Action]:
+        return self.streams.get(device, {}).get(stream, [])
+
+    def transfers(self, device: int, stream: str) -> list[tuple[str, int, int]]:
+        """(op, edge, bytes) of the edge actions on a stream, in order: what two players of the
+        program must agree on."""
+        return [(a.op, a.edge, a.nbytes) for a in self.actions(device, stream) if a.edge is not None]
+
+    def __str__(self) -> str:
+        lines = [f"program: {self.mode}, {len(self.edges)} edges"]
+        for device in sorted(self.streams, key=lambda d: (d == HOST, d)):
+            name = "host" if device == HOST else f"dev{device}"
+            peak = self.peaks.get(device)
+            lines.append(f"{name}" + (f" (peak {_size(peak)})" if peak else "") + ":")
+            for stream in STREAMS:
+                acts = self.actions(device, stream)
+                if acts:
+                    lines.append(f"  {stream}: " + " | ".join(str(a) for a in acts))
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------ files
+    def to_dict(self) -> dict:
+        return {"mode": self.mode, "edges": [asdict(e) for e in self.edges],
+                "streams": {str(d): {s: [asdict(a) for a in acts] for s, acts in per.items()}
+                            for d, per in self.streams.items()},
+                "peaks": {str(d): int(p) for d, p in self.peaks.items()}}
+
+    @classmethod
+    def from_dict(cls, body: dict) -> "Program":
+        return cls(mode=body["mode"], edges=[Edge(**e) for e in body["edges"]],
+                   streams={int(d): {s: [Action(**a) for a in acts] for s, acts in per.items()}
+                            for d, per in body["streams"].items()},
+                   peaks={int(d): int(p) for d, p in body.get("peaks", {}).items()})
+
+    def save(self, directory: str | Path) -> Path:
+        path = Path(directory) / PROGRAM_FILE
+        serialization.save(path, "program", SCHEMA_VERSION, self.to_dict())
+        return path
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "Program":
+        path = Path(directory) / PROGRAM_FILE
+        body = serialization.load(path, "program", SCHEMA_VERSION)
+        with serialization.decoding(str(path), "program"):
+            return cls.from_dict(body)
+
+
+# ------------------------------------------------------------------------------- lowering
+def _edge_bytes(profile: Profile, stream: str, consumer: Task, samples: int) -> int:
+    layer = stream_layer(consumer, stream)
+    at = profile.layers[layer - 1] if stream == "dY" else profile.layers[layer]
+    return int(round(at.at("y_bytes" if stream == "dY" else "x_bytes", samples)))
+
+
+def _edges(graph: TaskGraph, profile: Profile) -> list[Edge]:
+    by_id = {t.id: t for t in graph.tasks}
+    edges: list[Edge] = []
+    for task in graph.tasks:
+        for src in input_streams(task):
+            if src.producer is None:
+                for j, (start, size) in enumerate(ranges(task)):
+                    edges.append(Edge(len(edges), src.name, Channel.SWAP.value, None, None, task.id, j, start,
+                                      start + size, _edge_bytes(profile, src.name, task, size), None, task.device))
+                continue
+            producer = by_id[src.producer]
+            for p in pieces(producer, task):
+                edges.append(Edge(len(edges), src.name, src.channel.value, producer.id, p.src, task.id, p.dst,
+                                  p.start, p.stop, _edge_bytes(profile, src.name, task, p.stop - p.start),
+                                  producer.device, task.device))
+    return edges
+
+
+_IN_STREAM = {Channel.P2P.value: "p2p-in", Channel.SWAP.value: "swap-in", Channel.MSG.value: "swap-in",
+              Channel.LOCAL.value: "compute"}
+_OUT_STREAM = {Channel.P2P.value: "p2p-out", Channel.SWAP.value: "swap-out", Channel.MSG.value: "swap-out",
+               Channel.LOCAL.value: "compute"}
+
+
+def lower(graph: TaskGraph, profile: Profile) -> Program:
+    """The program of ``graph``: its edges and, per device and stream, the ordered actions."""
+    edges = _edges(graph, profile)
+    into: dict[tuple[int, str, int], list[Edge]] = {}  # (consumer, stream, consumer unit) -> edges
+    out_of: dict[tuple[int, int], list[Edge]] = {}  # (producer, producer unit) -> edges
+    for e in edges:
+        into.setdefault((e.consumer, e.stream, e.dst_unit), []).append(e)
+        if e.producer is not None:
+            out_of.setdefault((e.producer, e.src_unit), []).append(e)
+    b = _Builder(graph, into, out_of, graph.memory.prefetch if graph.memory is not None else None)
+    for device in b.streams:
+        tasks = graph.device_tasks(device)
+        for i, task in enumerate(tasks):
+            b.task(task, tasks[i + 1] if i + 1 < len(tasks) else None)
+    peaks = dict(graph.memory.devices) if graph.memory is not None else {}
+    return Program(graph.mode, edges, b.streams, peaks)
+
+
+def _state_loads(task: Task) -> list[Action]:
+    """The pack state a task brings onto its device from host memory (nothing for LOCAL state);
+    an update also its optimizer state and summed gradient."""
+    names = ("W", "B", "K", "dW") if task.kind == Kind.UPD else ("W", "B")
+    return [Action("swap-in", "LOAD", task.id, tensor=t.tensor, nbytes=t.nbytes)
+            for t in task.inputs if t.tensor in names and t.channel == Channel.SWAP and t.nbytes]
+
+
+def _update_loads(task: Task) -> list[Action]:
+    """What a fused update brings in once its backward is done: optimizer state (and a running
+    gradient kept in host memory)."""
+    return [Action("swap-in", "LOAD", task.id, tensor=t.tensor, nbytes=t.nbytes)
+            for t in task.inputs if t.tensor == "K" and t.channel == Channel.SWAP and t.nbytes]
+
+
+def _state_stores(task: Task) -> list[Action]:
+    return [Action("swap-out", "STORE", task.id, tensor=t.tensor, nbytes=t.nbytes)
+            for t in task.outputs if t.tensor in ("W", "K", "dW", "B") and t.channel == Channel.SWAP and t.nbytes]
+
+
+class _Builder:
+    """Appends each task's actions to its device's streams, in the runtime's issue order."""
+
+    def __init__(self, graph: TaskGraph, into, out_of, prefetch: dict[int, int] | None) -> None:
+        self.streams: dict[int, dict[str, list[Action]]] = {}
+        for device in sorted({t.device for t in graph.tasks} | set(range(graph.devices))):
+            self.streams[device] = {s: [] for s in STREAMS}
+        self.into, self.out_of, self.prefetch = into, out_of, prefetch
+        self.loaded: set[int] = set()  # tasks whose state an earlier action loaded
+        by_id = {t.id: t for t in graph.tasks}
+        self.boundary = {e.id: stream_layer(by_id[e.consumer], e.stream) for es in into.values() for e in es}
+
+    def add(self, device: int, actions: list[Action]) -> None:
+        for action in actions:
+            self.streams[device][action.stream].append(action)
+
+    def load(self, task: Task) -> None:
+        if task.id not in self.loaded:
+            self.loaded.add(task.id)
+            self.add(task.device, _state_loads(task))
+
+    def recvs(self, task: Task, unit: int) -> None:
+        for stream in read_order(task):
+            for e in self.into.get((task.id, stream, unit), ()):
+                peer = e.src_device if e.channel == Channel.P2P.value else None
+                self.add(task.device, [Action(_IN_STREAM[e.channel], "RECV", task.id, unit, e.stream, e.id, e.nbytes,
+                                              peer)])
+
+    def sends(self, task: Task, unit: int) -> None:
+        """A unit's sends in the order it makes them: stashes at the layer they are taken before,
+        then its output (a stable sort keeps consumers in graph order)."""
+        made = sorted(self.out_of.get((task.id, unit), ()), key=lambda e: self.boundary[e.id])
+        for e in made:
+            peer = e.dst_device if e.channel == Channel.P2P.value else None
+            self.add(task.device, [Action(_OUT_STREAM[e.channel], "SEND", task.id, unit, e.stream, e.id, e.nbytes,
+                                          peer)])
+
+    def task(self, task: Task, nxt: Task | None) -> None:
+        """One task's actions, with the next task's state loaded at the unit the memory plan
+        prefetches it (without a memory plan, once the task's own state is in; an update's when it
+        starts)."""
+        ahead = nxt is not None and nxt.kind != Kind.UPD
+        self.load(task)
+        if ahead and self.prefetch is None:
+            self.load(nxt)
+        at = self.prefetch.get(nxt.id) if (ahead and self.prefetch is not None) else None
+        if task.kind == Kind.UPD:
+            self.add(task.device, [Action("compute", "UPD", task.id, 0)])
+            self.add(task.device, _state_stores(task))
+            return
+        units = len(task.microbatches)
+        self.recvs(task, 0)
+        name = task.kind.value + ("+loss" if task.loss else "")
+        for unit in range(units):
+            if unit + 1 < units:
+                self.recvs(task, unit + 1)
+            if at == unit:
+                self.load(nxt)
+            self.add(task.device, [Action("compute", name, task.id, unit)])
+            self.sends(task, unit)
+        if task.jit_update():
+            if at == units:
+                self.load(nxt)
+            self.add(task.device, _update_loads(task) + [Action("compute", "UPD", task.id, units)])
+        self.add(task.device, _state_stores(task))
