@@ -423,6 +423,9 @@ def _cmd_show(ns: argparse.Namespace) -> int:
 
     plan = Plan.load(ns.plan_dir)
     console.print(f"{plan.tasks.mode} on {plan.tasks.devices} device(s), minibatch {plan.tasks.minibatch}: {plan.tasks.config}")
+    if ns.program:
+        _print_program(plan, ns.plan_dir, ns.device)
+        return 0
     devices = [ns.device] if ns.device is not None else sorted({t.device for t in plan.tasks})
     for d in devices:
         tasks = plan.tasks.device_tasks(d)
@@ -431,6 +434,32 @@ def _cmd_show(ns: argparse.Namespace) -> int:
             console.print(f"  {t.id:>4} {t}", highlight=False, soft_wrap=True)
     _print_comparison(plan)
     return 0
+
+
+def _print_program(plan, directory: Path, device: int | None) -> None:
+    """The lowered program as saved with the plan (lowered now for a plan saved without one); a
+    saved program that is not its tasks' lowering is refused as stale."""
+    from harmony.plan import StalePlanError
+    from harmony.scheduler.lower import PROGRAM_FILE, Program
+
+    program = plan.program()
+    if (Path(directory) / PROGRAM_FILE).exists() and Program.load(directory) != program:
+        raise StalePlanError(f"{Path(directory) / PROGRAM_FILE} is not the lowering of the plan's tasks; compile again")
+    text = str(program)
+    if device is not None:
+        text = _device_block(text, "host" if device < 0 else f"dev{device}")
+    console.print(text, highlight=False, soft_wrap=True)
+
+
+def _device_block(text: str, name: str) -> str:
+    """The program's heading and one device's block of its printout."""
+    lines, out, inside = text.splitlines(), [], False
+    for line in lines[1:]:
+        if not line.startswith("  "):
+            inside = line.split(" ")[0].rstrip(":") == name
+        if inside:
+            out.append(line)
+    return "\n".join([lines[0], *out])
 
 
 def _print_profile(profile) -> None:
@@ -600,6 +629,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Print the tasks of a plan directory, one line each, grouped by device.")
     p.add_argument("plan_dir", type=Path, help="a directory written by harmony compile")
     p.add_argument("--device", type=int, help="only this device (-1: the host)")
+    p.add_argument("--program", action="store_true",
+                   help="print the lowered action program instead: per device and stream (compute, swap-in, swap-out, "
+                        "p2p-in, p2p-out) the actions in order, each send and receive naming its edge e<N>")
     p.set_defaults(func=_cmd_show)
 
     p = sub.add_parser(

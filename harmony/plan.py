@@ -18,7 +18,7 @@ import json
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +28,9 @@ from harmony.errors import FormatError, HarmonyError
 from harmony.modelfile import source_hash
 from harmony.scheduler.profiles import PROFILE_FILE, Profile
 from harmony.scheduler.tasks import HOST, TaskGraph
+
+if TYPE_CHECKING:
+    from harmony.scheduler.lower import Program
 
 SCHEMA_VERSION = 1
 KIND = "plan"
@@ -81,6 +84,7 @@ class Plan:
             "search": self.search,
         }
         serialization.save(directory / PLAN_FILE, KIND, SCHEMA_VERSION, body)
+        self.program().save(directory)
         if trace is not None:
             serialization.atomic_write_bytes(directory / "trace.json", json.dumps(trace).encode())
         serialization.atomic_write_bytes(directory / "summary.md", self.summary().encode())
@@ -91,6 +95,12 @@ class Plan:
         }
         serialization.atomic_write_bytes(directory / MANIFEST, serialization.json_seal(manifest))
         return directory
+
+    def program(self) -> "Program":
+        """The plan's tasks lowered into one action program per device (``scheduler/lower.py``)."""
+        from harmony.scheduler.lower import lower
+
+        return lower(self.tasks, self.profile)
 
     @classmethod
     def load(cls, directory: str | Path, model_file: str | Path | None = None, device: str = "cpu") -> "Plan":

@@ -78,16 +78,34 @@ def test_compile_writes_a_plan_that_show_prints_and_a_changed_model_file_is_refu
                "--trials", "1", "--no-probe", "--out", str(out)])
     assert rc == 0
     assert "chosen: pp" in capsys.readouterr().out
-    for name in ("manifest.json", "plan.msgpack", "graph.msgpack", "profile.msgpack", "trace.json", "summary.md"):
+    for name in ("manifest.json", "plan.msgpack", "graph.msgpack", "profile.msgpack", "program.msgpack", "trace.json",
+                 "summary.md"):
         assert (out / name).is_file(), name
     assert main(["show", str(out)]) == 0
     assert "FWD" in capsys.readouterr().out
+    assert main(["show", str(out), "--program", "--device", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "dev1" in printed and "dev0:" not in printed and "p2p-in:" in printed and " RECV " in printed
     from harmony.plan import Plan, StalePlanError
 
     Plan.load(out, model_file=model_file)
     model_file.write_text(model_file.read_text() + "\n# edited\n")
     with pytest.raises(StalePlanError, match="changed since the plan"):
         Plan.load(out, model_file=model_file)
+
+
+def test_show_refuses_a_program_that_is_not_its_plans_lowering(tmp_path, capsys):
+    out = tmp_path / "plan"
+    assert main(["compile", str(ROOT / "models" / "gpt2.py"), "--arg", "preset=tiny", "--minibatch", "4",
+                 "--devices", "2", "--trials", "1", "--no-probe", "--out", str(out)]) == 0
+    from harmony.plan import Plan
+    from harmony.scheduler.lower import Program
+
+    program = Plan.load(out).program()
+    Program(program.mode, program.edges[:-1], program.streams, program.peaks).save(out)
+    capsys.readouterr()
+    assert main(["show", str(out), "--program"]) != 0
+    assert "is not the lowering of the plan's tasks" in capsys.readouterr().out
 
 
 def test_compile_refuses_bad_arguments_before_any_work(tmp_path, capsys):
