@@ -18,7 +18,7 @@ import json
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -53,6 +53,13 @@ class Plan:
     model_file: str = ""
     model_sha256: str = ""
     search: dict[str, Any] = field(default_factory=dict)  # explored configurations, seconds
+    # kept by a plan compiled in this process, never saved: the user's functions for the trainer
+    # that runs it, the estimate's Chrome trace and timeline (a loaded plan has none)
+    loss_fn: Callable | None = field(default=None, repr=False, compare=False)
+    get_batch: Callable | None = field(default=None, repr=False, compare=False)
+    build_optimizer: Callable | None = field(default=None, repr=False, compare=False)
+    trace: dict | None = field(default=None, repr=False, compare=False)
+    events: list | None = field(default=None, repr=False, compare=False)
 
     # ------------------------------------------------------------ files
     def worker_capacity(self) -> int:
@@ -67,7 +74,7 @@ class Plan:
     def save(self, directory: str | Path, trace: dict | None = None) -> Path:
         """Write the plan directory (``trace``: a Chrome trace of the estimate, see
         ``estimator.chrome_trace``); the manifest goes last, so a half-written plan has none."""
-        trace = trace if trace is not None else getattr(self, "trace", None)
+        trace = trace if trace is not None else self.trace
         from harmony import __version__
 
         directory = Path(directory)

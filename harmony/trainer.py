@@ -44,10 +44,10 @@ class Trainer:
                  state_dict: dict[str, torch.Tensor] | None = None, seed: int = 0, timeout: float = 600.0,
                  prefetch: bool = True, p2p: str = "auto") -> None:
         self.plan = plan
-        self.loss_fn = loss_fn or getattr(plan, "loss_fn", None)
+        self.loss_fn = loss_fn or plan.loss_fn
         if self.loss_fn is None:
             raise HarmonyError("the trainer needs the loss function: pass loss_fn=, or compile the plan with harmony.compile")
-        self.build_optimizer = optimizer or getattr(plan, "build_optimizer", None) or default_optimizer
+        self.build_optimizer = optimizer or plan.build_optimizer or default_optimizer
         self.seed = seed
         self.history: list[StepResult] = []
         graph = plan.graph

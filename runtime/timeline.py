@@ -38,7 +38,7 @@ def measured_events(step: StepResult) -> list[StreamEvent]:
 def run_trace(plan, step: StepResult) -> dict:
     """The Chrome trace of ``step`` measured, and of the plan's estimate of one iteration."""
     events = trace_events(measured_events(step), suffix=" measured")
-    estimated = getattr(plan, "events", None)  # kept by a plan compiled in this process
+    estimated = plan.events  # kept by a plan compiled in this process
     machine = plan.profile.machine
     if estimated is None and machine is not None:
         estimated = estimate(plan.tasks, plan.profile, machine, capacity=plan.options.get("planned_memory")).events
