@@ -1,4 +1,4 @@
-"""The Python API for a single virtual device (DESIGN.md): `compile` and `load_plan`."""
+"""The Python API for a single virtual device (docs/architecture.md, section 7): `compile` and `load_plan`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from harmony.modelfile import default_optimizer
 from harmony.plan import Plan
 
 
-def compile(  # noqa: A001 - the name DESIGN.md gives the API
+def compile(  # noqa: A001 - the API's name (docs/architecture.md, section 7)
     model: torch.nn.Module,
     loss_fn: Callable,
     get_batch: Callable[[int, int], tuple],

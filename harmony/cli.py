@@ -1,8 +1,8 @@
 """The ``harmony`` command line.
 
-Each subcommand is one stage of the flow in DESIGN.md and reads or writes that stage's files, so
-stages can be run, inspected and tested alone. Errors a user can fix are printed as one message
-without a traceback (``-v`` shows it) and exit with status 2.
+Each subcommand is one stage of the flow (docs/architecture.md, "The flow of data") and reads or
+writes that stage's files, so stages can be run, inspected and tested alone. Errors a user can fix
+are printed as one message without a traceback (``-v`` shows it) and exit with status 2.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """`compile`: decompose → profile → search, for a model file or a live model, into a Plan.
 
-The steps are the stages of DESIGN.md run in order; each can be skipped by handing in its result
-(a profile made earlier, a machine description). Every mode can be searched so that the plan
-carries a comparison table next to its choice.
+The steps are the stages of docs/architecture.md ("The flow of data") run in order; each can be
+skipped by handing in its result (a profile made earlier, a machine description). Every mode can
+be searched so that the plan carries a comparison table next to its choice.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 class CompileOptions:
     minibatch: int
     devices: int = 2
-    device_memory: int | str | None = None  # bytes or "8GiB"; default: see DESIGN.md "Devices"
+    device_memory: int | str | None = None  # bytes or "8GiB"; default: see docs/architecture.md "Devices"
     mode: str = "pp"
     device_type: str = "cpu"
     analytic: str | None = None  # device spec preset or JSON file: plan for hardware we lack

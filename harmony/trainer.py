@@ -1,4 +1,4 @@
-"""`harmony.Trainer`: train on a plan as if on one device with unbounded memory (DESIGN.md).
+"""`harmony.Trainer`: train on a plan as if on one device with unbounded memory (docs/architecture.md, section 7).
 
     plan = harmony.compile(model, loss_fn, get_batch, minibatch_size=64, devices=4)
     with harmony.Trainer(plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4)) as trainer:

@@ -1,5 +1,5 @@
 """Device backends behind one interface, so that the profiler and the executor measure and run work
-the same way on real GPUs and on emulated CPU devices (DESIGN.md, "Devices").
+the same way on real GPUs and on emulated CPU devices (docs/architecture.md, "Devices").
 
 - ``CudaDevice``: one GPU. Memory numbers come from PyTorch's caching allocator; a capacity below
   the GPU's memory is enforced by the allocator (``set_per_process_memory_fraction``); CUDA's

@@ -1,9 +1,9 @@
 """The host store: master weights, buffers, optimizer state and gradient slots, once, in shared memory.
 
-Every worker reads and writes the same bytes (DESIGN.md: "Master weights and optimizer state live
-once, in host shared memory"). The store is one flat shared ``uint8`` tensor and a layout table of
-plain data (name -> offset, shape, dtype), so a worker needs one file descriptor and the layout to
-see all of it, and a checkpoint is the layout plus the bytes.
+Every worker reads and writes the same bytes (docs/architecture.md, "Host store and channels").
+The store is one flat shared ``uint8`` tensor and a layout table of plain data (name -> offset,
+shape, dtype), so a worker needs one file descriptor and the layout to see all of it, and a
+checkpoint is the layout plus the bytes.
 
 What lives here, by key:
 

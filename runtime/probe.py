@@ -1,5 +1,5 @@
 """Measure the machine: how fast bytes really move between host and devices, between devices and
-between worker processes, alone and with every device copying at once (DESIGN.md, "Devices").
+between worker processes, alone and with every device copying at once (docs/architecture.md, "Devices").
 
 ``probe_machine`` returns a :class:`~harmony.scheduler.machine.Machine` with ``source="measured"``.
 Every bandwidth is ``size / median(seconds)`` over ``repeats`` timed transfers after one untimed

@@ -1,4 +1,4 @@
-"""`harmony run`: compile (or reuse) a plan, train on it, write a JSON run report (DESIGN.md, README).
+"""`harmony run`: compile (or reuse) a plan, train on it, write a JSON run report (docs/architecture.md section 7, README).
 
 One plan is compiled per module, by the first invocation (``first_run``); the tests that rerun it
 make sure nothing is compiled again by replacing the compiler with a function that fails.

@@ -1,4 +1,4 @@
-"""`harmony.Trainer`, the Python API of DESIGN.md ("The Python API (single virtual device)").
+"""`harmony.Trainer`, the Python API of docs/architecture.md ("Trainer, API, CLI, checkpoints").
 
 One GPT-2 tiny plan (float64, dropout on, 2 emulated devices with less memory than the model's
 training footprint) is compiled per module; each test starts its own trainer (workers) on it.
