@@ -136,16 +136,7 @@ def train_and_check(case: Case, base: Plan, mode: str, config, label: str) -> di
     return entry
 
 
-# Seeds whose plans, measured on 2026-11-23, still break the promise by a few per cent: the test
-# says so rather than leaving them out (see the issue-14 note); non-strict, since the estimator's
-# fixes in flight may close them.
-KNOWN_OVERRUNS = {
-    2: "transformer stack with a causal mask: gpipe-swap's device 0 peaks 10% above its plan",
-    3: "HF BERT with a padding mask: pp's device 0 peaks 1% above its plan",
-    4: "HF GPT-2: pp's device 0 peaks 1 KiB (0.1%) above its plan on torch 2.13, not on 2.14",
-}
-SEEDS = [pytest.param(seed, marks=pytest.mark.xfail(reason=KNOWN_OVERRUNS[seed], strict=False))
-         if seed in KNOWN_OVERRUNS and not LONG else seed for seed in (range(CASES) if LONG else range(5))]
+SEEDS = list(range(CASES) if LONG else range(5))
 
 
 @pytest.mark.slow
