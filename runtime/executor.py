@@ -50,8 +50,9 @@ from harmony.runtime.channels import (Aborted, Counters, Mailbox, Slabs, shared_
 from harmony.runtime.device import Device
 from harmony.runtime.hoststore import HostStore
 from harmony.runtime.p2p import DistTransport, Received
-from harmony.runtime.routes import OutStream, Routes, ranges, stash_layers
+from harmony.runtime.routes import Routes
 from harmony.runtime.streams import Stream
+from harmony.scheduler.lower import Edge, ranges, stash_layers
 from harmony.scheduler.tasks import Channel, Kind, Task
 
 # the program stream (scheduler/lower.py) each channel's transfers belong to
@@ -695,21 +696,17 @@ class Executor:
     def _key(self, consumer: int, stream: str, start: int) -> tuple:
         return (self.iteration, consumer, stream, start)
 
-    def _send(self, task: Task, mb: int, outs: list[OutStream], values: Values, state: torch.Tensor | None) -> None:
-        """Hand microbatch ``mb`` of a boundary to each consumer stream, cut to the consumer's
-        microbatches."""
+    def _send(self, task: Task, mb: int, edges: list[Edge], values: Values, state: torch.Tensor | None) -> None:
+        """Hand microbatch ``mb`` of a boundary to the program's edges out of it, each cut to its
+        piece of the consumer's microbatch."""
         mb_start, mb_size = ranges(task)[mb]
-        for out in outs:
-            consumer = self.routes.by_id[out.consumer]
-            for piece in self.routes.pieces(task.id, consumer.id):
-                if piece.src != mb:
-                    continue
-                part = values
-                if (piece.start, piece.stop) != (mb_start, mb_start + mb_size):
-                    part = self._cut(values, out.layer, piece.start - mb_start, piece.stop - mb_start)
-                key = self._key(consumer.id, out.name, piece.start)
-                tensor = {"X": "Y", "dY": "dX"}.get(out.name, "Xs")
-                self._route(key, consumer, out.channel, part, state, tensor)
+        for e in edges:
+            part = values
+            if (e.start, e.stop) != (mb_start, mb_start + mb_size):
+                part = self._cut(values, e.layer, e.start - mb_start, e.stop - mb_start)
+            key = self._key(e.consumer, e.stream, e.start)
+            tensor = {"X": "Y", "dY": "dX"}.get(e.stream, "Xs")
+            self._route(key, self.routes.by_id[e.consumer], Channel(e.channel), part, state, tensor)
 
     def _route(self, key: tuple, consumer: Task, channel: Channel, values: Values, state, tensor: str) -> None:
         self._moved(_OUT_STREAM[channel], "SEND", key[1:], tensor_bytes(values))
@@ -764,31 +761,29 @@ class Executor:
         return self.slabs.decode(items, src, self.rank), state_tensor(state), False
 
     def _fetch(self, task: Task, stream: str, mb: int) -> tuple[Values, torch.Tensor | None]:
-        """Microbatch ``mb`` of an input stream on the device, with its generator state."""
-        source = self.routes.inputs[task.id].get(stream)
+        """Microbatch ``mb`` of an input stream on the device, with its generator state: the
+        program's edges into it, joined."""
+        edges = self.routes.program.into(task.id, stream, mb)
         start, size = ranges(task)[mb]
-        if source is None and stream not in ("X", "Xs0"):
+        if not edges:
             raise RuntimeError(f"task {task.id} ({task}) has no input for {stream}; the plan is incomplete")
-        if source is None or source.producer is None:  # the minibatch, in host memory
+        if edges[0].producer is None:  # the minibatch, in host memory
             values = [self._slice(v, start, size) for v in self.batch.inputs]
             self._moved("swap-in", "RECV", (task.id, stream, start), tensor_bytes(values))
             values = self._values_to_device(values, "SWAP", "X")
             return values, rng.seeded(self.device.torch_device, rng.microbatch_seed(self.batch.seed, self.iteration, start))
-        producer = self.routes.by_id[source.producer]
-        boundary = {"X": task.first, "dY": task.last + 1}.get(stream, int(stream[2:]) if stream.startswith("Xs") else task.first)
         parts, state = [], None
-        for piece in self.routes.pieces(producer.id, task.id):
-            if piece.dst != mb:
-                continue
-            key = self._key(task.id, stream, piece.start)
-            what = f"{stream} of task {task.id} (samples {piece.start}-{piece.stop}) from task {producer.id} on dev{producer.device}"
-            if source.channel == Channel.LOCAL:
+        for e in edges:
+            key = self._key(task.id, stream, e.start)
+            what = f"{stream} of task {task.id} (samples {e.start}-{e.stop}) from task {e.producer} on dev{e.src_device}"
+            channel = Channel(e.channel)
+            if channel == Channel.LOCAL:
                 values, piece_state = self._take_local(key, what)
             else:
-                label = "P2P" if source.channel == Channel.P2P else source.channel.value
+                label = "P2P" if channel == Channel.P2P else channel.value
                 tensor = {"X": "X", "dY": "dY"}.get(stream, "Xs")
                 dist = label == "P2P" and self.transport is not None
-                with self._awaiting(producer.device) if dist else contextlib.nullcontext():
+                with self._awaiting(e.src_device) if dist else contextlib.nullcontext():
                     host, piece_state, on_device = self._receive(key, what)
                 if on_device:  # counted here, not on arrival: the counters restart every iteration
                     values = self._adopt(host)
@@ -796,10 +791,10 @@ class Executor:
                 else:
                     values = self._values_to_device(host, label, tensor)
                 del host
-            self._moved(_IN_STREAM[source.channel], "RECV", key[1:], tensor_bytes(values))
+            self._moved(_IN_STREAM[channel], "RECV", key[1:], tensor_bytes(values))
             state = piece_state if state is None else state
             parts.append(values)
-        return self._join(parts, boundary), state
+        return self._join(parts, edges[0].layer), state
 
     def _take_local(self, key: tuple, what: str):
         if key not in self.local:
@@ -821,10 +816,11 @@ class Executor:
         if mb >= len(task.microbatches) or (mb > 0 and not self.prefetch):
             return out
         for name in streams:
-            source = self.routes.inputs[task.id].get(name)
-            if source is not None and source.channel == Channel.LOCAL:
+            edges = self.routes.program.into(task.id, name, mb)
+            channel = Channel(edges[0].channel) if edges else Channel.SWAP
+            if channel == Channel.LOCAL:
                 continue
-            stream = self.p2p_in if source is not None and source.channel == Channel.P2P else self.swap_in
+            stream = self.p2p_in if channel == Channel.P2P else self.swap_in
             out[name] = stream.submit(self._fetch, task, name, mb, label=f"{name} in (mb {mb})", task=task.id)
         return out
 
@@ -838,12 +834,6 @@ class Executor:
     # ================================================================ FWD
     def _forward(self, task: Task) -> None:
         state = self._pack_state(task)
-        outs = self.routes.outputs[task.id]
-        stash_at: dict[int, list[OutStream]] = {}
-        for o in outs:
-            if o.name.startswith("Xs"):
-                stash_at.setdefault(o.layer, []).append(o)
-        ys = [o for o in outs if o.name == "X"]
         device = self.device.torch_device
         ready = self._stream_prefetch(task, ["X"], 0)
         for mb in range(len(task.microbatches)):
@@ -853,15 +843,26 @@ class Executor:
             values, gen = got["X"]
             if gen is not None:
                 rng.restore(device, gen)
+            at = self._sends_by_layer(task, mb)
             with torch.no_grad():
                 for layer in range(task.first, task.last + 1):
-                    if layer in stash_at:
-                        self._send(task, mb, stash_at[layer], values, rng.capture(device))
+                    if layer in at:
+                        self._send(task, mb, at[layer], values, rng.capture(device))
                     values = self._run_layer(layer, state, values)
-            self._send(task, mb, ys, values, rng.capture(device))
+            self._send(task, mb, at.get(task.last + 1, []), values, rng.capture(device))
             del values, got
         self._write_buffers(task, state)
         self._evict_weights(task, state)
+
+    def _sends_by_layer(self, task: Task, mb: int) -> dict[int, list[Edge]]:
+        """A forward microbatch's sends by the layer boundary each is taken at (stashes before a
+        layer of the pack, outputs after its last)."""
+        at: dict[int, list[Edge]] = {}
+        for e in self.routes.program.out_of(task.id, mb):
+            if not task.first <= e.layer <= task.last + 1:
+                raise RuntimeError(f"task {task.id} ({task}) is to send {e.stream} at layer {e.layer}, outside its pack")
+            at.setdefault(e.layer, []).append(e)
+        return at
 
     # ================================================================ BWD
     def _backward(self, task: Task) -> float:
@@ -916,7 +917,7 @@ class Executor:
                 del scratch
             if task.first > 0:
                 dx = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in xs]
-                self._send(task, mb, [o for o in self.routes.outputs[task.id] if o.name == "dY"], dx, None)
+                self._send(task, mb, [e for e in self.routes.program.out_of(task.id, mb) if e.stream == "dY"], dx, None)
                 del dx
             # nothing of this microbatch outlives it but what its sends hold until they have left (the
             # plan counts its gradients gone then, not alive into the next microbatch)

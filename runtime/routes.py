@@ -1,14 +1,8 @@
-"""What the executor needs to know about a task graph beyond each task's own line: who sends
-which activation stream to whom (``scheduler/lower.py`` decides the streams and their pieces),
-which tasks update (or contribute a gradient to) each parameter. Pure functions of the plan's data, so
-every worker and the launcher derive the same answers.
-
-Streams: an activation stream is named by what its consumer reads: ``X`` (a pack's input, sent as
-the producer's ``Y``), ``dY`` (a gradient at a pack's output, sent as the producer's ``dX``) and
-``Xs<layer>`` (the stashed input of ``layer`` for a recompute). Microbatches are matched by
-samples, not by index: a consumer's microbatch is assembled from the pieces of the producer's
-microbatches that overlap it, so U_F != U_B streams work without either side holding more than
-one microbatch.
+"""What the executor needs to know about a task graph beyond each task's own line: its program
+(``scheduler/lower.py``: which pieces of which activation stream move where, in which order),
+which tasks update (or contribute a gradient to) each parameter, whose buffers each task
+continues and which pack states stay resident. Pure functions of the plan's data, so every worker
+and the launcher derive the same answers.
 """
 
 from __future__ import annotations
@@ -16,16 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from harmony.decomposer.layer_graph import LayerGraph
-from harmony.scheduler.lower import InStream, Piece, input_streams, pieces, ranges, stash_layers, stream_layer
+from harmony.scheduler.lower import Program, lower
 from harmony.scheduler.tasks import HOST, Channel, Kind, Task, TaskGraph
-
-
-@dataclass
-class OutStream:
-    name: str
-    consumer: int
-    channel: Channel
-    layer: int  # the boundary it is taken at: Y after the pack's last layer, Xs<l> before l
 
 
 @dataclass
@@ -33,9 +19,8 @@ class Routes:
     """Everything derived from the graph for execution; see the module docs."""
 
     graph: TaskGraph
+    program: Program  # the graph lowered (no byte sizes): which pieces move where, in which order
     by_id: dict[int, Task] = field(default_factory=dict)
-    inputs: dict[int, dict[str, InStream]] = field(default_factory=dict)
-    outputs: dict[int, list[OutStream]] = field(default_factory=dict)
     owner: dict[str, int] = field(default_factory=dict)  # parameter -> the lowest layer holding it
     updates: dict[int, list[str]] = field(default_factory=dict)  # task -> parameters it steps
     deposits: dict[int, list[str]] = field(default_factory=dict)  # task -> parameters whose gradient it leaves in host memory
@@ -44,23 +29,11 @@ class Routes:
     jit: set[int] = field(default_factory=set)  # BWD tasks that step their pack right after its backward
     buffers_after: dict[int, int] = field(default_factory=dict)  # task -> the earlier task whose buffers it continues
     kept_resident: set[int] = field(default_factory=set)  # tasks whose pack state a later task reads LOCAL
-    _pieces: dict[tuple[int, int], list[Piece]] = field(default_factory=dict, repr=False)
-
-    def pieces(self, producer: int, consumer: int) -> list[Piece]:
-        """``pieces`` of two tasks, computed once (asked for every microbatch of every iteration)."""
-        key = (producer, consumer)
-        if key not in self._pieces:
-            self._pieces[key] = pieces(self.by_id[producer], self.by_id[consumer])
-        return self._pieces[key]
 
 
 def build_routes(graph: TaskGraph, layers: LayerGraph) -> Routes:
-    r = Routes(graph=graph, by_id={t.id: t for t in graph.tasks})
+    r = Routes(graph=graph, program=lower(graph, None), by_id={t.id: t for t in graph.tasks})
     for task in graph.tasks:
-        r.inputs[task.id] = {}
-        r.outputs[task.id] = []
-    for task in graph.tasks:
-        _stream_inputs(r, task)
         r.kept_resident.update(t.task for t in task.inputs
                                if t.tensor == "W" and t.channel == Channel.LOCAL and t.task is not None)
     _parameters(r, layers)
@@ -81,13 +54,6 @@ def _buffer_chain(r: Routes) -> None:
                 r.buffers_after[task.id] = earlier.id
                 break
         writers.append(task)
-
-
-def _stream_inputs(r: Routes, task: Task) -> None:
-    for src in input_streams(task):
-        r.inputs[task.id][src.name] = src
-        if src.producer is not None:
-            r.outputs[src.producer].append(OutStream(src.name, task.id, src.channel, stream_layer(task, src.name)))
 
 
 def _parameters(r: Routes, layers: LayerGraph) -> None:

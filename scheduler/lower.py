@@ -152,6 +152,7 @@ class Edge:
     nbytes: int
     src_device: int | None
     dst_device: int
+    layer: int  # the layer boundary the producer takes it at (see ``stream_layer``)
 
     @property
     def key(self) -> tuple[int, str, int]:
@@ -206,6 +207,25 @@ class Program:
     streams: dict[int, dict[str, list[Action]]]
     peaks: dict[int, int] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self._into: dict[tuple[int, str, int], list[Edge]] = {}
+        self._out: dict[tuple[int, int], list[Edge]] = {}
+        for e in self.edges:
+            self._into.setdefault((e.consumer, e.stream, e.dst_unit), []).append(e)
+            if e.producer is not None:
+                self._out.setdefault((e.producer, e.src_unit), []).append(e)
+        for made in self._out.values():  # stashes at the layer they are taken before, then outputs
+            made.sort(key=lambda e: e.layer)
+
+    def into(self, consumer: int, stream: str, unit: int) -> list[Edge]:
+        """The pieces a consumer's microbatch ``unit`` of ``stream`` is assembled from, in order."""
+        return self._into.get((consumer, stream, unit), [])
+
+    def out_of(self, producer: int, unit: int) -> list[Edge]:
+        """What a producer's unit sends, in the order it makes it (a stable sort by the layer
+        boundary keeps consumers in graph order)."""
+        return self._out.get((producer, unit), [])
+
     def actions(self, device: int, stream: str) -> list[Action]:
         return self.streams.get(device, {}).get(stream, [])
 
@@ -254,13 +274,17 @@ class Program:
 
 
 # ------------------------------------------------------------------------------- lowering
-def _edge_bytes(profile: Profile, stream: str, consumer: Task, samples: int) -> int:
+def _edge_bytes(profile: Profile | None, stream: str, consumer: Task, samples: int) -> int:
+    """The profile's bytes of ``samples`` samples of a stream (0 without a profile: a worker needs
+    the edges' structure, not their sizes)."""
+    if profile is None:
+        return 0
     layer = stream_layer(consumer, stream)
     at = profile.layers[layer - 1] if stream == "dY" else profile.layers[layer]
     return int(round(at.at("y_bytes" if stream == "dY" else "x_bytes", samples)))
 
 
-def _edges(graph: TaskGraph, profile: Profile) -> list[Edge]:
+def _edges(graph: TaskGraph, profile: Profile | None) -> list[Edge]:
     by_id = {t.id: t for t in graph.tasks}
     edges: list[Edge] = []
     for task in graph.tasks:
@@ -268,13 +292,14 @@ def _edges(graph: TaskGraph, profile: Profile) -> list[Edge]:
             if src.producer is None:
                 for j, (start, size) in enumerate(ranges(task)):
                     edges.append(Edge(len(edges), src.name, Channel.SWAP.value, None, None, task.id, j, start,
-                                      start + size, _edge_bytes(profile, src.name, task, size), None, task.device))
+                                      start + size, _edge_bytes(profile, src.name, task, size), None, task.device,
+                                      stream_layer(task, src.name)))
                 continue
             producer = by_id[src.producer]
             for p in pieces(producer, task):
                 edges.append(Edge(len(edges), src.name, src.channel.value, producer.id, p.src, task.id, p.dst,
                                   p.start, p.stop, _edge_bytes(profile, src.name, task, p.stop - p.start),
-                                  producer.device, task.device))
+                                  producer.device, task.device, stream_layer(task, src.name)))
     return edges
 
 
@@ -284,22 +309,18 @@ _OUT_STREAM = {Channel.P2P.value: "p2p-out", Channel.SWAP.value: "swap-out", Cha
                Channel.LOCAL.value: "compute"}
 
 
-def lower(graph: TaskGraph, profile: Profile) -> Program:
-    """The program of ``graph``: its edges and, per device and stream, the ordered actions."""
-    edges = _edges(graph, profile)
-    into: dict[tuple[int, str, int], list[Edge]] = {}  # (consumer, stream, consumer unit) -> edges
-    out_of: dict[tuple[int, int], list[Edge]] = {}  # (producer, producer unit) -> edges
-    for e in edges:
-        into.setdefault((e.consumer, e.stream, e.dst_unit), []).append(e)
-        if e.producer is not None:
-            out_of.setdefault((e.producer, e.src_unit), []).append(e)
-    b = _Builder(graph, into, out_of, graph.memory.prefetch if graph.memory is not None else None)
+def lower(graph: TaskGraph, profile: Profile | None) -> Program:
+    """The program of ``graph``: its edges and, per device and stream, the ordered actions (edge
+    bytes from ``profile``; 0 without one)."""
+    program = Program(graph.mode, _edges(graph, profile), {},
+                      dict(graph.memory.devices) if graph.memory is not None else {})
+    b = _Builder(graph, program, graph.memory.prefetch if graph.memory is not None else None)
     for device in b.streams:
         tasks = graph.device_tasks(device)
         for i, task in enumerate(tasks):
             b.task(task, tasks[i + 1] if i + 1 < len(tasks) else None)
-    peaks = dict(graph.memory.devices) if graph.memory is not None else {}
-    return Program(graph.mode, edges, b.streams, peaks)
+    program.streams = b.streams
+    return program
 
 
 def _state_loads(task: Task) -> list[Action]:
@@ -325,14 +346,12 @@ def _state_stores(task: Task) -> list[Action]:
 class _Builder:
     """Appends each task's actions to its device's streams, in the runtime's issue order."""
 
-    def __init__(self, graph: TaskGraph, into, out_of, prefetch: dict[int, int] | None) -> None:
+    def __init__(self, graph: TaskGraph, program: Program, prefetch: dict[int, int] | None) -> None:
         self.streams: dict[int, dict[str, list[Action]]] = {}
         for device in sorted({t.device for t in graph.tasks} | set(range(graph.devices))):
             self.streams[device] = {s: [] for s in STREAMS}
-        self.into, self.out_of, self.prefetch = into, out_of, prefetch
+        self.program, self.prefetch = program, prefetch
         self.loaded: set[int] = set()  # tasks whose state an earlier action loaded
-        by_id = {t.id: t for t in graph.tasks}
-        self.boundary = {e.id: stream_layer(by_id[e.consumer], e.stream) for es in into.values() for e in es}
 
     def add(self, device: int, actions: list[Action]) -> None:
         for action in actions:
@@ -345,16 +364,13 @@ class _Builder:
 
     def recvs(self, task: Task, unit: int) -> None:
         for stream in read_order(task):
-            for e in self.into.get((task.id, stream, unit), ()):
+            for e in self.program.into(task.id, stream, unit):
                 peer = e.src_device if e.channel == Channel.P2P.value else None
                 self.add(task.device, [Action(_IN_STREAM[e.channel], "RECV", task.id, unit, e.stream, e.id, e.nbytes,
                                               peer)])
 
     def sends(self, task: Task, unit: int) -> None:
-        """A unit's sends in the order it makes them: stashes at the layer they are taken before,
-        then its output (a stable sort keeps consumers in graph order)."""
-        made = sorted(self.out_of.get((task.id, unit), ()), key=lambda e: self.boundary[e.id])
-        for e in made:
+        for e in self.program.out_of(task.id, unit):
             peer = e.dst_device if e.channel == Channel.P2P.value else None
             self.add(task.device, [Action(_OUT_STREAM[e.channel], "SEND", task.id, unit, e.stream, e.id, e.nbytes,
                                           peer)])
