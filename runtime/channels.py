@@ -77,6 +77,20 @@ class Aborted(RuntimeError):
     """Another worker failed; this one stops waiting."""
 
 
+def wait_until(ready: Callable[[], bool], aborted: Callable[[], bool], timeout: float, what: str,
+               pause: float = 0.0005) -> None:
+    """Poll ``ready`` (a flag in shared memory another process sets) until it holds. Every wait
+    of a worker goes through here, so that each one ends when another worker fails (``Aborted``)
+    or after ``timeout`` seconds (``TimeoutError`` naming ``what``), never in a hang."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if aborted():
+            raise Aborted("the run was aborted by another worker's failure")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout:.0f} s for {what}")
+        time.sleep(pause)
+
+
 class Mailbox:
     """Messages for this worker, by key; filled by a thread that drains the inbox queue."""
 

@@ -46,7 +46,7 @@ from harmony.decomposer.layer_graph import LayerGraph
 from harmony.errors import DeviceOutOfMemoryError
 from harmony.runtime import rng
 from harmony.runtime.channels import (Aborted, Counters, Mailbox, Slabs, shared_copy, state_bytes, state_tensor,
-                                      tensor_bytes)
+                                      tensor_bytes, wait_until)
 from harmony.runtime.device import Device
 from harmony.runtime.hoststore import HostStore
 from harmony.runtime.p2p import DistTransport, Received
@@ -154,17 +154,13 @@ class Shared:
         return bool(self._abort[0])
 
     def wait_done(self, task_ids: list[int], iteration: int, what: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
         pending = list(task_ids)
-        while pending:
-            pending = [t for t in pending if not self.is_done(t, iteration)]
-            if not pending:
-                return
-            if self.aborted():
-                raise Aborted("the run was aborted by another worker's failure")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"waited {timeout:.0f} s for task(s) {pending} before {what}")
-            time.sleep(0.0005)
+
+        def ready() -> bool:
+            pending[:] = [t for t in pending if not self.is_done(t, iteration)]
+            return not pending
+
+        wait_until(ready, self.aborted, timeout, f"task(s) {pending} before {what}")
 
 
 @dataclass
@@ -798,14 +794,8 @@ class Executor:
 
     def _take_local(self, key: tuple, what: str):
         if key not in self.local:
-            deadline = time.monotonic() + self.timeout
             with self._waiting_for(what):
-                while key not in self.local:
-                    if self.shared.aborted():
-                        raise Aborted("the run was aborted by another worker's failure")
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"{what} never became resident")
-                    time.sleep(0.0005)
+                wait_until(lambda: key in self.local, self.shared.aborted, self.timeout, f"{what} to become resident")
         return self.local.pop(key)
 
     def _slice(self, v: Any, start: int, size: int) -> Any:
@@ -1062,15 +1052,10 @@ class Executor:
             self.shared.wait_done(task_ids, self.iteration, before, self.timeout)
 
     def _wait_replicas(self, replicas: list[int]) -> None:
-        deadline = time.monotonic() + self.timeout
         names = ", ".join(describe(self.routes.by_id[t]) for t in replicas)
         with self._waiting_for(f"the replicas {names} to read the update's inputs"):
-            while not all(self.shared.has_read(t, self.iteration) for t in replicas):
-                if self.shared.aborted():
-                    raise Aborted("the run was aborted by another worker's failure")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"waited {self.timeout:.0f} s for the replicas {names} to read their inputs")
-                time.sleep(0.0005)
+            wait_until(lambda: all(self.shared.has_read(t, self.iteration) for t in replicas), self.shared.aborted,
+                       self.timeout, f"the replicas {names} to read their inputs")
 
     def _write_state(self, task: Task, weights: dict, states: dict, write: bool) -> None:
         """W, K -> SWAP after a step: into the master (the writer) or a scratch copy (a replica)."""
