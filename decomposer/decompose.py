@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -167,24 +167,60 @@ def decompose(
     if batching.rederive_sizes(gm, segments, boundaries, facts):
         boundaries = partition.live_sets(gm, segments)
     graphs = codegen.layer_graphs(gm, segments, boundaries)
+    ties = _ties(model)
+    unused = _unused_state(model, graphs, ties)
 
+    def describe(node: fx.Node) -> ValueSpec:
+        return _value_spec(node.name, values.get(node), facts.get(node) if facts else None, batch)
+
+    specs, sources, value_specs = _layer_specs(model, traced, segments, boundaries, graphs, opaque, unused, describe)
+    for leaf in pytree.tree_leaves(next(n for n in gm.graph.nodes if n.op == "output").args[0]):
+        if isinstance(leaf, fx.Node):
+            value_specs.setdefault(leaf.name, describe(leaf))
+
+    graph = LayerGraph(
+        model_class=f"{type(model).__module__}.{type(model).__qualname__}",
+        tracer=traced.tracer, training=model.training, inputs=list(traced.input_names), layers=specs,
+        values=value_specs, state={}, ties=ties, output_spec=_out_spec_text(traced.out_spec), sources=sources,
+        batch_sizes=[batch] if fixed_batch else [], batch_note=fixed_batch,
+    )
+    graph._out_spec = traced.out_spec
+    layer_modules = graph.build_modules(device="meta", source=model)
+    _record_state(graph, layer_modules, model, ties)
+    return graph
+
+
+def _unused_state(model: torch.nn.Module, graphs: list[fx.Graph], ties: dict[str, list[str]]) -> list[str]:
+    """Parameters and buffers no layer reads (tied aliases aside): the last layer carries them as
+    extra state so that the layers' state still covers the model's whole state_dict."""
     used: set[str] = set()
     for g in graphs:
         for n in g.nodes:
             if n.op in ("get_attr", "call_module"):
                 used.add(n.target)
-    ties = _ties(model)
     tied_aliases = {a for aliases in ties.values() for a in aliases}
 
     def is_used(name: str) -> bool:
         parts = name.split(".")
         return any(".".join(parts[:k]) in used for k in range(1, len(parts) + 1))
 
-    unused = [
+    return [
         n for n, _ in list(model.named_parameters()) + list(model.named_buffers())
         if not is_used(n) and n not in tied_aliases
     ]
 
+
+def _layer_specs(
+    model: torch.nn.Module, traced: tracing.TracedModel, segments: list[partition.Segment],
+    boundaries: list[list[fx.Node]], graphs: list[fx.Graph],
+    opaque: set[str], unused: list[str], describe: Callable[[fx.Node], ValueSpec],
+) -> tuple[list[LayerSpec], dict[str, str], dict[str, ValueSpec]]:
+    """(layer specs, generated sources by file name, value specs) of every segment, in order.
+
+    A layer's inputs are the values live at its boundary and its outputs those live at the next
+    (the model's outputs for the last); a value live across a layer that does not use it is
+    relayed, so that each layer hands its successor everything later layers need.
+    """
     total = len(segments)
     specs: list[LayerSpec] = []
     sources: dict[str, str] = {}
@@ -199,7 +235,7 @@ def decompose(
         used_here = {a.name for node in seg.nodes for a in node.all_input_nodes}
         relayed = [v.name for v in boundaries[i] if v in boundaries[i + 1] and v.name not in used_here] if i < total - 1 else []
         for v in boundaries[i] + (boundaries[i + 1] if i < total - 1 else []):
-            value_specs.setdefault(v.name, _value_spec(v.name, values.get(v), facts.get(v) if facts else None, batch))
+            value_specs.setdefault(v.name, describe(v))
         name = _layer_name(seg, i)
         code = codegen.generate(
             i, total, g, model, opaque, name, traced.tracer,
@@ -210,26 +246,17 @@ def decompose(
             index=i, name=name, modules=list(seg.module_paths), inputs=inputs_i, outputs=outputs_i,
             relayed=relayed, state=[], code_file=code.file_name, class_name=code.class_name, code_sha256=code.sha256,
         ))
-    for leaf in pytree.tree_leaves(next(n for n in gm.graph.nodes if n.op == "output").args[0]):
-        if isinstance(leaf, fx.Node):
-            value_specs.setdefault(leaf.name, _value_spec(leaf.name, values.get(leaf), facts.get(leaf) if facts else None, batch))
+    return specs, sources, value_specs
 
+
+def _out_spec_text(out_spec: pytree.TreeSpec) -> str:
+    """The output structure serialized for graph files, or "" (with a warning) when a custom output
+    class has no serialized name: decomposing still works, only a saved graph cannot rebuild it."""
     try:
-        out_spec_text = pytree.treespec_dumps(traced.out_spec)
+        return pytree.treespec_dumps(out_spec)
     except Exception as exc:  # custom output classes without a serialized name
-        log.warning("output structure %s cannot be serialized (%s); saved graphs will not rebuild it", traced.out_spec, exc)
-        out_spec_text = ""
-
-    graph = LayerGraph(
-        model_class=f"{type(model).__module__}.{type(model).__qualname__}",
-        tracer=traced.tracer, training=model.training, inputs=list(traced.input_names), layers=specs,
-        values=value_specs, state={}, ties=ties, output_spec=out_spec_text, sources=sources,
-        batch_sizes=[batch] if fixed_batch else [], batch_note=fixed_batch,
-    )
-    graph._out_spec = traced.out_spec
-    layer_modules = graph.build_modules(device="meta", source=model)
-    _record_state(graph, layer_modules, model, ties)
-    return graph
+        log.warning("output structure %s cannot be serialized (%s); saved graphs will not rebuild it", out_spec, exc)
+        return ""
 
 
 def _record_state(graph: LayerGraph, layer_modules: list[torch.nn.Module], model: torch.nn.Module, ties) -> None:

@@ -504,19 +504,8 @@ def _numel(shape) -> int:
     return n
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="harmony",
-        description=(
-            "Train a PyTorch model far larger than GPU memory on one server, as if on a single device. "
-            "Harmony cuts the model into layers, profiles them, searches a schedule over your devices "
-            "and host memory, and runs it."
-        ),
-    )
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug); show tracebacks")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-
+def _add_decompose_parser(sub: argparse._SubParsersAction) -> None:
+    """The ``decompose`` subcommand: cut a model into layers and write their code."""
     p = sub.add_parser(
         "decompose", help="cut a model into layers and generate per-layer code",
         description=(
@@ -532,6 +521,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--meta", action="store_true", help="build the model on the meta device (no memory; for huge presets)")
     p.set_defaults(func=_cmd_decompose)
 
+
+def _add_profile_parser(sub: argparse._SubParsersAction) -> None:
+    """The ``profile`` subcommand: measure (or estimate) every layer at several microbatch sizes."""
     p = sub.add_parser(
         "profile", help="measure every layer's time and memory across microbatch sizes",
         description=(
@@ -557,6 +549,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="directory to write graph.msgpack, layers/ and profile.msgpack into")
     p.set_defaults(func=_cmd_profile)
 
+
+def _add_compile_parser(sub: argparse._SubParsersAction) -> None:
+    """The ``compile`` subcommand: decompose, profile and search, writing a plan directory."""
     p = sub.add_parser(
         "compile", help="decompose, profile and search a schedule; write a plan directory",
         description=(
@@ -580,6 +575,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True, help="plan directory to write")
     p.set_defaults(func=_cmd_compile)
 
+
+def _add_run_parser(sub: argparse._SubParsersAction) -> None:
+    """The ``run`` subcommand: train from a given plan or one compiled (and cached) on the way."""
     p = sub.add_parser(
         "run", help="train: compile (or reuse) a plan and run it on the devices",
         description=(
@@ -625,6 +623,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(dist on cuda, shm on cpu; the default)")
     p.set_defaults(func=_cmd_run)
 
+
+def _add_show_parser(sub: argparse._SubParsersAction) -> None:
+    """The ``show`` subcommand: print a plan's tasks or its lowered program."""
     p = sub.add_parser("show", help="print a plan's tasks per device and its mode comparison",
                        description="Print the tasks of a plan directory, one line each, grouped by device.")
     p.add_argument("plan_dir", type=Path, help="a directory written by harmony compile")
@@ -634,6 +635,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "p2p-in, p2p-out) the actions in order, each send and receive naming its edge e<N>")
     p.set_defaults(func=_cmd_show)
 
+
+def _add_probe_parser(sub: argparse._SubParsersAction) -> None:
+    """The ``probe`` subcommand: measure the machine's link bandwidths."""
     p = sub.add_parser(
         "probe", help="measure the machine's link bandwidths (host<->device, device<->device, contention)",
         description=(
@@ -648,6 +652,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions, the median is kept (default 3)")
     p.add_argument("--out", type=Path, help="file to write the machine description (msgpack) to")
     p.set_defaults(func=_cmd_probe)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``harmony`` command line: global options, then one subparser per command, each added by
+    its own ``_add_<command>_parser`` so that a command's options read together in one place."""
+    parser = argparse.ArgumentParser(
+        prog="harmony",
+        description=(
+            "Train a PyTorch model far larger than GPU memory on one server, as if on a single device. "
+            "Harmony cuts the model into layers, profiles them, searches a schedule over your devices "
+            "and host memory, and runs it."
+        ),
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug); show tracebacks")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_decompose_parser(sub)
+    _add_profile_parser(sub)
+    _add_compile_parser(sub)
+    _add_run_parser(sub)
+    _add_show_parser(sub)
+    _add_probe_parser(sub)
     return parser
 
 

@@ -577,33 +577,24 @@ def _fmt_bytes(n: float) -> str:
     return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
-def analytic_profile(
-    graph: LayerGraph,
-    spec: DeviceSpec | str,
-    microbatch_sizes: list[int] | None = None,
-    optimizer: str = "adam",
-    dtype: torch.dtype | str | None = None,
-    max_microbatch: int = DEFAULT_MAX_MICROBATCH,
-) -> Profile:
-    """The profile of ``graph`` on ``spec`` (a DeviceSpec, preset name or JSON path), from FLOP counts.
-
-    ``dtype`` is the training dtype (default: that of most parameter bytes); a dtype other than the
-    graph's casts its floating-point state and inputs. ``optimizer`` is a key of ``OPTIMIZERS``.
-    ``microbatch_sizes`` are the sizes sampled (default: 1, 2, 4, ... and each maximum); sizes above
-    a maximum are left out of that direction's samples.
-    """
-    started = time.perf_counter()
-    spec = load_spec(spec)
+def _optimizer_entry(optimizer: str) -> tuple[str, int, int]:
+    """(name, state numbers, FLOPs per parameter) of ``optimizer``, checked before any counting so
+    that a typo fails at once rather than after the layers have been run on meta tensors."""
     opt = optimizer.lower()
     if opt not in OPTIMIZERS:
         raise AnalyticProfileError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
     n_states, flops_per_param = OPTIMIZERS[opt]
-    if max_microbatch < 1:
-        raise AnalyticProfileError(f"max_microbatch must be at least 1, got {max_microbatch}")
-    override = _as_dtype(dtype)
-    compute_dtype = override or _training_dtype(graph)
-    modules = _layer_modules(graph)
-    models = layer_cost_models(graph, spec, override, modules)
+    return opt, n_states, flops_per_param
+
+
+def _microbatch_limits(
+    graph: LayerGraph, models: list[LayerCostModel], spec: DeviceSpec, max_microbatch: int,
+) -> tuple[int, int]:
+    """(u_fmax, u_bmax): the largest microbatches whose worst layer fits ``spec.capacity`` in each pass.
+
+    Only distinct cost models are searched (identical layers share one), and a model that cannot
+    run even u = 1 fails here, naming the layer that needs the most, since nothing can schedule it.
+    """
     distinct = list({id(m): m for m in models}.values())
 
     def worst(which: int) -> Callable[[int], int]:
@@ -621,59 +612,85 @@ def analytic_profile(
                 "(decompose with a finer granularity) or use a device with more memory"
             )
         limits[label] = u_max
-    u_fmax, u_bmax = limits["forward"], limits["backward"]
+    return limits["forward"], limits["backward"]
 
-    def sizes(u_max: int) -> list[int]:
-        if microbatch_sizes:
-            chosen = sorted({int(u) for u in microbatch_sizes if 1 <= int(u) <= u_max})
-            if chosen:
-                return chosen
-        return default_microbatch_sizes(u_max)
 
-    fwd_us, bwd_us = sizes(u_fmax), sizes(u_bmax)
+def _sampled_sizes(u_max: int, microbatch_sizes: list[int] | None) -> list[int]:
+    """The sizes sampled up to ``u_max``: the caller's that fit, or the default ladder when none
+    does (a profile needs at least one sample per pass)."""
+    if microbatch_sizes:
+        chosen = sorted({int(u) for u in microbatch_sizes if 1 <= int(u) <= u_max})
+        if chosen:
+            return chosen
+    return default_microbatch_sizes(u_max)
+
+
+def _parameter_owners(graph: LayerGraph) -> dict[str, int]:
+    """Canonical parameter name -> the first layer using it: a tied parameter is updated (and its
+    optimizer state kept) once, by that layer."""
     owner: dict[str, int] = {}
     for i, layer in enumerate(graph.layers):
         for name in layer.state:
             s = graph.state.get(name)
             if s is not None and s.kind == "parameter":
                 owner.setdefault(graph.canonical(name), i)
+    return owner
 
-    cost_cache: dict[tuple[int, int], Cost] = {}
+
+def _memoized_costs() -> Callable[[LayerCostModel, int], Cost]:
+    """``cost(model, u)`` remembering each answer: identical layers share a model, so each (model,
+    u) is evaluated once however many layers (and the notes) ask for it."""
+    cache: dict[tuple[int, int], Cost] = {}
 
     def cost(model: LayerCostModel, u: int) -> Cost:
         key = (id(model), u)
-        if key not in cost_cache:
-            cost_cache[key] = model.at(u)
-        return cost_cache[key]
+        if key not in cache:
+            cache[key] = model.at(u)
+        return cache[key]
 
-    def sample(c: Cost) -> LayerSample:
-        return LayerSample(
-            u=c.u, fwd_time=c.fwd_time, bwd_time=c.bwd_time, recompute_time=c.recompute_time,
-            fwd_peak=c.fwd_peak, bwd_peak=c.bwd_peak, x_bytes=c.x_bytes, y_bytes=c.y_bytes, dx_bytes=c.dx_bytes,
-            act_bytes=c.act_bytes,
-        )
+    return cost
 
-    layers = []
-    for i, (layer, model, module) in enumerate(zip(graph.layers, models, modules)):
-        w, dw, b = _state_bytes(graph, i, module, override)
-        owned = _owned_parameters(graph, i, module, owner)
-        n_params = sum(p.numel() for p in owned)
-        w_own = sum(p.numel() * _elem(p, override) for p in owned)
-        k = n_params * n_states * OPTIMIZER_STATE_BYTES
-        traffic = (w_own + w_own + k) + (w_own + k)  # read W, dW, K; write W, K
-        upd_flops = n_params * flops_per_param
-        layers.append(LayerProfile(
-            index=i, name=layer.name, w_bytes=w, dw_bytes=dw, k_bytes=k, b_bytes=b,
-            upd_time_device=max(traffic / spec.memory_bandwidth, upd_flops / (spec.flops_for(torch.float32) * spec.efficiency)),
-            upd_time_host=max(traffic / spec.host_memory_bandwidth, upd_flops / spec.host_flops),
-            fwd_samples=[sample(cost(model, u)) for u in fwd_us],
-            bwd_samples=[sample(cost(model, u)) for u in bwd_us],
-        ))
-    elapsed = time.perf_counter() - started
+
+def _sample(c: Cost) -> LayerSample:
+    """A cost model's answer at one u as the profile's sample (the fields both share)."""
+    return LayerSample(
+        u=c.u, fwd_time=c.fwd_time, bwd_time=c.bwd_time, recompute_time=c.recompute_time,
+        fwd_peak=c.fwd_peak, bwd_peak=c.bwd_peak, x_bytes=c.x_bytes, y_bytes=c.y_bytes, dx_bytes=c.dx_bytes,
+        act_bytes=c.act_bytes,
+    )
+
+
+def _update_cost(
+    graph: LayerGraph, index: int, module: torch.nn.Module, dtype: torch.dtype | None, owner: dict[str, int],
+    n_states: int, flops_per_param: int, spec: DeviceSpec,
+) -> tuple[int, float, float]:
+    """(K bytes, update time on the device, update time on the host) of one layer.
+
+    Only the parameters this layer owns count (a tied one is updated by its first user); the update
+    reads W, dW and K and writes W and K, a roofline over those bytes and the optimizer's FLOPs.
+    """
+    owned = _owned_parameters(graph, index, module, owner)
+    n_params = sum(p.numel() for p in owned)
+    w_own = sum(p.numel() * _elem(p, dtype) for p in owned)
+    k = n_params * n_states * OPTIMIZER_STATE_BYTES
+    traffic = (w_own + w_own + k) + (w_own + k)  # read W, dW, K; write W, K
+    upd_flops = n_params * flops_per_param
+    device = max(traffic / spec.memory_bandwidth, upd_flops / (spec.flops_for(torch.float32) * spec.efficiency))
+    host = max(traffic / spec.host_memory_bandwidth, upd_flops / spec.host_flops)
+    return k, device, host
+
+
+def _profile_notes(
+    spec: DeviceSpec, compute_dtype: torch.dtype, opt: str, n_states: int, flops_per_param: int,
+    models: list[LayerCostModel], cost: Callable[[LayerCostModel, int], Cost], elapsed: float,
+) -> dict[str, str]:
+    """The profile's human-readable notes: how it was made, from what spec, and how many layers
+    could use the linear fast path, so a reader of profile.msgpack can judge the estimate."""
+    distinct = list({id(m): m for m in models}.values())
     linear = sum(m.linear for m in distinct)
     fwd_flops = sum(cost(m, 1).fwd_flops for m in models)
     bwd_flops = sum(cost(m, 1).bwd_flops for m in models)
-    notes = {
+    return {
         "method": "FLOPs, bytes and live bytes counted per aten op on meta tensors (FlopCounterMode); "
                   "time = sum over ops of max(flops / (peak * efficiency), bytes / memory bandwidth)",
         "spec": f"{spec.name}: {spec.flops_for(compute_dtype) / 1e12:.2f} TFLOP/s at {str(compute_dtype).removeprefix('torch.')} "
@@ -687,6 +704,49 @@ def analytic_profile(
         "flops_per_sample": f"forward {fwd_flops:.4g}, backward {bwd_flops:.4g}",
         "seconds": f"{elapsed:.2f}",
     }
+
+
+def analytic_profile(
+    graph: LayerGraph,
+    spec: DeviceSpec | str,
+    microbatch_sizes: list[int] | None = None,
+    optimizer: str = "adam",
+    dtype: torch.dtype | str | None = None,
+    max_microbatch: int = DEFAULT_MAX_MICROBATCH,
+) -> Profile:
+    """The profile of ``graph`` on ``spec`` (a DeviceSpec, preset name or JSON path), from FLOP counts.
+
+    ``dtype`` is the training dtype (default: that of most parameter bytes); a dtype other than the
+    graph's casts its floating-point state and inputs. ``optimizer`` is a key of ``OPTIMIZERS``.
+    ``microbatch_sizes`` are the sizes sampled (default: 1, 2, 4, ... and each maximum); sizes above
+    a maximum are left out of that direction's samples.
+    """
+    started = time.perf_counter()
+    spec = load_spec(spec)
+    opt, n_states, flops_per_param = _optimizer_entry(optimizer)
+    if max_microbatch < 1:
+        raise AnalyticProfileError(f"max_microbatch must be at least 1, got {max_microbatch}")
+    override = _as_dtype(dtype)
+    compute_dtype = override or _training_dtype(graph)
+    modules = _layer_modules(graph)
+    models = layer_cost_models(graph, spec, override, modules)
+    u_fmax, u_bmax = _microbatch_limits(graph, models, spec, max_microbatch)
+    fwd_us, bwd_us = _sampled_sizes(u_fmax, microbatch_sizes), _sampled_sizes(u_bmax, microbatch_sizes)
+    owner = _parameter_owners(graph)
+    cost = _memoized_costs()
+
+    layers = []
+    for i, (layer, model, module) in enumerate(zip(graph.layers, models, modules)):
+        w, dw, b = _state_bytes(graph, i, module, override)
+        k, upd_device, upd_host = _update_cost(graph, i, module, override, owner, n_states, flops_per_param, spec)
+        layers.append(LayerProfile(
+            index=i, name=layer.name, w_bytes=w, dw_bytes=dw, k_bytes=k, b_bytes=b,
+            upd_time_device=upd_device, upd_time_host=upd_host,
+            fwd_samples=[_sample(cost(model, u)) for u in fwd_us],
+            bwd_samples=[_sample(cost(model, u)) for u in bwd_us],
+        ))
+    elapsed = time.perf_counter() - started
+    notes = _profile_notes(spec, compute_dtype, opt, n_states, flops_per_param, models, cost, elapsed)
     return Profile(
         source="analytic", device=f"analytic:{spec.name}", capacity=spec.capacity, u_fmax=u_fmax, u_bmax=u_bmax,
         layers=layers, graph_hash=_graph_hash(graph), notes=notes,

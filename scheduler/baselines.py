@@ -126,21 +126,37 @@ def schedule(kind: str, stage: int, devices: int, microbatches: int) -> list[tup
 
 
 # --------------------------------------------------------------------------- graph
+_PackTasks = dict[tuple[tuple[int, int], int], Task]  # (pack, microbatch) -> its FWD or BWD task
+
+
 def _pipeline_swap(kind: str, mode: str, profile: Profile, config: Configuration, devices: int, minibatch: int,
                    recompute: bool) -> TaskGraph:
+    """The task graph of a per-GPU-swap pipeline with ``kind``'s schedule (see the module docs).
+
+    Built in three passes, because every route names task ids: the tasks in each device's order,
+    then the activations, stashes and gradients between them, then the closing updates.
+    """
     _check(config, len(profile.layers))
     if devices < 1 or minibatch < 1:
         raise ValueError(f"need at least one device and one sample, got {devices} devices and minibatch {minibatch}")
     sz = _Sizes(profile)
     groups = stages(profile, config, devices, recompute)
     sizes = microbatch_sizes(minibatch, config.u_f)
-    m = len(sizes)
-    loss_pack = config.packs_f[-1]
+    tasks, fwd, bwd = _stage_tasks(kind, groups, devices, sizes, config)
+    _route_microbatches(config.packs_f, fwd, bwd, sz, sizes, recompute)
+    _route_updates(tasks, groups, sz, bwd, len(sizes))
+    return TaskGraph(mode=mode, devices=devices, minibatch=minibatch, config=config, tasks=_interleave(tasks, devices))
 
-    # 1) tasks, with ids in each device's execution order (device 0's first, then device 1's, ...)
+
+def _stage_tasks(kind: str, groups: list[list[tuple[int, int]]], devices: int, sizes: list[int],
+                 config: Configuration) -> tuple[list[Task], _PackTasks, _PackTasks]:
+    """(tasks, FWD by (pack, microbatch), BWD by (pack, microbatch), the loss task included), with
+    no routes yet: ids follow each device's execution order (device 0's first, then device 1's,
+    ...), which ``_interleave`` keeps, so they are fixed before anything refers to them."""
+    loss_pack = config.packs_f[-1]
     tasks: list[Task] = []
-    fwd: dict[tuple[tuple[int, int], int], Task] = {}  # (pack, microbatch) -> FWD task
-    bwd: dict[tuple[tuple[int, int], int], Task] = {}  # (pack, microbatch) -> BWD task (the loss one too)
+    fwd: _PackTasks = {}
+    bwd: _PackTasks = {}
 
     def add(**kwargs) -> Task:
         task = Task(id=len(tasks), **kwargs)
@@ -148,7 +164,7 @@ def _pipeline_swap(kind: str, mode: str, profile: Profile, config: Configuration
         return task
 
     for s, packs in enumerate(groups):
-        for op, j in schedule(kind, s, devices, m):
+        for op, j in schedule(kind, s, devices, len(sizes)):
             common = dict(device=s, microbatches=[sizes[j]], offset=j * config.u_f)
             if op == "F":
                 for first, last in packs:
@@ -160,59 +176,82 @@ def _pipeline_swap(kind: str, mode: str, profile: Profile, config: Configuration
                     bwd[((first, last), j)] = add(kind=Kind.BWD, first=first, last=last, loss=loss, **common)
         for first, last in packs:
             add(device=s, kind=Kind.UPD, first=first, last=last, microbatches=[])
+    return tasks, fwd, bwd
 
-    # 2) routes
-    packs_f = config.packs_f
-    stage_of = {p: s for s, packs in enumerate(groups) for p in packs}
 
-    def channel(src: Task, dst: Task) -> Channel:
-        return Channel.LOCAL if src.device == dst.device else Channel.P2P
+def _channel(src: Task, dst: Task) -> Channel:
+    """Between packs on one device an activation stays put (LOCAL); across stages it is sent (P2P)."""
+    return Channel.LOCAL if src.device == dst.device else Channel.P2P
 
-    def stashed(first: int, last: int) -> list[int]:
-        return [first] if recompute else list(range(first, last + 1))
 
-    for i, (first, last) in enumerate(packs_f):
-        pack = (first, last)
+def _route_microbatches(packs_f: list[tuple[int, int]], fwd: _PackTasks, bwd: _PackTasks, sz: _Sizes,
+                        sizes: list[int], recompute: bool) -> None:
+    """Every FWD and BWD task's state swaps, activations, stash and running gradient.
+
+    Pack by pack and, within a pack, microbatch by microbatch, its forward before its backward:
+    the order transfers are appended in is the order they appear in the graph.
+    """
+    for i, pack in enumerate(packs_f):
         prev_pack = packs_f[i - 1] if i > 0 else None
         next_pack = packs_f[i + 1] if i + 1 < len(packs_f) else None
-        for j in range(m):
-            x_bytes = lambda n, f=first: sz.x(f, n)  # noqa: E731
-            if pack != loss_pack:
-                task = fwd[(pack, j)]
-                task.inputs += _state_inputs(sz, first, last)
-                src = fwd[(prev_pack, j)] if prev_pack else None
-                _connect(src, task, "Y", "X", channel(src, task) if src else Channel.SWAP, x_bytes)
-                task.outputs.append(Transfer("W", Channel.SWAP, sz.w(first, last)))  # evicted
-                task.outputs += _buffer_out(sz, first, last)
+        for j in range(len(sizes)):
+            if pack != packs_f[-1]:
+                _route_forward(fwd[(pack, j)], fwd[(prev_pack, j)] if prev_pack else None, sz)
             task = bwd[(pack, j)]
-            task.inputs += _state_inputs(sz, first, last)
+            task.inputs += _state_inputs(sz, *pack)
             if task.loss:
-                src = fwd[(prev_pack, j)] if prev_pack else None
-                _connect(src, task, "Y", "X", channel(src, task) if src else Channel.SWAP, x_bytes)
-                task.outputs += _buffer_out(sz, first, last)
+                _route_loss(task, fwd[(prev_pack, j)] if prev_pack else None, sz)
             else:
-                producer = fwd[(pack, j)]
-                for layer in stashed(first, last):
-                    n = sz.x(layer, sizes[j])
-                    if layer == 0:  # the minibatch itself, from host memory
-                        task.inputs.append(Transfer("X", Channel.SWAP, n, microbatch=0))
-                    else:
-                        producer.outputs.append(Transfer("Xs", Channel.SWAP, n, task=task.id, microbatch=0))
-                        task.inputs.append(Transfer("Xs", Channel.SWAP, n, task=producer.id, microbatch=0))
-                src = bwd[(next_pack, j)]
-                _connect(src, task, "dX", "dY", channel(src, task), lambda n, l=last: sz.y(l, n))
+                _route_backward(task, fwd[(pack, j)], bwd[(next_pack, j)], sz, sizes[j], recompute)
             if j > 0:  # the gradient accumulated so far
-                task.inputs.append(Transfer("dW", Channel.SWAP, sz.dw(first, last), task=bwd[(pack, j - 1)].id))
-            task.outputs.append(Transfer("W", Channel.SWAP, sz.w(first, last)))
-            task.outputs.append(Transfer("dW", Channel.SWAP, sz.dw(first, last)))
+                task.inputs.append(Transfer("dW", Channel.SWAP, sz.dw(*pack), task=bwd[(pack, j - 1)].id))
+            task.outputs.append(Transfer("W", Channel.SWAP, sz.w(*pack)))
+            task.outputs.append(Transfer("dW", Channel.SWAP, sz.dw(*pack)))
 
+
+def _route_forward(task: Task, src: Task | None, sz: _Sizes) -> None:
+    """A FWD: its state swapped in, X from the previous pack (the minibatch in host memory for the
+    first), and its weights evicted afterwards, since per-GPU swap cannot keep the stage resident."""
+    first, last = task.first, task.last
+    task.inputs += _state_inputs(sz, first, last)
+    _connect(src, task, "Y", "X", _channel(src, task) if src else Channel.SWAP, lambda n: sz.x(first, n))
+    task.outputs.append(Transfer("W", Channel.SWAP, sz.w(first, last)))  # evicted
+    task.outputs += _buffer_out(sz, first, last)
+
+
+def _route_loss(task: Task, src: Task | None, sz: _Sizes) -> None:
+    """The loss task runs its pack's forward itself, so it takes X as a FWD would and stashes nothing."""
+    first, last = task.first, task.last
+    _connect(src, task, "Y", "X", _channel(src, task) if src else Channel.SWAP, lambda n: sz.x(first, n))
+    task.outputs += _buffer_out(sz, first, last)
+
+
+def _route_backward(task: Task, producer: Task, src: Task, sz: _Sizes, size: int, recompute: bool) -> None:
+    """A non-loss BWD: the stash its FWD ``producer`` left in host memory (only the pack's input
+    when recomputing, every layer's input otherwise; layer 0's is the minibatch itself) and dY
+    from the next pack's BWD ``src``."""
+    first, last = task.first, task.last
+    for layer in ([first] if recompute else range(first, last + 1)):
+        n = sz.x(layer, size)
+        if layer == 0:  # the minibatch itself, from host memory
+            task.inputs.append(Transfer("X", Channel.SWAP, n, microbatch=0))
+        else:
+            producer.outputs.append(Transfer("Xs", Channel.SWAP, n, task=task.id, microbatch=0))
+            task.inputs.append(Transfer("Xs", Channel.SWAP, n, task=producer.id, microbatch=0))
+    _connect(src, task, "dX", "dY", _channel(src, task), lambda n: sz.y(last, n))
+
+
+def _route_updates(tasks: list[Task], groups: list[list[tuple[int, int]]], sz: _Sizes, bwd: _PackTasks,
+                   m: int) -> None:
+    """Each UPD steps its pack's owned state with the gradient summed over all m microbatches, so
+    it waits for the pack's last BWD; it runs on the device of the pack's stage."""
+    stage_of = {p: s for s, packs in enumerate(groups) for p in packs}
     for task in tasks:
         if task.kind == Kind.UPD:
             pack = (task.first, task.last)
             assert stage_of[pack] == task.device
             task.inputs = _update_inputs(sz, *pack, bwd[(pack, m - 1)].id)
             task.outputs = [Transfer("W", Channel.SWAP, sz.owned_w(*pack)), Transfer("K", Channel.SWAP, sz.owned_k(*pack))]
-    return TaskGraph(mode=mode, devices=devices, minibatch=minibatch, config=config, tasks=_interleave(tasks, devices))
 
 
 def _interleave(tasks: list[Task], devices: int) -> list[Task]:
