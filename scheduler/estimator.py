@@ -3,7 +3,8 @@
 ``estimate(graph, profile, machine)`` plays a :class:`~harmony.scheduler.tasks.TaskGraph` the way the
 runtime executes it (§4.4) and reports the iteration time, each device's peak memory, the bytes moved
 and a timeline of every stream. The search calls it thousands of times, so it is a single pass over
-a heap of events with integer bookkeeping; ``record_events=False`` skips building the timeline.
+a heap of events with integer bookkeeping (``_Simulation``: one method per kind of event);
+``record_events=False`` skips building the timeline.
 
 What is simulated (the runtime's semantics, which this module must keep in step with):
 
@@ -366,142 +367,210 @@ def estimate(
 
 
 def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: int | None, record_events: bool) -> Estimate:
-    cap = machine.capacity if capacity is None else int(capacity)
-    cache = _profile_cache(profile)
-    tasks = graph.tasks
-    by_id = {t.id: t for t in tasks}
+    return _Simulation(graph, profile, machine, capacity, record_events).run()
 
-    # ---- slots: one per device, then the host
-    devices = sorted({t.device for t in tasks if t.device != HOST} | set(range(graph.devices)))
-    slot_of = {d: i for i, d in enumerate(devices)}
-    host_slot = len(devices)
-    slot_of[HOST] = host_slot
-    slot_dev = devices + [HOST]
-    nslots = len(slot_dev)
 
-    def slot(device: int | None) -> int | None:
+_heappush = heapq.heappush
+_heappop = heapq.heappop
+
+
+def _hold(cu: _Unit, n: int, per_mb: bool, covered: bool, task_units: list[_Unit]) -> None:
+    """An input's ``n`` bytes on its device until its unit starts (the unit's work covers it), or
+    ends (a microbatch's input), or else until its task ends."""
+    if covered:
+        cu.delta_start -= n
+    elif per_mb:
+        cu.release_end += n
+    else:
+        task_units[-1].release_end += n
+
+
+class _Simulation:
+    """One iteration of a task graph played out (see the module docs). ``__init__`` builds the units
+    and transfers and wires their dependencies; ``run`` plays the heap of events, one method per
+    kind of event, and returns the ``Estimate``."""
+
+    __slots__ = (
+        # what is simulated
+        "profile", "machine", "record_events", "cap", "cache", "tasks", "by_id",
+        # slots: one per device, then the host
+        "slot_of", "host_slot", "slot_dev", "nslots",
+        # units: task id -> its units; per slot its units in order; the previous task's first / last unit
+        "units_of", "slot_units", "first_unit_prev", "last_unit_prev",
+        # transfers and what they count
+        "links", "latency", "xfers", "bytes_by_channel", "bytes_by_device",
+        # outputs by who may read them (records: [transfer, producing unit, swap-out xfer or None, used, slot])
+        "to_consumer", "to_consumer_any", "to_host", "to_host_mb",
+        # the simulation's state
+        "heap", "seq", "now", "end_time", "mem", "peak", "caps", "ptr", "computing", "busy_flag", "busy_time",
+        "swap_in_q", "swap_out_q", "p2p_in_q", "p2p_out_q", "events", "task_peak", "prefetched",
+        "reclaim", "outbound", "cores", "interference", "running", "cpu_last", "cpu_rate",
+    )
+
+    def __init__(self, graph: TaskGraph, profile: Profile, machine: Machine, capacity: int | None,
+                 record_events: bool):
+        self.profile = profile
+        self.machine = machine
+        self.record_events = record_events
+        self.cap = machine.capacity if capacity is None else int(capacity)
+        self.cache = _profile_cache(profile)
+        self.tasks = graph.tasks
+        self.by_id = {t.id: t for t in self.tasks}
+        self._build_slots(graph)
+        self._build_units()
+        # transfer rates: a shared host link in each direction
+        links = {}
+        if machine.host_link_shared:
+            links["h2d"] = _Link("h2d", machine, self.nslots)
+            links["d2h"] = _Link("d2h", machine, self.nslots)
+        self.links = links
+        self.latency = machine.latency
+        self.xfers: list[_Xfer] = []
+        self.bytes_by_channel: dict[str, int] = {}
+        self.bytes_by_device: dict[int, dict[str, int]] = {d: {} for d in self.slot_dev}
+        self._build_outputs()
+        self._build_inputs()
+        self._build_update_dependencies()
+        self._build_unread_outputs()
+        self._build_state()
+
+    # ------------------------------------------------------------------------------ building
+    def _build_slots(self, graph: TaskGraph) -> None:
+        """One slot per device, then the host."""
+        devices = sorted({t.device for t in self.tasks if t.device != HOST} | set(range(graph.devices)))
+        slot_of = {d: i for i, d in enumerate(devices)}
+        self.host_slot = len(devices)
+        slot_of[HOST] = self.host_slot
+        self.slot_of = slot_of
+        self.slot_dev = devices + [HOST]
+        self.nslots = len(self.slot_dev)
+
+    def _slot(self, device: int | None) -> int | None:
         if device is None:
             return None
-        return slot_of.get(device)
+        return self.slot_of.get(device)
 
-    # ---- units
-    units_of: dict[int, list[_Unit]] = {}
-    slot_units: list[list[_Unit]] = [[] for _ in range(nslots)]
-    first_unit_prev: dict[int, _Unit | None] = {}  # task id -> first unit of the previous task on its slot
-    last_unit_prev: dict[int, _Unit | None] = {}  # task id -> last unit of the previous task on its slot
-    last_on_slot: list[_Unit | None] = [None] * nslots
-    end_on_slot: list[_Unit | None] = [None] * nslots
-    for task in tasks:
-        s = slot_of[task.device]
-        durs = _task_costs(task, profile, cache)
-        held = _task_memory(task, profile, cache, memory.stash_layers(task, by_id))
-        extra = unit_overheads(task, machine, len(durs))
-        scale = 1.0 if s == host_slot else machine.compute_scale
-        us = [_Unit(s, task, j, d * scale + e) for j, (d, e) in enumerate(zip(durs, extra))]
-        su = slot_units[s]
-        for u in us:
-            u.order = len(su)
-            su.append(u)
-        if s != host_slot:  # the state for the task's span, each unit's work while it computes
-            us[0].delta_start += held.state
-            us[-1].release_end += held.state
-            for u, work in zip(us, held.work):
-                u.delta_start += work
-                u.release_end += work
-        first_unit_prev[task.id] = last_on_slot[s]
-        last_unit_prev[task.id] = end_on_slot[s]
-        last_on_slot[s] = us[0]
-        end_on_slot[s] = us[-1]
-        units_of[task.id] = us
+    def _build_units(self) -> None:
+        """Each task's units, in its slot's order, with their durations and the memory they hold."""
+        profile, machine, cache, by_id = self.profile, self.machine, self.cache, self.by_id
+        slot_of, host_slot, nslots = self.slot_of, self.host_slot, self.nslots
+        units_of: dict[int, list[_Unit]] = {}
+        slot_units: list[list[_Unit]] = [[] for _ in range(nslots)]
+        first_unit_prev: dict[int, _Unit | None] = {}  # task id -> first unit of the previous task on its slot
+        last_unit_prev: dict[int, _Unit | None] = {}  # task id -> last unit of the previous task on its slot
+        last_on_slot: list[_Unit | None] = [None] * nslots
+        end_on_slot: list[_Unit | None] = [None] * nslots
+        for task in self.tasks:
+            s = slot_of[task.device]
+            durs = _task_costs(task, profile, cache)
+            held = _task_memory(task, profile, cache, memory.stash_layers(task, by_id))
+            extra = unit_overheads(task, machine, len(durs))
+            scale = 1.0 if s == host_slot else machine.compute_scale
+            us = [_Unit(s, task, j, d * scale + e) for j, (d, e) in enumerate(zip(durs, extra))]
+            su = slot_units[s]
+            for u in us:
+                u.order = len(su)
+                su.append(u)
+            if s != host_slot:  # the state for the task's span, each unit's work while it computes
+                us[0].delta_start += held.state
+                us[-1].release_end += held.state
+                for u, work in zip(us, held.work):
+                    u.delta_start += work
+                    u.release_end += work
+            first_unit_prev[task.id] = last_on_slot[s]
+            last_unit_prev[task.id] = end_on_slot[s]
+            last_on_slot[s] = us[0]
+            end_on_slot[s] = us[-1]
+            units_of[task.id] = us
+        self.units_of = units_of
+        self.slot_units = slot_units
+        self.first_unit_prev = first_unit_prev
+        self.last_unit_prev = last_unit_prev
 
-    def unit_for(task: Task, mb: int | None, produce: bool) -> _Unit:
-        us = units_of[task.id]
+    def _unit_for(self, task: Task, mb: int | None, produce: bool) -> _Unit:
+        us = self.units_of[task.id]
         if mb is not None and 0 <= mb < len(task.microbatches) and mb < len(us):
             return us[mb]
         return us[-1] if produce else us[0]
 
-    # ---- transfer rates
-    shared = machine.host_link_shared
-    links = {}
-    if shared:
-        links["h2d"] = _Link("h2d", machine, nslots)
-        links["d2h"] = _Link("d2h", machine, nslots)
-    latency = machine.latency
-    xfers: list[_Xfer] = []
-    bytes_by_channel: dict[str, int] = {}
-    bytes_by_device: dict[int, dict[str, int]] = {d: {} for d in slot_dev}
-
-    def count(device: int, key: str, n: int) -> None:
-        per = bytes_by_device.setdefault(device, {})
+    def _count(self, device: int, key: str, n: int) -> None:
+        per = self.bytes_by_device.setdefault(device, {})
         per[key] = per.get(key, 0) + n
 
-    def new_xfer(kind: int, transfer: Transfer, task_id: int, src: int | None, dst: int | None) -> _Xfer:
+    def _new_xfer(self, kind: int, transfer: Transfer, task_id: int, src: int | None, dst: int | None) -> _Xfer:
+        machine, links, slot_dev = self.machine, self.links, self.slot_dev
         x = _Xfer(kind, transfer, task_id, src, dst)
         n = transfer.nbytes
         if kind == _IN:
             x.dur = machine.transfer_time(n, "h2d")
             x.link = links.get("h2d")
-            count(slot_dev[dst], "SWAP in", n)
+            self._count(slot_dev[dst], "SWAP in", n)
         elif kind == _OUT:
             x.dur = machine.transfer_time(n, "d2h")
             x.link = links.get("d2h")
-            count(slot_dev[src], "SWAP out", n)
+            self._count(slot_dev[src], "SWAP out", n)
         elif kind == _MSG_IN:
             x.dur = machine.transfer_time(n, "msg")
-            count(slot_dev[dst], "MSG in", n)
+            self._count(slot_dev[dst], "MSG in", n)
         elif kind == _MSG_OUT:
             x.dur = machine.transfer_time(n, "msg")
-            count(slot_dev[src], "MSG out", n)
+            self._count(slot_dev[src], "MSG out", n)
         else:
             x.dur = machine.transfer_time(n, "d2d")
             if src is not None:
-                count(slot_dev[src], "P2P out", n)
+                self._count(slot_dev[src], "P2P out", n)
             if dst is not None:
-                count(slot_dev[dst], "P2P in", n)
+                self._count(slot_dev[dst], "P2P in", n)
         label = _KIND_LABEL[kind]
-        bytes_by_channel[label] = bytes_by_channel.get(label, 0) + n
-        xfers.append(x)
+        self.bytes_by_channel[label] = self.bytes_by_channel.get(label, 0) + n
+        self.xfers.append(x)
         return x
 
-    # ---- outputs: what each producer emits, and when
-    # record: [transfer, producing unit, swap-out xfer or None, used, slot]
-    # record: [transfer, producing unit, swap-out xfer or None, used, slot]
-    to_consumer: dict[tuple, list[list]] = {}  # (producer, consumer, group, microbatch) -> records
-    to_consumer_any: dict[tuple, list[list]] = {}  # (producer, consumer, group) -> records
-    to_host: dict[int, list[list]] = {}  # producer -> records naming no consumer
-    to_host_mb: dict[tuple, list[list]] = {}  # (producer, microbatch) -> the same records
-    for task in tasks:
-        s = slot_of[task.device]
-        on_host = s == host_slot
-        for o in task.outputs:
-            pu = unit_for(task, o.microbatch, produce=True)
-            ch = o.channel
-            x = None
-            if o.nbytes > 0 and ch in (Channel.SWAP, Channel.MSG) and not (on_host and ch == Channel.SWAP):
-                x = new_xfer(_OUT if ch == Channel.SWAP else _MSG_OUT, o, task.id, s, None)
-                x.need = 1
-                pu.end_xfers.append(x)
-                if not on_host:
-                    pu.alloc_end += o.nbytes
-                    pu.outbound_end += o.nbytes
-                    x.free_src = o.nbytes
-            elif not on_host and o.nbytes > 0 and ch in (Channel.P2P, Channel.LOCAL):
-                pu.alloc_end += o.nbytes  # held until sent / read
-                if ch == Channel.P2P:
-                    pu.outbound_end += o.nbytes
-            rec = [o, pu, x, False, s]
-            if o.task is not None and o.task in by_id:
-                group = _GROUP[ch]
-                to_consumer.setdefault((task.id, o.task, group, o.microbatch), []).append(rec)
-                to_consumer_any.setdefault((task.id, o.task, group), []).append(rec)
-            else:
-                to_host.setdefault(task.id, []).append(rec)
-                to_host_mb.setdefault((task.id, o.microbatch), []).append(rec)
+    def _build_outputs(self) -> None:
+        """What each producer emits, and when; the outputs indexed by who may read them."""
+        by_id, slot_of, host_slot = self.by_id, self.slot_of, self.host_slot
+        # record: [transfer, producing unit, swap-out xfer or None, used, slot]
+        to_consumer: dict[tuple, list[list]] = {}  # (producer, consumer, group, microbatch) -> records
+        to_consumer_any: dict[tuple, list[list]] = {}  # (producer, consumer, group) -> records
+        to_host: dict[int, list[list]] = {}  # producer -> records naming no consumer
+        to_host_mb: dict[tuple, list[list]] = {}  # (producer, microbatch) -> the same records
+        for task in self.tasks:
+            s = slot_of[task.device]
+            on_host = s == host_slot
+            for o in task.outputs:
+                pu = self._unit_for(task, o.microbatch, produce=True)
+                ch = o.channel
+                x = None
+                if o.nbytes > 0 and ch in (Channel.SWAP, Channel.MSG) and not (on_host and ch == Channel.SWAP):
+                    x = self._new_xfer(_OUT if ch == Channel.SWAP else _MSG_OUT, o, task.id, s, None)
+                    x.need = 1
+                    pu.end_xfers.append(x)
+                    if not on_host:
+                        pu.alloc_end += o.nbytes
+                        pu.outbound_end += o.nbytes
+                        x.free_src = o.nbytes
+                elif not on_host and o.nbytes > 0 and ch in (Channel.P2P, Channel.LOCAL):
+                    pu.alloc_end += o.nbytes  # held until sent / read
+                    if ch == Channel.P2P:
+                        pu.outbound_end += o.nbytes
+                rec = [o, pu, x, False, s]
+                if o.task is not None and o.task in by_id:
+                    group = _GROUP[ch]
+                    to_consumer.setdefault((task.id, o.task, group, o.microbatch), []).append(rec)
+                    to_consumer_any.setdefault((task.id, o.task, group), []).append(rec)
+                else:
+                    to_host.setdefault(task.id, []).append(rec)
+                    to_host_mb.setdefault((task.id, o.microbatch), []).append(rec)
+        self.to_consumer = to_consumer
+        self.to_consumer_any = to_consumer_any
+        self.to_host = to_host
+        self.to_host_mb = to_host_mb
 
-    def match(k: int, c: Task, i: Transfer) -> list | None:
+    def _match(self, k: int, c: Task, i: Transfer) -> list | None:
+        """The record of producer ``k``'s output that consumer ``c``'s input ``i`` reads (module docs)."""
         group = _GROUP[i.channel]
         fallback = None
-        for rec in to_consumer.get((k, c.id, group, i.microbatch), ()):
+        for rec in self.to_consumer.get((k, c.id, group, i.microbatch), ()):
             if not rec[3]:
                 if _compatible(rec[0].tensor, i.tensor):
                     return rec
@@ -509,7 +578,7 @@ def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: in
                     fallback = rec
         if fallback is not None:
             return fallback
-        for rec in to_consumer_any.get((k, c.id, group), ()):
+        for rec in self.to_consumer_any.get((k, c.id, group), ()):
             if not rec[3]:
                 if _compatible(rec[0].tensor, i.tensor):
                     return rec
@@ -519,10 +588,13 @@ def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: in
             return fallback
         if group != "host":
             return None
-        # outputs to the host store naming no reader: the same tensor name first, the same
-        # microbatch first, else a task-wide one, else the last of that tensor the producer wrote
+        return self._match_host(k, i)
+
+    def _match_host(self, k: int, i: Transfer) -> list | None:
+        """Outputs to the host store naming no reader: the same tensor name first, the same
+        microbatch first, else a task-wide one, else the last of that tensor the producer wrote."""
         best = None
-        for rec in to_host_mb.get((k, i.microbatch), ()):
+        for rec in self.to_host_mb.get((k, i.microbatch), ()):
             o = rec[0]
             if o.channel in _HOSTLIKE and _compatible(o.tensor, i.tensor):
                 if o.tensor == i.tensor:
@@ -531,7 +603,7 @@ def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: in
         if best is not None:
             return best
         best_score = -1
-        for rec in to_host.get(k, ()):
+        for rec in self.to_host.get(k, ()):
             o = rec[0]
             if o.channel not in _HOSTLIKE or not _compatible(o.tensor, i.tensor):
                 continue
@@ -540,179 +612,231 @@ def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: in
                 best, best_score = rec, score
         return best
 
-    # ---- inputs: transfers into each consumer and their dependencies
-    for task in tasks:
-        s = slot_of[task.device]
-        on_host = s == host_slot
-        prev_first = first_unit_prev[task.id]
-        # a UPD task's inputs are loaded when it starts (no lookahead): issued as the previous task ends
-        prev_end = last_unit_prev[task.id] if task.kind == Kind.UPD and not on_host else None
-        task_units = units_of[task.id]
-        last_unit = task_units[-1]
-        for i in task.inputs:
-            cu = task_units[memory.input_unit(task, i.tensor, i.microbatch, len(task_units))]
-            per_mb = cu.j == i.microbatch
-            covered = memory.covers(task, cu.j, len(task_units), i.tensor)
-            # the optimizer state of a fused update is loaded for the step, once the backward is done
-            load_after = task_units[cu.j - 1] if cu.j and i.tensor == "K" and not per_mb else prev_end
-            k = i.task if i.task in by_id else None
-            rec = match(k, task, i) if k is not None else None
-            if rec is not None and rec[0].task is not None:
-                rec[3] = True
-            # where the data becomes available: a swap-out's end, a producing unit's end, or now
-            if rec is not None:
-                source = rec[2] if (rec[2] is not None and i.channel != Channel.P2P) else rec[1]
-            elif k is not None:
-                source = units_of[k][-1]
-            else:
-                source = None
-            ch = i.channel
-            n = i.nbytes
-            k_slot = slot_of[by_id[k].device] if k is not None else None
-            x = None
-            if n > 0 and not on_host and ch == Channel.P2P:
-                src = k_slot if k is not None else slot(i.peer)
-                if src == host_slot:
-                    x = new_xfer(_IN, i, task.id, None, s)
-                elif src != s:
-                    x = new_xfer(_P2P, i, task.id, src, s)
-                    if rec is not None and rec[4] == src:
-                        x.free_src = rec[0].nbytes
-            elif n > 0 and ch in (Channel.SWAP, Channel.MSG) and not (on_host and ch == Channel.SWAP):
-                x = new_xfer(_IN if ch == Channel.SWAP else _MSG_IN, i, task.id, None, s)
-            if x is not None:
-                x.unit = cu
-                if not on_host:
-                    x.alloc_dst = n
-                    if per_mb:
-                        _fetch_point(x, task_units, last_unit_prev[task.id])
-                    if covered:
-                        cu.delta_start -= n
-                    elif per_mb:
-                        cu.release_end += n
-                    else:
-                        last_unit.release_end += n
-                if source is not None:
-                    x.need += 1
-                    source.end_xfers.append(x)
-                if load_after is not None:
-                    x.need += 1
-                    load_after.end_xfers.append(x)
-                elif prev_first is not None:
-                    x.need += 1
-                    prev_first.issue.append(x)
-                x.end_units.append(cu)
-                cu.need += 1
-                cu.waits.append((i, k, x))
-            else:
-                if source is not None:
+    def _build_inputs(self) -> None:
+        """Transfers into each consumer and their dependencies."""
+        for task in self.tasks:
+            s = self.slot_of[task.device]
+            on_host = s == self.host_slot
+            prev_first = self.first_unit_prev[task.id]
+            # a UPD task's inputs are loaded when it starts (no lookahead): issued as the previous task ends
+            prev_end = self.last_unit_prev[task.id] if task.kind == Kind.UPD and not on_host else None
+            task_units = self.units_of[task.id]
+            for i in task.inputs:
+                self._build_input(task, i, s, on_host, prev_first, prev_end, task_units)
+
+    def _build_input(self, task: Task, i: Transfer, s: int, on_host: bool, prev_first: _Unit | None,
+                     prev_end: _Unit | None, task_units: list[_Unit]) -> None:
+        by_id = self.by_id
+        cu = task_units[memory.input_unit(task, i.tensor, i.microbatch, len(task_units))]
+        per_mb = cu.j == i.microbatch
+        covered = memory.covers(task, cu.j, len(task_units), i.tensor)
+        # the optimizer state of a fused update is loaded for the step, once the backward is done
+        load_after = task_units[cu.j - 1] if cu.j and i.tensor == "K" and not per_mb else prev_end
+        k = i.task if i.task in by_id else None
+        rec = self._match(k, task, i) if k is not None else None
+        if rec is not None and rec[0].task is not None:
+            rec[3] = True
+        # where the data becomes available: a swap-out's end, a producing unit's end, or now
+        if rec is not None:
+            source = rec[2] if (rec[2] is not None and i.channel != Channel.P2P) else rec[1]
+        elif k is not None:
+            source = self.units_of[k][-1]
+        else:
+            source = None
+        k_slot = self.slot_of[by_id[k].device] if k is not None else None
+        x = self._input_xfer(task, i, s, on_host, k, k_slot, rec)
+        if x is not None:
+            x.unit = cu
+            if not on_host:
+                x.alloc_dst = i.nbytes
+                if per_mb:
+                    _fetch_point(x, task_units, self.last_unit_prev[task.id])
+                _hold(cu, i.nbytes, per_mb, covered, task_units)
+            if source is not None:
+                x.need += 1
+                source.end_xfers.append(x)
+            if load_after is not None:
+                x.need += 1
+                load_after.end_xfers.append(x)
+            elif prev_first is not None:
+                x.need += 1
+                prev_first.issue.append(x)
+            x.end_units.append(cu)
+            cu.need += 1
+            cu.waits.append((i, k, x))
+            return
+        if source is not None:
+            source.end_units.append(cu)
+            cu.need += 1
+            cu.waits.append((i, k, source))
+        ch = i.channel
+        # a LOCAL tensor left on this device by its producer is taken over by the consumer
+        if rec is not None and ch == Channel.LOCAL and rec[0].channel == Channel.LOCAL and rec[4] == s and not on_host:
+            _hold(cu, rec[0].nbytes, per_mb, covered, task_units)
+        # a pack state a backward left resident for a later update on the device (dp):
+        # held from the backward's end until the update's
+        elif rec is None and k is not None and ch == Channel.LOCAL and i.tensor == "W" and not on_host and k_slot == s:
+            held = memory.resident_bytes(by_id[k], self.profile)
+            self.units_of[k][-1].alloc_end += held
+            task_units[-1].release_end += held
+
+    def _input_xfer(self, task: Task, i: Transfer, s: int, on_host: bool, k: int | None, k_slot: int | None,
+                    rec: list | None) -> _Xfer | None:
+        """The copy that brings input ``i`` to slot ``s``, if it needs one."""
+        ch = i.channel
+        n = i.nbytes
+        if n > 0 and not on_host and ch == Channel.P2P:
+            src = k_slot if k is not None else self._slot(i.peer)
+            if src == self.host_slot:
+                return self._new_xfer(_IN, i, task.id, None, s)
+            if src != s:
+                x = self._new_xfer(_P2P, i, task.id, src, s)
+                if rec is not None and rec[4] == src:
+                    x.free_src = rec[0].nbytes
+                return x
+            return None
+        if n > 0 and ch in (Channel.SWAP, Channel.MSG) and not (on_host and ch == Channel.SWAP):
+            return self._new_xfer(_IN if ch == Channel.SWAP else _MSG_IN, i, task.id, None, s)
+        return None
+
+    def _build_update_dependencies(self) -> None:
+        """An update steps the summed gradient: it waits for every backward that deposits one of its
+        parameters' gradients, on any device, not only the one its dW input names (dp-swap's replicas)
+        (a device runs its tasks in order, so its last such backward per pack is the one to wait for)."""
+        tasks, units_of = self.tasks, self.units_of
+        last_bwd = {(b.device, b.first, b.last): b for b in tasks if b.kind == Kind.BWD and not b.jit_update()}
+        for task in tasks:
+            if task.kind != Kind.UPD:
+                continue
+            cu = units_of[task.id][0]
+            for b in last_bwd.values():
+                if b.first <= task.last and task.first <= b.last:
+                    source = units_of[b.id][-1]
                     source.end_units.append(cu)
                     cu.need += 1
-                    cu.waits.append((i, k, source))
-                # a LOCAL tensor left on this device by its producer is taken over by the consumer
-                if rec is not None and ch == Channel.LOCAL and rec[0].channel == Channel.LOCAL and rec[4] == s and not on_host:
-                    held = rec[0].nbytes
-                    if covered:
-                        cu.delta_start -= held
-                    elif per_mb:
-                        cu.release_end += held
-                    else:
-                        last_unit.release_end += held
-                # a pack state a backward left resident for a later update on the device (dp):
-                # held from the backward's end until the update's
-                elif (rec is None and k is not None and ch == Channel.LOCAL and i.tensor == "W" and not on_host
-                      and k_slot == s):
-                    held = memory.resident_bytes(by_id[k], profile)
-                    units_of[k][-1].alloc_end += held
-                    last_unit.release_end += held
+                    cu.waits.append((Transfer("dW", Channel.SWAP, 0, task=b.id), b.id, source))
 
-    # an update steps the summed gradient: it waits for every backward that deposits one of its
-    # parameters' gradients, on any device, not only the one its dW input names (dp-swap's replicas)
-    # (a device runs its tasks in order, so its last such backward per pack is the one to wait for)
-    last_bwd = {(b.device, b.first, b.last): b for b in tasks if b.kind == Kind.BWD and not b.jit_update()}
-    for task in tasks:
-        if task.kind != Kind.UPD:
-            continue
-        cu = units_of[task.id][0]
-        for b in last_bwd.values():
-            if b.first <= task.last and task.first <= b.last:
-                source = units_of[b.id][-1]
-                source.end_units.append(cu)
-                cu.need += 1
-                cu.waits.append((Transfer("dW", Channel.SWAP, 0, task=b.id), b.id, source))
+    def _build_unread_outputs(self) -> None:
+        """Outputs nobody read: P2P sends still happen; LOCAL tensors stay until their named task ends."""
+        by_id, slot_of, host_slot = self.by_id, self.slot_of, self.host_slot
+        for recs in (*self.to_consumer_any.values(), *self.to_host.values()):
+            for o, pu, x, used, s in recs:
+                if used or s == host_slot or o.nbytes <= 0:
+                    continue
+                if o.channel == Channel.P2P:
+                    consumer = by_id.get(o.task) if o.task is not None else None
+                    dst = slot_of[consumer.device] if consumer is not None else self._slot(o.peer)
+                    if dst == s or dst == host_slot:
+                        dst = None
+                    y = self._new_xfer(_P2P, o, pu.task.id, s, dst)
+                    y.need = 1
+                    y.free_src = o.nbytes
+                    if dst is not None:
+                        y.alloc_dst = y.free_dst = o.nbytes
+                    pu.end_xfers.append(y)
+                elif o.channel == Channel.LOCAL and o.task in by_id and slot_of[by_id[o.task].device] == s:
+                    self.units_of[o.task][-1].release_end += o.nbytes
 
-    # outputs nobody read: P2P sends still happen; LOCAL tensors stay until their named task ends
-    for recs in (*to_consumer_any.values(), *to_host.values()):
-        for o, pu, x, used, s in recs:
-            if used or s == host_slot or o.nbytes <= 0:
-                continue
-            if o.channel == Channel.P2P:
-                consumer = by_id.get(o.task) if o.task is not None else None
-                dst = slot_of[consumer.device] if consumer is not None else slot(o.peer)
-                if dst == s or dst == host_slot:
-                    dst = None
-                y = new_xfer(_P2P, o, pu.task.id, s, dst)
-                y.need = 1
-                y.free_src = o.nbytes
-                if dst is not None:
-                    y.alloc_dst = y.free_dst = o.nbytes
-                pu.end_xfers.append(y)
-            elif o.channel == Channel.LOCAL and o.task in by_id and slot_of[by_id[o.task].device] == s:
-                units_of[o.task][-1].release_end += o.nbytes
+    def _build_state(self) -> None:
+        """The streams, queues and counters at time zero."""
+        nslots = self.nslots
+        machine = self.machine
+        self.heap: list = []
+        self.seq = 0
+        self.now = 0.0
+        self.end_time = 0.0
+        self.mem = [0] * nslots
+        self.peak = [0] * nslots
+        caps = [self.cap] * nslots
+        caps[self.host_slot] = None
+        self.caps = caps
+        self.ptr = [0] * nslots
+        self.computing = [False] * nslots
+        self.busy_flag = [[False] * 5 for _ in range(nslots)]
+        self.busy_time = [[0.0] * 5 for _ in range(nslots)]
+        self.swap_in_q: list[list] = [[] for _ in range(nslots)]
+        self.swap_out_q: list[deque] = [deque() for _ in range(nslots)]
+        self.p2p_in_q: list[deque] = [deque() for _ in range(nslots)]
+        self.p2p_out_q: list[deque] = [deque() for _ in range(nslots)]
+        self.events: list[StreamEvent] = []
+        self.task_peak: dict[int, int] = {}  # task id -> device bytes at most from the previous task's end to its own
+        self.prefetched: dict[int, int] = {}
+        # On an emulated device the runtime's memory manager lets outputs still leaving the device (queued
+        # swap-outs and sends) go before it lets an allocation past the plan's peak: there they are not
+        # part of the peak the plan promises.
+        self.reclaim = machine.kind == "cpu"
+        self.outbound = [0] * nslots
+        cores = machine.cpu_cores
+        interference = machine.compute_interference
+        if cores is None and interference:
+            cores = math.inf  # no core sharing, but the rates still follow the units computing at once
+        self.cores = cores
+        self.interference = interference
+        self.running: list[_Unit] = []  # units computing at this moment, sharing the cores
+        self.cpu_last = 0.0  # time of the last rate change
+        self.cpu_rate = 0.0  # the rate of each running unit since
 
-    # ------------------------------------------------------------------------------ simulation
-    heap: list = []
-    seq = 0
-    now = 0.0
-    mem = [0] * nslots
-    peak = [0] * nslots
-    caps = [cap] * nslots
-    caps[host_slot] = None
-    ptr = [0] * nslots
-    computing = [False] * nslots
-    busy_flag = [[False] * 5 for _ in range(nslots)]
-    busy_time = [[0.0] * 5 for _ in range(nslots)]
-    swap_in_q: list[list] = [[] for _ in range(nslots)]
-    swap_out_q: list[deque] = [deque() for _ in range(nslots)]
-    p2p_in_q: list[deque] = [deque() for _ in range(nslots)]
-    p2p_out_q: list[deque] = [deque() for _ in range(nslots)]
-    events: list[StreamEvent] = []
-    end_time = 0.0
-    heappush = heapq.heappush
+    # ------------------------------------------------------------------------------ the event loop
+    def run(self) -> Estimate:
+        """Time zero: everything issued and ready goes; then the events in time order."""
+        enqueue = self.enqueue
+        for x in self.xfers:
+            if not x.need:
+                enqueue(x)
+        try_compute = self.try_compute
+        for s in range(self.nslots):
+            try_compute(s)
+        heap = self.heap
+        heappop = _heappop
+        finish_unit, finish_xfer = self.finish_unit, self.finish_xfer
+        link_join, cpu_done, link_done = self.link_join, self.cpu_done, self.link_done
+        while heap:
+            t, _, code, obj, ver = heappop(heap)
+            self.now = t
+            if code == _E_UNIT:
+                finish_unit(obj)
+            elif code == _E_XFER:
+                finish_xfer(obj)
+            elif code == _E_JOIN:
+                link_join(obj)
+            elif code == _E_CPU:
+                if ver == obj.version:
+                    cpu_done(obj)
+            elif ver == obj.version:
+                link_done(obj)
+        return self.result()
 
-    def push(t: float, code: int, obj, ver: int = 0) -> None:
-        nonlocal seq
-        seq += 1
-        heappush(heap, (t, seq, code, obj, ver))
+    def push(self, t: float, code: int, obj, ver: int = 0) -> None:
+        seq = self.seq + 1
+        self.seq = seq
+        _heappush(self.heap, (t, seq, code, obj, ver))
 
-    task_peak: dict[int, int] = {}  # task id -> device bytes at most from the previous task's end to its own
-
-    # On an emulated device the runtime's memory manager lets outputs still leaving the device (queued
-    # swap-outs and sends) go before it lets an allocation past the plan's peak: there they are not
-    # part of the peak the plan promises.
-    reclaim = machine.kind == "cpu"
-    outbound = [0] * nslots
-
-    def bump(s: int, tid: int | None) -> None:
+    def bump(self, s: int, tid: int | None) -> None:
         """Record slot ``s``'s level in its peak and in the peak of task ``tid`` (None: the task its
         compute thread runs or waits to run; the runtime measures a task's peak from the moment its
         predecessor ended)."""
-        level = mem[s] - outbound[s] if reclaim else mem[s]
+        mem = self.mem
+        level = mem[s] - self.outbound[s] if self.reclaim else mem[s]
+        peak = self.peak
         if level > peak[s]:
             peak[s] = level
         if tid is None:
-            p = ptr[s] - 1 if computing[s] else ptr[s]
-            su = slot_units[s]
+            ptr = self.ptr
+            p = ptr[s] - 1 if self.computing[s] else ptr[s]
+            su = self.slot_units[s]
             if not 0 <= p < len(su):
                 return
             tid = su[p].task.id
+        task_peak = self.task_peak
         if level > task_peak.get(tid, -1):
             task_peak[tid] = level
 
-    def try_compute(s: int) -> None:
+    def try_compute(self, s: int) -> None:
+        computing = self.computing
         if computing[s]:
             return
-        su = slot_units[s]
+        su = self.slot_units[s]
+        ptr = self.ptr
         p = ptr[s]
         if p >= len(su):
             return
@@ -723,140 +847,155 @@ def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: in
         ptr[s] = p + 1
         u.started = True
         tid = u.task.id
-        level = mem[s] - outbound[s] if reclaim else mem[s]
+        mem = self.mem
+        level = mem[s] - self.outbound[s] if self.reclaim else mem[s]
+        task_peak = self.task_peak
         if level > task_peak.get(tid, -1):  # the level it starts from (the runtime resets its peak there)
             task_peak[tid] = level
         mem[s] += u.delta_start
-        bump(s, tid)
+        self.bump(s, tid)
         if u.fetch_on_start:
-            fetch_waiting(u.fetch_on_start)
+            self.fetch_waiting(u.fetch_on_start)
+        now = self.now
         u.start = now
-        if cores is None:
-            push(now + u.dur, _E_UNIT, u, 0)
+        if self.cores is None:
+            seq = self.seq + 1
+            self.seq = seq
+            _heappush(self.heap, (now + u.dur, seq, _E_UNIT, u, 0))
         else:
             u.remaining = u.dur
-            cpu_advance()
-            running.append(u)
-            cpu_reschedule()
+            self.cpu_advance()
+            self.running.append(u)
+            self.cpu_reschedule()
         for x in u.issue:
             x.need -= 1
             if not x.need:
-                enqueue(x)
+                self.enqueue(x)
 
-    cores = machine.cpu_cores
-    interference = machine.compute_interference
-    if cores is None and interference:
-        cores = math.inf  # no core sharing, but the rates still follow the units computing at once
-    running: list[_Unit] = []  # units computing at this moment, sharing the cores
-    cpu = [0.0, 0.0]  # time of the last rate change, the rate of each running unit since
-
-    def cpu_advance() -> None:
-        dt = now - cpu[0]
+    def cpu_advance(self) -> None:
+        now = self.now
+        dt = now - self.cpu_last
+        running = self.running
         if dt > 0 and running:
-            r = cpu[1] * dt
+            r = self.cpu_rate * dt
             for a in running:
                 a.remaining -= r
-        cpu[0] = now
+        self.cpu_last = now
 
-    def cpu_reschedule() -> None:
+    def cpu_reschedule(self) -> None:
+        running = self.running
         if not running:
             return
         k = len(running)
-        rate = min(1.0, cores / k) / (1.0 + interference * (k - 1))
-        cpu[1] = rate
+        rate = min(1.0, self.cores / k) / (1.0 + self.interference * (k - 1))
+        self.cpu_rate = rate
+        now = self.now
+        heap = self.heap
+        seq = self.seq
         for a in running:
             a.version += 1
-            push(now + max(a.remaining, 0.0) / rate, _E_CPU, a, a.version)
+            seq += 1
+            _heappush(heap, (now + max(a.remaining, 0.0) / rate, seq, _E_CPU, a, a.version))
+        self.seq = seq
 
-    def enqueue(x: _Xfer) -> None:
-        nonlocal seq
+    def enqueue(self, x: _Xfer) -> None:
         kind = x.kind
         if kind == _IN or kind == _MSG_IN:
-            seq += 1
-            heappush(swap_in_q[x.dst], (x.unit.order, seq, x))
-            try_swap_in(x.dst)
+            seq = self.seq + 1
+            self.seq = seq
+            dst = x.dst
+            _heappush(self.swap_in_q[dst], (x.unit.order, seq, x))
+            self.try_swap_in(dst)
         elif kind == _P2P:
             if x.src is not None:
-                p2p_out_q[x.src].append(x)
+                self.p2p_out_q[x.src].append(x)
             if x.dst is not None:
-                p2p_in_q[x.dst].append(x)
-            try_p2p(x)
+                self.p2p_in_q[x.dst].append(x)
+            self.try_p2p(x)
         else:
-            swap_out_q[x.src].append(x)
-            try_swap_out(x.src)
+            self.swap_out_q[x.src].append(x)
+            self.try_swap_out(x.src)
 
-    def try_swap_in(s: int) -> None:
-        q = swap_in_q[s]
-        if busy_flag[s][_SWAP_IN] or not q:
+    def try_swap_in(self, s: int) -> None:
+        q = self.swap_in_q[s]
+        flags = self.busy_flag[s]
+        if flags[_SWAP_IN] or not q:
             return
         x = q[0][2]
-        c = caps[s]
-        if c is not None and not x.fetched and mem[s] + x.alloc_dst > c:
+        c = self.caps[s]
+        if c is not None and not x.fetched and self.mem[s] + x.alloc_dst > c:
             # a prefetch that does not fit waits, unless the compute stream idles waiting for it
-            if computing[s] or ptr[s] != x.unit.order:
+            if self.computing[s] or self.ptr[s] != x.unit.order:
                 return
-        heapq.heappop(q)
-        busy_flag[s][_SWAP_IN] = True
-        start(x)
+        _heappop(q)
+        flags[_SWAP_IN] = True
+        self.start(x)
 
-    def try_swap_out(s: int) -> None:
-        q = swap_out_q[s]
-        if busy_flag[s][_SWAP_OUT] or not q:
+    def try_swap_out(self, s: int) -> None:
+        q = self.swap_out_q[s]
+        flags = self.busy_flag[s]
+        if flags[_SWAP_OUT] or not q:
             return
         x = q.popleft()
-        busy_flag[s][_SWAP_OUT] = True
-        start(x)
+        flags[_SWAP_OUT] = True
+        self.start(x)
 
-    def try_p2p(x: _Xfer) -> None:
+    def try_p2p(self, x: _Xfer) -> None:
         src, dst = x.src, x.dst
-        if src is not None and (busy_flag[src][_P2P_OUT] or p2p_out_q[src][0] is not x):
+        busy_flag = self.busy_flag
+        if src is not None and (busy_flag[src][_P2P_OUT] or self.p2p_out_q[src][0] is not x):
             return
-        if dst is not None and (busy_flag[dst][_P2P_IN] or p2p_in_q[dst][0] is not x):
+        if dst is not None and (busy_flag[dst][_P2P_IN] or self.p2p_in_q[dst][0] is not x):
             return
         if src is not None:
-            p2p_out_q[src].popleft()
+            self.p2p_out_q[src].popleft()
             busy_flag[src][_P2P_OUT] = True
         if dst is not None:
-            p2p_in_q[dst].popleft()
+            self.p2p_in_q[dst].popleft()
             busy_flag[dst][_P2P_IN] = True
-        start(x)
+        self.start(x)
 
-    prefetched: dict[int, int] = {}
-
-    def fetch(x: _Xfer) -> None:
+    def fetch(self, x: _Xfer) -> None:
         """The transfer's bytes land in its device's memory."""
         x.fetched = True
         d = x.dst
-        mem[d] += x.alloc_dst
-        bump(d, None)
+        self.mem[d] += x.alloc_dst
+        self.bump(d, None)
 
-    def fetch_waiting(xs: list[_Xfer]) -> None:
+    def fetch_waiting(self, xs: list[_Xfer]) -> None:
         for x in xs:
             if not x.fetched:
-                fetch(x)
+                self.fetch(x)
 
-    def start(x: _Xfer) -> None:
+    def start(self, x: _Xfer) -> None:
+        now = self.now
         x.start = now
         if x.unit is not None and x.unit.j == 0 and x.transfer.tensor in _STATE:
-            before = last_unit_prev.get(x.task_id)
+            before = self.last_unit_prev.get(x.task_id)
             if before is not None and not before.done:
                 d = x.dst
-                at = slot_units[d][ptr[d] - 1 if computing[d] else ptr[d]]  # the unit computing, or next
+                ptr = self.ptr
+                at = self.slot_units[d][ptr[d] - 1 if self.computing[d] else ptr[d]]  # the unit computing, or next
                 unit = at.j if at.task is before.task else 0
+                prefetched = self.prefetched
                 prefetched[x.task_id] = min(unit, prefetched.get(x.task_id, unit))
         if x.alloc_dst and x.fetch_after is None:
-            fetch(x)
+            self.fetch(x)
         link = x.link
         if link is None:
-            push(now + x.dur, _E_XFER, x, 0)
+            seq = self.seq + 1
+            self.seq = seq
+            _heappush(self.heap, (now + x.dur, seq, _E_XFER, x, 0))
         else:
             x.remaining = float(x.nbytes)
+            latency = self.latency
             if latency > 0:
-                push(now + latency, _E_JOIN, x, 0)
+                self.push(now + latency, _E_JOIN, x, 0)
             else:
-                join(link, x)
+                self.join(link, x)
 
-    def advance(link: _Link) -> None:
+    def advance(self, link: _Link) -> None:
+        now = self.now
         dt = now - link.last
         if dt > 0 and link.active:
             r = link.rate * dt
@@ -864,166 +1003,177 @@ def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: in
                 a.remaining -= r
         link.last = now
 
-    def reschedule(link: _Link) -> None:
+    def reschedule(self, link: _Link) -> None:
         active = link.active
         if not active:
             return
-        rate = link.rates[len(active)] if len(active) < len(link.rates) else machine.bandwidth(link.channel, len(active))
+        rates = link.rates
+        rate = rates[len(active)] if len(active) < len(rates) else self.machine.bandwidth(link.channel, len(active))
         link.rate = rate
+        now = self.now
+        heap = self.heap
+        seq = self.seq
         for a in active:
             a.version += 1
-            push(now + max(a.remaining, 0.0) / rate, _E_LINK, a, a.version)
+            seq += 1
+            _heappush(heap, (now + max(a.remaining, 0.0) / rate, seq, _E_LINK, a, a.version))
+        self.seq = seq
 
-    def join(link: _Link, x: _Xfer) -> None:
-        advance(link)
+    def join(self, link: _Link, x: _Xfer) -> None:
+        self.advance(link)
         link.active.append(x)
-        reschedule(link)
+        self.reschedule(link)
 
-    def finish_xfer(x: _Xfer) -> None:
-        nonlocal end_time
+    # ------------------------------------------------------------------------------ events
+    def link_join(self, x: _Xfer) -> None:
+        """A host copy has paid its latency and joins its shared link."""
+        self.join(x.link, x)
+
+    def link_done(self, x: _Xfer) -> None:
+        """A copy on a shared link has moved its last byte."""
+        link = x.link
+        self.advance(link)
+        link.active.remove(x)
+        self.reschedule(link)
+        self.finish_xfer(x)
+
+    def cpu_done(self, u: _Unit) -> None:
+        """A unit sharing the cores has done its work."""
+        self.cpu_advance()
+        self.running.remove(u)
+        self.cpu_reschedule()
+        self.finish_unit(u)
+
+    def finish_xfer(self, x: _Xfer) -> None:
+        """A transfer has ended: its streams are free, its bytes leave, what waited for it may go."""
         x.done = True
         kind = x.kind
         src, dst = x.src, x.dst
+        now = self.now
+        if now > self.end_time:
+            self.end_time = now
+        # its streams are idle again; their busy time (and timeline) count it
         d = now - x.start
-        if now > end_time:
-            end_time = now
+        busy_flag, busy_time = self.busy_flag, self.busy_time
+        record = self.record_events
         if kind == _IN or kind == _MSG_IN:
             busy_flag[dst][_SWAP_IN] = False
             busy_time[dst][_SWAP_IN] += d
-            if record_events:
-                events.append(StreamEvent(slot_dev[dst], "swap-in", x.task_id, _xfer_label(x), x.start, now))
+            if record:
+                self.events.append(StreamEvent(self.slot_dev[dst], "swap-in", x.task_id, _xfer_label(x), x.start, now))
         elif kind == _P2P:
             if src is not None:
                 busy_flag[src][_P2P_OUT] = False
                 busy_time[src][_P2P_OUT] += d
-                if record_events:
-                    events.append(StreamEvent(slot_dev[src], "p2p-out", x.task_id, _xfer_label(x), x.start, now))
+                if record:
+                    self.events.append(
+                        StreamEvent(self.slot_dev[src], "p2p-out", x.task_id, _xfer_label(x), x.start, now))
             if dst is not None:
                 busy_flag[dst][_P2P_IN] = False
                 busy_time[dst][_P2P_IN] += d
-                if record_events:
-                    events.append(StreamEvent(slot_dev[dst], "p2p-in", x.task_id, _xfer_label(x), x.start, now))
+                if record:
+                    self.events.append(
+                        StreamEvent(self.slot_dev[dst], "p2p-in", x.task_id, _xfer_label(x), x.start, now))
         else:
             busy_flag[src][_SWAP_OUT] = False
             busy_time[src][_SWAP_OUT] += d
-            if record_events:
-                events.append(StreamEvent(slot_dev[src], "swap-out", x.task_id, _xfer_label(x), x.start, now))
+            if record:
+                self.events.append(StreamEvent(self.slot_dev[src], "swap-out", x.task_id, _xfer_label(x), x.start, now))
         if x.free_src:  # an output that has left
-            mem[src] -= x.free_src
-            outbound[src] -= x.free_src
+            self.mem[src] -= x.free_src
+            self.outbound[src] -= x.free_src
         if x.free_dst:
-            mem[dst] -= x.free_dst
+            self.mem[dst] -= x.free_dst
         for u in x.end_units:
             u.need -= 1
             if not u.need:
-                try_compute(u.slot)
+                self.try_compute(u.slot)
         for y in x.end_xfers:
             y.need -= 1
             if not y.need:
-                enqueue(y)
-        # the freed streams take their next transfer
+                self.enqueue(y)
+        # the freed streams take their next transfer (and a swap-in waiting for the memory freed may go)
         if kind == _IN or kind == _MSG_IN:
-            try_swap_in(dst)
+            self.try_swap_in(dst)
         elif kind == _P2P:
             if src is not None:
-                q = p2p_out_q[src]
+                q = self.p2p_out_q[src]
                 if q:
-                    try_p2p(q[0])
-                if x.free_src and swap_in_q[src]:
-                    try_swap_in(src)
+                    self.try_p2p(q[0])
+                if x.free_src and self.swap_in_q[src]:
+                    self.try_swap_in(src)
             if dst is not None:
-                q = p2p_in_q[dst]
+                q = self.p2p_in_q[dst]
                 if q:
-                    try_p2p(q[0])
-                if x.free_dst and swap_in_q[dst]:
-                    try_swap_in(dst)
+                    self.try_p2p(q[0])
+                if x.free_dst and self.swap_in_q[dst]:
+                    self.try_swap_in(dst)
         else:
-            try_swap_out(src)
-            if x.free_src and swap_in_q[src]:
-                try_swap_in(src)
+            self.try_swap_out(src)
+            if x.free_src and self.swap_in_q[src]:
+                self.try_swap_in(src)
 
-    def finish_unit(u: _Unit) -> None:
-        nonlocal end_time
+    def finish_unit(self, u: _Unit) -> None:
+        """A unit has ended: its outputs are produced, what waited for it may go, the next unit may start."""
         s = u.slot
         u.done = True
-        computing[s] = False
-        if now > end_time:
-            end_time = now
-        busy_time[s][_COMPUTE] += now - u.start
-        if record_events:
-            events.append(StreamEvent(slot_dev[s], "compute", u.task.id, _unit_label(u), u.start, now))
-        mem[s] += u.alloc_end - u.release_end
-        outbound[s] += u.outbound_end
-        bump(s, u.task.id)
+        self.computing[s] = False
+        now = self.now
+        if now > self.end_time:
+            self.end_time = now
+        self.busy_time[s][_COMPUTE] += now - u.start
+        if self.record_events:
+            self.events.append(StreamEvent(self.slot_dev[s], "compute", u.task.id, _unit_label(u), u.start, now))
+        self.mem[s] += u.alloc_end - u.release_end
+        self.outbound[s] += u.outbound_end
+        self.bump(s, u.task.id)
         if u.fetch_on_end:
-            fetch_waiting(u.fetch_on_end)
+            self.fetch_waiting(u.fetch_on_end)
         for v in u.end_units:
             v.need -= 1
             if not v.need:
-                try_compute(v.slot)
+                self.try_compute(v.slot)
         for y in u.end_xfers:
             y.need -= 1
             if not y.need:
-                enqueue(y)
-        try_compute(s)
-        if swap_in_q[s]:
-            try_swap_in(s)
-
-    # time zero: everything issued and ready goes, then the loop
-    for x in xfers:
-        if not x.need:
-            enqueue(x)
-    for s in range(nslots):
-        try_compute(s)
-    heappop = heapq.heappop
-    while heap:
-        t, _, code, obj, ver = heappop(heap)
-        now = t
-        if code == _E_UNIT:
-            finish_unit(obj)
-        elif code == _E_XFER:
-            finish_xfer(obj)
-        elif code == _E_JOIN:
-            join(obj.link, obj)
-        elif code == _E_CPU:
-            if ver == obj.version:
-                cpu_advance()
-                running.remove(obj)
-                cpu_reschedule()
-                finish_unit(obj)
-        elif ver == obj.version:
-            link = obj.link
-            advance(link)
-            link.active.remove(obj)
-            reschedule(link)
-            finish_xfer(obj)
+                self.enqueue(y)
+        self.try_compute(s)
+        if self.swap_in_q[s]:
+            self.try_swap_in(s)
 
     # ------------------------------------------------------------------------------ results
-    stuck = [s for s in range(nslots) if ptr[s] < len(slot_units[s])]
-    deadlock = _describe_deadlock(stuck, slot_units, ptr, slot_dev, by_id, units_of) if stuck else None
-    device_slots = [s for s in range(nslots) if slot_dev[s] != HOST]
-    peak_memory = {slot_dev[s]: int(peak[s]) for s in device_slots}
-    fits = cap is None or all(v <= cap for v in peak_memory.values())
-    busy = {}
-    for s in range(nslots):
-        if slot_dev[s] == HOST and not any(busy_time[s]) and not slot_units[s]:
-            continue
-        busy[slot_dev[s]] = {name: busy_time[s][k] for k, name in enumerate(STREAMS)}
-    if record_events:
-        events.sort(key=lambda e: (e.start, e.end))
-    return Estimate(
-        iteration_time=math.inf if deadlock else end_time,
-        fits=fits,
-        peak_memory=peak_memory,
-        bytes_by_channel=bytes_by_channel,
-        bytes_by_device={d: v for d, v in bytes_by_device.items() if v or d != HOST},
-        busy=busy,
-        deadlock=deadlock,
-        events=events,
-        capacity=cap,
-        task_peaks={t: int(v) for t, v in task_peak.items() if by_id[t].device != HOST},
-        prefetched=prefetched,
-    )
+    def result(self) -> Estimate:
+        nslots, slot_dev, slot_units, ptr = self.nslots, self.slot_dev, self.slot_units, self.ptr
+        stuck = [s for s in range(nslots) if ptr[s] < len(slot_units[s])]
+        deadlock = (_describe_deadlock(stuck, slot_units, ptr, slot_dev, self.by_id, self.units_of)
+                    if stuck else None)
+        device_slots = [s for s in range(nslots) if slot_dev[s] != HOST]
+        peak_memory = {slot_dev[s]: int(self.peak[s]) for s in device_slots}
+        cap = self.cap
+        fits = cap is None or all(v <= cap for v in peak_memory.values())
+        busy = {}
+        busy_time = self.busy_time
+        for s in range(nslots):
+            if slot_dev[s] == HOST and not any(busy_time[s]) and not slot_units[s]:
+                continue
+            busy[slot_dev[s]] = {name: busy_time[s][k] for k, name in enumerate(STREAMS)}
+        events = self.events
+        if self.record_events:
+            events.sort(key=lambda e: (e.start, e.end))
+        by_id = self.by_id
+        return Estimate(
+            iteration_time=math.inf if deadlock else self.end_time,
+            fits=fits,
+            peak_memory=peak_memory,
+            bytes_by_channel=self.bytes_by_channel,
+            bytes_by_device={d: v for d, v in self.bytes_by_device.items() if v or d != HOST},
+            busy=busy,
+            deadlock=deadlock,
+            events=events,
+            capacity=cap,
+            task_peaks={t: int(v) for t, v in self.task_peak.items() if by_id[t].device != HOST},
+            prefetched=self.prefetched,
+        )
 
 
 def _unit_label(u: _Unit) -> str:
