@@ -73,11 +73,20 @@ What is simulated (the runtime's semantics, which this module must keep in step 
   ``deadlock`` description naming, for each stuck device, the task it waits to run and the inputs
   it waits for (and the iteration time is infinite).
 
-Matching a consumer's input to its producer's output: among the producer's outputs naming the
-consumer (``Transfer.task``) on a compatible channel, the one with the same microbatch and a
-compatible tensor name (``Y`` feeds ``X``, ``dX`` feeds ``dY``, ``X``/``Xs`` feed each other) is
-preferred; outputs naming no consumer (``Xs->SWAP`` to the host store) match any later reader of
-that tensor. An input whose producer has no matching output waits for the producer's whole task.
+Matching a consumer's input to its producer's output: the program decides it for activations and
+gradients (X, Xs, dY from a producer task), as it does for the executor. Each estimate lowers the
+graph's edges once (``lower.lower(graph, None, streams=False)``: no byte sizes, no stream order,
+which this module simulates itself). An input of microbatch j of stream s (as ``Program.reads``,
+that is ``lower.stream_names``, names it) reads the producer's output made by the unit that sends
+the last piece of ``program.into(consumer, s, j)`` (the piece that completes the consumer's
+samples): the first not yet read of its outputs naming the consumer, else one of the same tensor
+left in the host store naming no reader; with no such output it waits for that unit, and with no
+edge for the producer's whole task. One transfer is still simulated per input, of the input's
+bytes. What the program does not carry (pack state W, B, K and gradients dW, between tasks or
+through the host store) is matched here: among the producer's outputs naming the consumer on a
+compatible channel, the one with the same microbatch and tensor name is preferred; outputs naming
+no consumer match any later reader of that tensor. An input whose producer has no matching output
+waits for the producer's whole task.
 """
 
 from __future__ import annotations
@@ -90,6 +99,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from . import memory
+from .lower import Program, lower
 from .machine import Machine
 from .profiles import Profile
 from .tasks import HOST, Channel, Kind, Task, TaskGraph, Transfer
@@ -108,8 +118,8 @@ _KIND_LABEL = {_IN: "SWAP in", _OUT: "SWAP out", _MSG_IN: "MSG in", _MSG_OUT: "M
 _E_UNIT, _E_XFER, _E_JOIN, _E_LINK, _E_CPU = range(5)
 
 _STATE = ("W", "B")  # a pack's state, loaded before its first unit
-# (produced as, read as) pairs that are the same tensor seen from the two ends of a transfer
-_ALIASES = frozenset((("Y", "X"), ("dX", "dY"), ("X", "Xs"), ("Xs", "X"), ("Y", "Xs")))
+# outputs that are activations or gradients: their readers are paired with them by the program's edges
+_ACTIVATIONS = frozenset(("X", "Y", "Xs", "dX", "dY"))
 _HOSTLIKE = (Channel.SWAP, Channel.MSG, Channel.SHM)
 
 
@@ -245,10 +255,6 @@ def _fetch_point(x: _Xfer, units: list[_Unit], before: _Unit | None) -> None:
         before.fetch_on_end.append(x)
 
 
-def _compatible(produced: str, read: str) -> bool:
-    return produced == read or (produced, read) in _ALIASES
-
-
 _GROUP = {Channel.P2P: "p2p", Channel.LOCAL: "local", Channel.SWAP: "host", Channel.MSG: "host", Channel.SHM: "host"}
 
 
@@ -367,7 +373,7 @@ def estimate(
 
 
 def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: int | None, record_events: bool) -> Estimate:
-    return _Simulation(graph, profile, machine, capacity, record_events).run()
+    return _Simulation(graph, lower(graph, None, streams=False), profile, machine, capacity, record_events).run()
 
 
 _heappush = heapq.heappush
@@ -400,15 +406,15 @@ class _Simulation:
         # transfers and what they count
         "links", "latency", "xfers", "bytes_by_channel", "bytes_by_device",
         # outputs by who may read them (records: [transfer, producing unit, swap-out xfer or None, used, slot])
-        "to_consumer", "to_consumer_any", "to_host", "to_host_mb",
+        "made", "made_host", "to_consumer", "to_consumer_any", "to_host", "to_host_mb",
         # the simulation's state
         "heap", "seq", "now", "end_time", "mem", "peak", "caps", "ptr", "computing", "busy_flag", "busy_time",
         "swap_in_q", "swap_out_q", "p2p_in_q", "p2p_out_q", "events", "task_peak", "prefetched",
         "reclaim", "outbound", "cores", "interference", "running", "cpu_last", "cpu_rate",
     )
 
-    def __init__(self, graph: TaskGraph, profile: Profile, machine: Machine, capacity: int | None,
-                 record_events: bool):
+    def __init__(self, graph: TaskGraph, program: Program, profile: Profile, machine: Machine,
+                 capacity: int | None, record_events: bool):
         self.profile = profile
         self.machine = machine
         self.record_events = record_events
@@ -429,7 +435,7 @@ class _Simulation:
         self.bytes_by_channel: dict[str, int] = {}
         self.bytes_by_device: dict[int, dict[str, int]] = {d: {} for d in self.slot_dev}
         self._build_outputs()
-        self._build_inputs()
+        self._build_inputs(program)
         self._build_update_dependencies()
         self._build_unread_outputs()
         self._build_state()
@@ -530,8 +536,10 @@ class _Simulation:
         """What each producer emits, and when; the outputs indexed by who may read them."""
         by_id, slot_of, host_slot = self.by_id, self.slot_of, self.host_slot
         # record: [transfer, producing unit, swap-out xfer or None, used, slot]
-        to_consumer: dict[tuple, list[list]] = {}  # (producer, consumer, group, microbatch) -> records
-        to_consumer_any: dict[tuple, list[list]] = {}  # (producer, consumer, group) -> records
+        made: dict[tuple, list[list]] = {}  # activations: (producer, consumer, group, producing unit) -> records
+        made_host: dict[tuple, list[list]] = {}  # activations naming no consumer: (producer, producing unit) -> records
+        to_consumer: dict[tuple, list[list]] = {}  # the rest: (producer, consumer, group, microbatch) -> records
+        to_consumer_any: dict[tuple, list[list]] = {}  # (producer, consumer, group) -> records, activations too
         to_host: dict[int, list[list]] = {}  # producer -> records naming no consumer
         to_host_mb: dict[tuple, list[list]] = {}  # (producer, microbatch) -> the same records
         for task in self.tasks:
@@ -554,33 +562,65 @@ class _Simulation:
                     if ch == Channel.P2P:
                         pu.outbound_end += o.nbytes
                 rec = [o, pu, x, False, s]
+                activation = o.tensor in _ACTIVATIONS
                 if o.task is not None and o.task in by_id:
                     group = _GROUP[ch]
-                    to_consumer.setdefault((task.id, o.task, group, o.microbatch), []).append(rec)
+                    if activation:
+                        made.setdefault((task.id, o.task, group, pu.j), []).append(rec)
+                    else:
+                        to_consumer.setdefault((task.id, o.task, group, o.microbatch), []).append(rec)
                     to_consumer_any.setdefault((task.id, o.task, group), []).append(rec)
                 else:
+                    if activation and ch in _HOSTLIKE:
+                        made_host.setdefault((task.id, pu.j), []).append(rec)
                     to_host.setdefault(task.id, []).append(rec)
                     to_host_mb.setdefault((task.id, o.microbatch), []).append(rec)
+        self.made = made
+        self.made_host = made_host
         self.to_consumer = to_consumer
         self.to_consumer_any = to_consumer_any
         self.to_host = to_host
         self.to_host_mb = to_host_mb
 
+    def _produced(self, program: Program, k: int, c: Task, i: Transfer,
+                  stream: str) -> tuple[list | None, _Unit | None]:
+        """The record of producer ``k``'s output that consumer ``c``'s activation input ``i`` (of the
+        program's ``stream``) reads, and the unit producing it, as the program's edges say: the
+        producer's unit that sends the last piece of ``i``'s microbatch (module docs)."""
+        edges = program.into(c.id, stream, i.microbatch or 0)
+        if not edges or edges[-1].producer != k:
+            return None, None
+        p = edges[-1].src_unit
+        us = self.units_of[k]
+        if p is None or not 0 <= p < len(us):
+            return None, None
+        for rec in self.made.get((k, c.id, _GROUP[i.channel], p), ()):
+            if not rec[3]:
+                return rec, us[p]
+        if _GROUP[i.channel] == "host":  # left in the host store for any reader
+            for rec in self.made_host.get((k, p), ()):
+                if rec[0].tensor == i.tensor:
+                    return rec, us[p]
+        return None, us[p]
+
     def _match(self, k: int, c: Task, i: Transfer) -> list | None:
-        """The record of producer ``k``'s output that consumer ``c``'s input ``i`` reads (module docs)."""
+        """The record of producer ``k``'s output that consumer ``c``'s input ``i`` reads, for what
+        the program does not carry (pack state, gradients; module docs): an unread output naming
+        ``c`` of the same microbatch, else any naming ``c`` (the same tensor first, else the first);
+        else one left in the host store."""
         group = _GROUP[i.channel]
         fallback = None
         for rec in self.to_consumer.get((k, c.id, group, i.microbatch), ()):
             if not rec[3]:
-                if _compatible(rec[0].tensor, i.tensor):
+                if rec[0].tensor == i.tensor:
                     return rec
                 if fallback is None:
                     fallback = rec
         if fallback is not None:
             return fallback
         for rec in self.to_consumer_any.get((k, c.id, group), ()):
-            if not rec[3]:
-                if _compatible(rec[0].tensor, i.tensor):
+            if not rec[3] and rec[0].tensor not in _ACTIVATIONS:
+                if rec[0].tensor == i.tensor:
                     return rec
                 if fallback is None:
                     fallback = rec
@@ -591,28 +631,24 @@ class _Simulation:
         return self._match_host(k, i)
 
     def _match_host(self, k: int, i: Transfer) -> list | None:
-        """Outputs to the host store naming no reader: the same tensor name first, the same
-        microbatch first, else a task-wide one, else the last of that tensor the producer wrote."""
-        best = None
+        """Outputs of the same tensor to the host store naming no reader: the same microbatch
+        first, else the last task-wide one, else the last the producer wrote."""
         for rec in self.to_host_mb.get((k, i.microbatch), ()):
             o = rec[0]
-            if o.channel in _HOSTLIKE and _compatible(o.tensor, i.tensor):
-                if o.tensor == i.tensor:
-                    return rec
-                best = best or rec
-        if best is not None:
-            return best
+            if o.channel in _HOSTLIKE and o.tensor == i.tensor:
+                return rec
+        best = None
         best_score = -1
         for rec in self.to_host.get(k, ()):
             o = rec[0]
-            if o.channel not in _HOSTLIKE or not _compatible(o.tensor, i.tensor):
+            if o.channel not in _HOSTLIKE or o.tensor != i.tensor:
                 continue
-            score = 4 * (o.microbatch == i.microbatch) + 2 * (o.microbatch is None) + (o.tensor == i.tensor)
+            score = o.microbatch is None
             if score >= best_score:
                 best, best_score = rec, score
         return best
 
-    def _build_inputs(self) -> None:
+    def _build_inputs(self, program: Program) -> None:
         """Transfers into each consumer and their dependencies."""
         for task in self.tasks:
             s = self.slot_of[task.device]
@@ -621,11 +657,12 @@ class _Simulation:
             # a UPD task's inputs are loaded when it starts (no lookahead): issued as the previous task ends
             prev_end = self.last_unit_prev[task.id] if task.kind == Kind.UPD and not on_host else None
             task_units = self.units_of[task.id]
-            for i in task.inputs:
-                self._build_input(task, i, s, on_host, prev_first, prev_end, task_units)
+            streams = dict(program.reads(task))
+            for index, i in enumerate(task.inputs):
+                self._build_input(program, task, i, streams.get(index), s, on_host, prev_first, prev_end, task_units)
 
-    def _build_input(self, task: Task, i: Transfer, s: int, on_host: bool, prev_first: _Unit | None,
-                     prev_end: _Unit | None, task_units: list[_Unit]) -> None:
+    def _build_input(self, program: Program, task: Task, i: Transfer, stream: str | None, s: int, on_host: bool,
+                     prev_first: _Unit | None, prev_end: _Unit | None, task_units: list[_Unit]) -> None:
         by_id = self.by_id
         cu = task_units[memory.input_unit(task, i.tensor, i.microbatch, len(task_units))]
         per_mb = cu.j == i.microbatch
@@ -633,12 +670,19 @@ class _Simulation:
         # the optimizer state of a fused update is loaded for the step, once the backward is done
         load_after = task_units[cu.j - 1] if cu.j and i.tensor == "K" and not per_mb else prev_end
         k = i.task if i.task in by_id else None
-        rec = self._match(k, task, i) if k is not None else None
+        rec = made_by = None
+        if k is not None:
+            if stream is not None:  # an activation or gradient: the program's edges say who made it
+                rec, made_by = self._produced(program, k, task, i, stream)
+            else:
+                rec = self._match(k, task, i)
         if rec is not None and rec[0].task is not None:
             rec[3] = True
         # where the data becomes available: a swap-out's end, a producing unit's end, or now
         if rec is not None:
             source = rec[2] if (rec[2] is not None and i.channel != Channel.P2P) else rec[1]
+        elif made_by is not None:
+            source = made_by
         elif k is not None:
             source = self.units_of[k][-1]
         else:

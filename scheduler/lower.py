@@ -28,7 +28,7 @@ directory as versioned msgpack.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from harmony import serialization
@@ -36,7 +36,7 @@ from harmony.scheduler.profiles import Profile
 from harmony.scheduler.tasks import HOST, Channel, Kind, Task, TaskGraph
 
 __all__ = ["Action", "Edge", "Piece", "Program", "PROGRAM_FILE", "STREAMS", "lower", "pieces", "ranges",
-           "stash_layers", "stream_layer"]
+           "stash_layers", "stream_layer", "stream_names"]
 
 SCHEMA_VERSION = 1
 PROGRAM_FILE = "program.msgpack"
@@ -65,13 +65,20 @@ def ranges(task: Task) -> list[tuple[int, int]]:
 
 def pieces(producer: Task, consumer: Task) -> list[Piece]:
     """The overlaps of the producer's and the consumer's microbatches, in producer order."""
+    return [Piece(*o) for o in _overlaps(ranges(producer), ranges(consumer))]
+
+
+def _overlaps(src: list[tuple[int, int]], dst: list[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
+    """(producer microbatch, consumer microbatch, start, stop) of each overlap of two tasks'
+    ``ranges``, in producer order."""
     out = []
-    dst = ranges(consumer)
-    for i, (a, n) in enumerate(ranges(producer)):
+    for i, (a, n) in enumerate(src):
+        end = a + n
         for j, (b, m) in enumerate(dst):
-            lo, hi = max(a, b), min(a + n, b + m)
+            lo = a if a > b else b
+            hi = end if end < b + m else b + m
             if lo < hi:
-                out.append(Piece(i, j, lo, hi))
+                out.append((i, j, lo, hi))
     return out
 
 
@@ -105,24 +112,49 @@ class InStream:
     channel: Channel
 
 
+def stream_names(task: Task) -> list[tuple[int, str]]:
+    """(index in ``task.inputs``, stream name) of each activation or gradient input (X, Xs, dY) of
+    a FWD or BWD task, of every microbatch: ``X`` for a FWD or loss task, ``dY``, and for a
+    backward's stashes ``Xs<layer>``, the n-th stash of a microbatch being of the n-th of its
+    ``stash_layers`` (a microbatch of None counts as the first)."""
+    kind = task.kind
+    if kind == Kind.UPD:
+        return []
+    out: list[tuple[int, str]] = []
+    plain = task.loss or kind == Kind.FWD  # its X is the pack's input, not a stash
+    layers: list[int] | None = None
+    seen: dict[int, int] = {}  # microbatch -> stashes named so far
+    for index, t in enumerate(task.inputs):
+        tensor = t.tensor
+        if tensor == "dY":
+            out.append((index, "dY"))
+        elif tensor == "X" or tensor == "Xs":
+            if plain:
+                out.append((index, "X"))
+                continue
+            if layers is None:
+                layers = stash_layers(task)
+            mb = t.microbatch or 0
+            position = seen.get(mb, 0)
+            seen[mb] = position + 1
+            out.append((index, f"Xs{layers[position] if len(layers) > 1 and position < len(layers) else task.first}"))
+    return out
+
+
 def input_streams(task: Task) -> list[InStream]:
     """The activation and gradient streams a FWD or BWD task reads, in the order it reads them."""
-    if task.kind == Kind.UPD:
-        return []
-    out: dict[str, InStream] = {}
-    layers = stash_layers(task)
-    xs_inputs = [t for t in task.inputs if t.tensor in ("X", "Xs") and t.microbatch in (0, None)]
-    for t in task.inputs:
-        if t.microbatch not in (0, None) or t.tensor not in ("X", "Xs", "dY"):
-            continue
-        if t.tensor == "dY":
-            name = "dY"
-        elif task.loss or task.kind == Kind.FWD:
-            name = "X"
-        else:
-            position = next(i for i, x in enumerate(xs_inputs) if x is t)  # identity: equal transfers repeat
-            name = f"Xs{layers[position] if len(layers) > 1 else task.first}"
-        out.setdefault(name, InStream(name, t.task, t.channel))
+    return [InStream(*s) for s in _first_reads(task)]
+
+
+def _first_reads(task: Task, names: list[tuple[int, str]] | None = None) -> list[tuple[str, int | None, Channel]]:
+    """(name, producer, channel) of each stream a task reads, from its first microbatch's input
+    (``names``: the task's ``stream_names``)."""
+    out: dict[str, tuple[str, int | None, Channel]] = {}
+    inputs = task.inputs
+    for index, name in stream_names(task) if names is None else names:
+        t = inputs[index]
+        if name not in out and t.microbatch in (0, None):
+            out[name] = (name, t.task, t.channel)
     return list(out.values())
 
 
@@ -208,14 +240,22 @@ class Program:
     peaks: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._into: dict[tuple[int, str, int], list[Edge]] = {}
-        self._out: dict[tuple[int, int], list[Edge]] = {}
+        into: dict[tuple[int, str, int], list[Edge]] = {}
         for e in self.edges:
-            self._into.setdefault((e.consumer, e.stream, e.dst_unit), []).append(e)
-            if e.producer is not None:
-                self._out.setdefault((e.producer, e.src_unit), []).append(e)
-        for made in self._out.values():  # stashes at the layer they are taken before, then outputs
-            made.sort(key=lambda e: e.layer)
+            key = (e.consumer, e.stream, e.dst_unit)
+            if key in into:
+                into[key].append(e)
+            else:
+                into[key] = [e]
+        self._into = into
+        self._out: dict[tuple[int, int], list[Edge]] | None = None  # built on first use
+        self._reads: dict[int, list[tuple[int, str]]] = {}  # task id -> its stream_names, from lowering
+
+    def reads(self, task: Task) -> list[tuple[int, str]]:
+        """(index in ``task.inputs``, stream) of each activation or gradient input of ``task``
+        (``stream_names``; remembered from lowering)."""
+        names = self._reads.get(task.id)
+        return stream_names(task) if names is None else names
 
     def into(self, consumer: int, stream: str, unit: int) -> list[Edge]:
         """The pieces a consumer's microbatch ``unit`` of ``stream`` is assembled from, in order."""
@@ -224,6 +264,14 @@ class Program:
     def out_of(self, producer: int, unit: int) -> list[Edge]:
         """What a producer's unit sends, in the order it makes it (a stable sort by the layer
         boundary keeps consumers in graph order)."""
+        if self._out is None:
+            out: dict[tuple[int, int], list[Edge]] = {}
+            for e in self.edges:
+                if e.producer is not None:
+                    out.setdefault((e.producer, e.src_unit), []).append(e)
+            for made in out.values():  # stashes at the layer they are taken before, then outputs
+                made.sort(key=lambda e: e.layer)
+            self._out = out
         return self._out.get((producer, unit), [])
 
     def actions(self, device: int, stream: str) -> list[Action]:
@@ -284,22 +332,52 @@ def _edge_bytes(profile: Profile | None, stream: str, consumer: Task, samples: i
     return int(round(at.at("y_bytes" if stream == "dY" else "x_bytes", samples)))
 
 
-def _edges(graph: TaskGraph, profile: Profile | None) -> list[Edge]:
+_EDGE_FIELDS = tuple(f.name for f in fields(Edge))
+
+
+def _edge(values: tuple, _new=object.__new__, _fields=_EDGE_FIELDS) -> Edge:
+    """``Edge(*values)`` without the frozen dataclass's field-by-field ``object.__setattr__``: the
+    estimator lowers every graph the search tries, thousands of edges each time."""
+    e = _new(Edge)
+    e.__dict__.update(zip(_fields, values))
+    return e
+
+
+def _edges(graph: TaskGraph, profile: Profile | None,
+           reads: dict[int, list[tuple[int, str]]] | None = None) -> list[Edge]:
+    """The edges of ``graph``; each task's ``stream_names`` go into ``reads`` when given."""
     by_id = {t.id: t for t in graph.tasks}
     edges: list[Edge] = []
+    swap = Channel.SWAP.value
+    spans: dict[int, list[tuple[int, int]]] = {}  # task id -> ranges
     for task in graph.tasks:
-        for src in input_streams(task):
-            if src.producer is None:
-                for j, (start, size) in enumerate(ranges(task)):
-                    edges.append(Edge(len(edges), src.name, Channel.SWAP.value, None, None, task.id, j, start,
-                                      start + size, _edge_bytes(profile, src.name, task, size), None, task.device,
-                                      stream_layer(task, src.name)))
+        names = stream_names(task)
+        if reads is not None:
+            reads[task.id] = names
+        streams = _first_reads(task, names)
+        if not streams:
+            continue
+        dst = spans.get(task.id)
+        if dst is None:
+            dst = spans[task.id] = ranges(task)
+        consumer, device = task.id, task.device
+        for name, producer_id, channel in streams:
+            layer = stream_layer(task, name)
+            if producer_id is None:
+                for j, (start, size) in enumerate(dst):
+                    nbytes = 0 if profile is None else _edge_bytes(profile, name, task, size)
+                    edges.append(_edge((len(edges), name, swap, None, None, consumer, j, start, start + size, nbytes,
+                                        None, device, layer)))
                 continue
-            producer = by_id[src.producer]
-            for p in pieces(producer, task):
-                edges.append(Edge(len(edges), src.name, src.channel.value, producer.id, p.src, task.id, p.dst,
-                                  p.start, p.stop, _edge_bytes(profile, src.name, task, p.stop - p.start),
-                                  producer.device, task.device, stream_layer(task, src.name)))
+            producer = by_id[producer_id]
+            src = spans.get(producer_id)
+            if src is None:
+                src = spans[producer_id] = ranges(producer)
+            channel = channel.value
+            for i, j, start, stop in _overlaps(src, dst):
+                nbytes = 0 if profile is None else _edge_bytes(profile, name, task, stop - start)
+                edges.append(_edge((len(edges), name, channel, producer_id, i, consumer, j, start, stop, nbytes,
+                                    producer.device, device, layer)))
     return edges
 
 
@@ -309,11 +387,16 @@ _OUT_STREAM = {Channel.P2P.value: "p2p-out", Channel.SWAP.value: "swap-out", Cha
                Channel.LOCAL.value: "compute"}
 
 
-def lower(graph: TaskGraph, profile: Profile | None) -> Program:
+def lower(graph: TaskGraph, profile: Profile | None, streams: bool = True) -> Program:
     """The program of ``graph``: its edges and, per device and stream, the ordered actions (edge
-    bytes from ``profile``; 0 without one)."""
-    program = Program(graph.mode, _edges(graph, profile), {},
+    bytes from ``profile``; 0 without one). ``streams=False`` lowers the edges alone (no actions):
+    who sends what to whom, all a player that orders the streams itself needs (the estimator)."""
+    reads: dict[int, list[tuple[int, str]]] = {}
+    program = Program(graph.mode, _edges(graph, profile, reads), {},
                       dict(graph.memory.devices) if graph.memory is not None else {})
+    program._reads = reads
+    if not streams:
+        return program
     b = _Builder(graph, program, graph.memory.prefetch if graph.memory is not None else None)
     for device in b.streams:
         tasks = graph.device_tasks(device)
