@@ -4,6 +4,7 @@
     graph.msgpack    the layer graph          layers/  one generated module per layer
     profile.msgpack  the layer profiles and the machine description
     plan.msgpack     the configuration, the task graph, the estimate, the mode comparison
+    program.msgpack  the task graph lowered: per device and stream, the ordered actions
     trace.json       the simulated timeline (Chrome trace format; open in Perfetto)
     summary.md       the same for people
 
