@@ -445,21 +445,7 @@ def _print_program(plan, directory: Path, device: int | None) -> None:
     program = plan.program()
     if (Path(directory) / PROGRAM_FILE).exists() and Program.load(directory) != program:
         raise StalePlanError(f"{Path(directory) / PROGRAM_FILE} is not the lowering of the plan's tasks; compile again")
-    text = str(program)
-    if device is not None:
-        text = _device_block(text, "host" if device < 0 else f"dev{device}")
-    console.print(text, highlight=False, soft_wrap=True)
-
-
-def _device_block(text: str, name: str) -> str:
-    """The program's heading and one device's block of its printout."""
-    lines, out, inside = text.splitlines(), [], False
-    for line in lines[1:]:
-        if not line.startswith("  "):
-            inside = line.split(" ")[0].rstrip(":") == name
-        if inside:
-            out.append(line)
-    return "\n".join([lines[0], *out])
+    console.print(program.text(device), highlight=False, soft_wrap=True)
 
 
 def _print_profile(profile) -> None:

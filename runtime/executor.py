@@ -52,12 +52,8 @@ from harmony.runtime.hoststore import HostStore
 from harmony.runtime.p2p import DistTransport, Received
 from harmony.runtime.routes import Routes
 from harmony.runtime.streams import Stream
-from harmony.scheduler.lower import Edge, ranges, stash_layers
+from harmony.scheduler.lower import IN_STREAM, OUT_STREAM, Edge, ranges, stash_layers
 from harmony.scheduler.tasks import Channel, Kind, Task
-
-# the program stream (scheduler/lower.py) each channel's transfers belong to
-_IN_STREAM = {Channel.P2P: "p2p-in", Channel.SWAP: "swap-in", Channel.MSG: "swap-in", Channel.LOCAL: "compute"}
-_OUT_STREAM = {Channel.P2P: "p2p-out", Channel.SWAP: "swap-out", Channel.MSG: "swap-out", Channel.LOCAL: "compute"}
 
 log = logging.getLogger(__name__)
 
@@ -615,15 +611,13 @@ class Executor:
             else:
                 state[name] = self._to_device(self.store.view(f"B/{name}"), "SWAP", "B", wait, count=False, room=room)
         # counted once the whole state is in (an abandoned prefetch moved nothing the plan counts)
-        for name, t in state.items():
-            if self.layers.state[name].kind != "parameter":
-                self.counters.add("SWAP", "in", "B", t.numel() * t.element_size())
-        for t in copies.values():
-            self.counters.add("SWAP", "in", "W", t.numel() * t.element_size())
-        for tensor, group in (("W", list(copies.values())),
-                              ("B", [t for n, t in state.items() if self.layers.state[n].kind != "parameter"])):
+        buffers = [t for n, t in state.items() if self.layers.state[n].kind != "parameter"]
+        for tensor, group in (("B", buffers), ("W", list(copies.values()))):
+            for t in group:
+                self.counters.add("SWAP", "in", tensor, t.numel() * t.element_size())
+        for tensor, group in (("W", list(copies.values())), ("B", buffers)):
             if group:
-                self._moved("swap-in", "LOAD", (task.id, tensor), sum(t.numel() * t.element_size() for t in group))
+                self._moved("swap-in", "LOAD", (task.id, tensor), tensor_bytes(group))
         return state
 
     def _pack_state(self, task: Task) -> dict[str, torch.Tensor]:
@@ -705,7 +699,7 @@ class Executor:
             self._route(key, self.routes.by_id[e.consumer], Channel(e.channel), part, state, tensor)
 
     def _route(self, key: tuple, consumer: Task, channel: Channel, values: Values, state, tensor: str) -> None:
-        self._moved(_OUT_STREAM[channel], "SEND", key[1:], tensor_bytes(values))
+        self._moved(OUT_STREAM[channel], "SEND", key[1:], tensor_bytes(values))
         if channel == Channel.LOCAL:
             self.local[key] = (values, state)
             return
@@ -787,7 +781,7 @@ class Executor:
                 else:
                     values = self._values_to_device(host, label, tensor)
                 del host
-            self._moved(_IN_STREAM[channel], "RECV", key[1:], tensor_bytes(values))
+            self._moved(IN_STREAM[channel], "RECV", key[1:], tensor_bytes(values))
             state = piece_state if state is None else state
             parts.append(values)
         return self._join(parts, edges[0].layer), state

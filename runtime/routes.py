@@ -32,7 +32,7 @@ class Routes:
 
 
 def build_routes(graph: TaskGraph, layers: LayerGraph) -> Routes:
-    r = Routes(graph=graph, program=lower(graph, None), by_id={t.id: t for t in graph.tasks})
+    r = Routes(graph=graph, program=lower(graph, None, streams=False), by_id={t.id: t for t in graph.tasks})
     for task in graph.tasks:
         r.kept_resident.update(t.task for t in task.inputs
                                if t.tensor == "W" and t.channel == Channel.LOCAL and t.task is not None)

@@ -36,7 +36,7 @@ from harmony.scheduler.profiles import Profile
 from harmony.scheduler.tasks import HOST, Channel, Kind, Task, TaskGraph
 
 __all__ = ["Action", "Edge", "Piece", "Program", "PROGRAM_FILE", "STREAMS", "lower", "pieces", "ranges",
-           "stash_layers", "stream_layer", "stream_names"]
+           "stash_layers", "stream_layer", "stream_names", "IN_STREAM", "OUT_STREAM"]
 
 SCHEMA_VERSION = 1
 PROGRAM_FILE = "program.msgpack"
@@ -283,8 +283,12 @@ class Program:
         return [(a.op, a.edge, a.nbytes) for a in self.actions(device, stream) if a.edge is not None]
 
     def __str__(self) -> str:
+        return self.text()
+
+    def text(self, device: int | None = None) -> str:
+        """The printout: a heading, then per device (only ``device``, if given) one line per stream."""
         lines = [f"program: {self.mode}, {len(self.edges)} edges"]
-        for device in sorted(self.streams, key=lambda d: (d == HOST, d)):
+        for device in sorted(self.streams if device is None else [device], key=lambda d: (d == HOST, d)):
             name = "host" if device == HOST else f"dev{device}"
             peak = self.peaks.get(device)
             lines.append(f"{name}" + (f" (peak {_size(peak)})" if peak else "") + ":")
@@ -381,9 +385,10 @@ def _edges(graph: TaskGraph, profile: Profile | None,
     return edges
 
 
-_IN_STREAM = {Channel.P2P.value: "p2p-in", Channel.SWAP.value: "swap-in", Channel.MSG.value: "swap-in",
+# the program stream each channel's copies run on (keys: channel names; a ``Channel`` looks up alike)
+IN_STREAM = {Channel.P2P.value: "p2p-in", Channel.SWAP.value: "swap-in", Channel.MSG.value: "swap-in",
               Channel.LOCAL.value: "compute"}
-_OUT_STREAM = {Channel.P2P.value: "p2p-out", Channel.SWAP.value: "swap-out", Channel.MSG.value: "swap-out",
+OUT_STREAM = {Channel.P2P.value: "p2p-out", Channel.SWAP.value: "swap-out", Channel.MSG.value: "swap-out",
                Channel.LOCAL.value: "compute"}
 
 
@@ -449,13 +454,13 @@ class _Builder:
         for stream in read_order(task):
             for e in self.program.into(task.id, stream, unit):
                 peer = e.src_device if e.channel == Channel.P2P.value else None
-                self.add(task.device, [Action(_IN_STREAM[e.channel], "RECV", task.id, unit, e.stream, e.id, e.nbytes,
+                self.add(task.device, [Action(IN_STREAM[e.channel], "RECV", task.id, unit, e.stream, e.id, e.nbytes,
                                               peer)])
 
     def sends(self, task: Task, unit: int) -> None:
         for e in self.program.out_of(task.id, unit):
             peer = e.dst_device if e.channel == Channel.P2P.value else None
-            self.add(task.device, [Action(_OUT_STREAM[e.channel], "SEND", task.id, unit, e.stream, e.id, e.nbytes,
+            self.add(task.device, [Action(OUT_STREAM[e.channel], "SEND", task.id, unit, e.stream, e.id, e.nbytes,
                                           peer)])
 
     def task(self, task: Task, nxt: Task | None) -> None:
