@@ -256,7 +256,7 @@ class Profiler:
             return 1.0
         params = [p for p in self.graph.modules[top.index].parameters() if p.requires_grad]
         try:
-            both = update_scratch(params + [p.detach().clone() for p in params], self.build_optimizer, self.device)
+            both, _ = update_scratch(params + [p.detach().clone() for p in params], self.build_optimizer, self.device)
         except DeviceOutOfMemoryError:
             return 1.0
         return min(1.0, max(0.0, (both - top.upd_bytes) / top.upd_bytes))
@@ -270,14 +270,15 @@ class Profiler:
         upd_host, k_bytes = measure_update(params, self.build_optimizer, CpuDevice("host"), self.trials)
         try:
             upd_device, _ = measure_update(params, self.build_optimizer, self.device, self.trials)
-            upd_bytes = update_scratch(params, self.build_optimizer, self.device)
+            upd_bytes, upd_scalar_bytes = update_scratch(params, self.build_optimizer, self.device)
         except DeviceOutOfMemoryError:
             upd_device = float("inf")  # the update of this layer must be offloaded to the host
-            upd_bytes = 0
+            upd_bytes = upd_scalar_bytes = 0
         return LayerProfile(
             index=index, name=self.graph.layers[index].name, w_bytes=w_bytes,
             dw_bytes=sum(p.numel() * p.element_size() for p in params), k_bytes=k_bytes, b_bytes=b_bytes,
             upd_time_device=upd_device, upd_time_host=upd_host, upd_bytes=upd_bytes,
+            upd_scalar_bytes=upd_scalar_bytes,
         )
 
 
@@ -316,7 +317,9 @@ def stride_sizes(u_max: int, samples: int) -> list[int]:
 
     A stride of 8 or more is rounded to a multiple of 8: kernels are tuned for such sizes, and an
     odd size between two of them runs slower than either neighbour, which would bend the fit.
+    Both ends are always measured, so fewer than two samples means two.
     """
+    samples = max(samples, 2)
     if u_max <= samples:
         return list(range(1, u_max + 1))
     stride = (u_max - 1) / (samples - 1)

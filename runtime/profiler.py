@@ -226,14 +226,15 @@ def _backward_once(modules, states, params, inputs: tuple, device: Device, m: Me
 
 def update_scratch(
     params: list[torch.Tensor], build_optimizer: Callable[[Any], torch.optim.Optimizer], device: Device
-) -> int:
-    """Bytes the optimizer allocates on ``device`` during a step beyond the weights, their
-    gradients and its state (K, its tensors of one dimension or more): the temporaries of the update
-    (Adam's denominator, one parameter at a time in the per-tensor implementation, the whole group
-    at once in the foreach one) and its step counters. Two steps: the first creates the state, the
-    second runs as every later one."""
+) -> tuple[int, int]:
+    """Bytes the optimizer allocates on ``device`` during a step beyond the weights and their
+    gradients: its temporaries (Adam's denominator, one parameter at a time in the per-tensor
+    implementation, the whole group at once in the foreach one), and its scalar state on the device
+    (step counters: never moved as K, held through every step, one per parameter, so that a pack's
+    sum over its parameters, not the largest layer's). Two steps: the first creates the state, the
+    second runs as every later one. Scalars a GPU optimizer keeps on the host count for neither."""
     if not params:
-        return 0
+        return 0, 0
     with torch.random.fork_rng(devices=[]), device.memory_scope():
         copies = [device.to_device(p.detach()).requires_grad_(True) for p in params]
         for c in copies:
@@ -244,10 +245,12 @@ def update_scratch(
         for _ in range(2):
             opt.step()
         peak = device.peak()
-        state = sum(v.untyped_storage().nbytes() for s in opt.state.values() for v in s.values()
-                    if isinstance(v, torch.Tensor) and v.dim() > 0)
-        del opt, copies
-    return max(0, peak - before - state)
+        values = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        state = sum(v.untyped_storage().nbytes() for v in values if v.dim() > 0)
+        scalars = sum(v.untyped_storage().nbytes() for v in values
+                      if v.dim() == 0 and v.device.type == copies[0].device.type)
+        del opt, copies, values
+    return max(0, peak - before - state - scalars), scalars
 
 
 def measure_update(

@@ -131,6 +131,7 @@ class LayerProfile:
     fwd_samples: list[LayerSample] = field(default_factory=list)
     bwd_samples: list[LayerSample] = field(default_factory=list)
     upd_bytes: int = 0  # the optimizer's temporaries in a step of this layer on the device
+    upd_scalar_bytes: int = 0  # its scalar state on the device (step counters), held through a step
 
     def fit(self, quantity: str) -> Fit:
         """The fit of one quantity, made on first use (the search asks for a few of them only)."""
@@ -355,14 +356,16 @@ class Profile:
         return max(0.0, layer.at("bwd_peak", u) - own) + 2 * layer.at("y_bytes", u)
 
     def pack_update_memory(self, first: int, last: int) -> int:
-        """The optimizer's temporaries in one step of a pack's parameters on the device (beyond
-        the weights, gradients and state): the largest layer's, and the others' by
-        ``update_growth``."""
-        scratch = [layer.upd_bytes for layer in self.layers[first:last + 1]]
+        """What one step of a pack's parameters holds on the device beyond the weights, gradients
+        and state K: the optimizer's temporaries (the largest layer's, and the others' by
+        ``update_growth``) and every layer's scalar state (step counters), which do not share."""
+        layers = self.layers[first:last + 1]
+        scratch = [layer.upd_bytes for layer in layers]
         if not scratch:
             return 0
         top = max(scratch)
-        return int(round(top + self.update_growth * (sum(scratch) - top)))
+        scalars = sum(layer.upd_scalar_bytes for layer in layers)
+        return int(round(top + self.update_growth * (sum(scratch) - top))) + scalars
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -34,6 +34,7 @@ def test_stride_sizes_cover_one_to_max():
     assert stride_sizes(3, 4) == [1, 2, 3]
     sizes = stride_sizes(100, 5)
     assert sizes[0] == 1 and sizes[-1] == 100 and len(sizes) == 5
+    assert stride_sizes(9, 1) == [1, 9]
 
 
 @pytest.mark.parametrize("backward", [False, True])
@@ -147,3 +148,19 @@ def test_the_profile_measures_the_loss_task_the_optimizers_temporaries_and_a_gro
     for layer in weighted:
         for s in layer.bwd_samples:
             assert 0 < s.bwd_first_peak < s.bwd_peak, layer.name
+
+
+def test_a_packs_update_memory_counts_every_parameters_step_counter():
+    """Adam keeps a scalar step per parameter, held through every step and never moved as K: a
+    pack's update holds all of its layers' (found as a 30-byte overrun of a fused update, issue
+    14), not the largest layer's alone."""
+    from harmony.runtime.profiler import update_scratch
+
+    graph = harmony.decompose(_mlp(), _get_batch(2, 0)[0])
+    adam = lambda p: torch.optim.Adam(p, lr=1e-3)  # noqa: E731
+    profile = Profiler(graph, _get_batch, adam, CpuDevice("emu", None), trials=0,
+                       loss_fn=torch.nn.functional.cross_entropy).profile(u_cap=2, samples=1)
+    params = [p for m in graph.modules for p in m.parameters() if p.requires_grad]
+    scratch, scalars = update_scratch(params, adam, CpuDevice("emu", None))
+    assert scalars == sum(layer.upd_scalar_bytes for layer in profile.layers) == 4 * len(params)
+    assert profile.pack_update_memory(0, len(profile.layers) - 1) >= scratch + scalars
