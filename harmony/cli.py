@@ -162,7 +162,7 @@ def _cmd_compile(ns: argparse.Namespace) -> int:
         write_gantt(ns.out / "gantt.png", plan.events, title=f"{plan.tasks.mode}: {plan.tasks.config}")
     _print_comparison(plan)
     console.print(f"chosen: {plan.tasks.mode} {plan.tasks.config}")
-    console.print(f"estimated iteration: {plan.estimate['iteration_time'] * 1e3:.2f} ms; wrote {ns.out}/ (plan.msgpack, trace.json, summary.md)")
+    console.print(f"estimated iteration: {plan.estimate['iteration_time'] * 1e3:.2f} ms; wrote {ns.out}/ (plan.msgpack, program.msgpack, trace.json, summary.md)")
     return 0
 
 
@@ -543,7 +543,7 @@ def _add_compile_parser(sub: argparse._SubParsersAction) -> None:
         description=(
             "Decompose the model, profile its layers (measured on the device, or analytic with --analytic), "
             "search the fastest configuration (U_F, P_F, U_B, P_B) for the mode, and write a plan directory "
-            "(plan.msgpack, trace.json for Perfetto, summary.md). Prints every mode's estimate for comparison."
+            "(plan.msgpack, program.msgpack: the per-device action program, trace.json for Perfetto, summary.md). Prints every mode's estimate for comparison."
         ),
     )
     _add_model_args(p)

@@ -255,6 +255,12 @@ def _fetch_point(x: _Xfer, units: list[_Unit], before: _Unit | None) -> None:
         before.fetch_on_end.append(x)
 
 
+def _running_gradient(task: Task, i: Transfer) -> bool:
+    """Whether ``i`` is the gradient a backward starts from (the per-GPU-swap baselines): the
+    runtime copies it in as the task starts, like its first microbatch's inputs, not ahead."""
+    return task.kind == Kind.BWD and i.tensor == "dW" and i.channel == Channel.SWAP
+
+
 _GROUP = {Channel.P2P: "p2p", Channel.LOCAL: "local", Channel.SWAP: "host", Channel.MSG: "host", Channel.SHM: "host"}
 
 
@@ -693,7 +699,7 @@ class _Simulation:
             x.unit = cu
             if not on_host:
                 x.alloc_dst = i.nbytes
-                if per_mb:
+                if per_mb or stream is not None or _running_gradient(task, i):
                     _fetch_point(x, task_units, self.last_unit_prev[task.id])
                 _hold(cu, i.nbytes, per_mb, covered, task_units)
             if source is not None:
