@@ -2,7 +2,7 @@
 
 Each model is compiled once on 2 emulated CPU devices with the default capacity (a quarter of the
 training footprint) and a probed machine (``probe=True``: links, and the runtime's own costs per
-task, microbatch, update and p2p message and the cores the devices share, ``harmony.runtime.overheads``):
+task, microbatch, update and p2p message and the cores the devices share, ``harmony.profiling.overheads``):
 that gives the plan of mode pp; dp and a per-device-swap baseline are searched on the same profile
 and the same probed machine. ``--full`` takes the best few configurations of the search per mode
 (``SAMPLE_FULL``, 15 in all), not just the best, as the paper's Fig. 15 samples the search. Every plan

@@ -30,7 +30,7 @@ from harmony.compiler import CompileOptions, compile_plan
 from harmony.decomposer.decompose import decompose
 from harmony.errors import HarmonyError
 from harmony.plan import Plan
-from harmony.profiling import training_footprint
+from harmony.profiling.sweep import training_footprint
 from harmony.runtime.reference import microbatches_of, reference_train
 
 

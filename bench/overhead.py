@@ -25,7 +25,7 @@ from bench.common import Model, compiled
 from harmony.models import gpt2
 from harmony.models.common import token_sequences
 from harmony.models.gpt2 import GPT, GPTConfig
-from harmony.profiling import torch_threads
+from harmony.profiling.measure import torch_threads
 
 # a GPT-2 whose steps take tens of milliseconds on one core: compute, not per-call overhead, dominates
 SMALL_GPT = GPTConfig(n_layer=4, n_head=4, n_embd=128, vocab_size=512, block_size=64)

@@ -23,11 +23,12 @@ from rich.table import Table
 
 import harmony
 from harmony.modelfile import load_model_file
-from harmony.profiling import Profiler, stride_sizes, torch_threads
+from harmony.profiling.sweep import Profiler, stride_sizes
+from harmony.profiling.measure import torch_threads
 from harmony.runtime.device import CpuDevice
-from harmony.scheduler.analytic import analytic_profile
+from harmony.profiling.analytic import analytic_profile
 from harmony.scheduler.devicespec import load_spec
-from harmony.scheduler.profiles import fit_samples
+from harmony.profiling.profiles import fit_samples
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 console = Console(width=140)

@@ -28,9 +28,9 @@ from rich.console import Console
 from rich.table import Table
 
 from harmony.models.gpt2 import GPT, GPTConfig
-from harmony.profiling import torch_threads
+from harmony.profiling.measure import torch_threads
 from harmony.runtime.device import CpuDevice
-from harmony.runtime.profiler import measure_pack
+from harmony.profiling.measure import measure_pack
 
 PRESETS = {
     "tiny": (GPTConfig(n_layer=1, n_head=2, n_embd=32, vocab_size=64, block_size=32), 4),

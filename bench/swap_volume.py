@@ -19,7 +19,7 @@ from rich.table import Table
 
 import harmony
 from harmony.modelfile import load_model_file
-from harmony.scheduler.analytic import analytic_profile
+from harmony.profiling.analytic import analytic_profile
 from harmony.scheduler.machine import Machine
 from harmony.scheduler.search import NoFeasibleConfiguration, search
 

@@ -33,7 +33,7 @@ import harmony
 from bench.common import TINY, compiled, searched, train
 from harmony.errors import HarmonyError
 from harmony.modelfile import load_model_file
-from harmony.scheduler.analytic import analytic_profile
+from harmony.profiling.analytic import analytic_profile
 from harmony.scheduler.machine import Machine
 from harmony.scheduler.search import NoFeasibleConfiguration, search
 from harmony.scheduler.taskgraph import MODES

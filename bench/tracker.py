@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from harmony.models import gpt2
 from harmony.models.gpt2 import GPT, GPTConfig
-from harmony.profiling import torch_threads
+from harmony.profiling.measure import torch_threads
 from harmony.runtime.memory import MemoryTracker
 
 CONFIG = GPTConfig(n_layer=4, n_head=4, n_embd=128, vocab_size=512, block_size=64)

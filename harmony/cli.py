@@ -665,7 +665,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _cmd_probe(ns: argparse.Namespace) -> int:
     from harmony.runtime.device import parse_bytes
-    from harmony.runtime.probe import probe_machine
+    from harmony.profiling.probe import probe_machine
 
     if ns.devices < 1:
         raise HarmonyError(f"--devices must be at least 1, got {ns.devices}")

@@ -19,14 +19,14 @@ from harmony.decomposer.decompose import decompose
 from harmony.decomposer.layer_graph import LayerGraph, dtype_from_str
 from harmony.errors import HarmonyError
 from harmony.plan import Plan
-from harmony.profiling import Profiler, training_footprint
+from harmony.profiling.sweep import Profiler, training_footprint
 from harmony.runtime.device import check_gpus, make_devices, parse_bytes
-from harmony.scheduler.analytic import analytic_profile
+from harmony.profiling.analytic import analytic_profile
 from harmony.scheduler.devicespec import load_spec
 from harmony.scheduler.estimator import chrome_trace, estimate
 from harmony.scheduler.machine import Machine
 from harmony.scheduler.memory import memory_plan
-from harmony.scheduler.profiles import PackSample, Profile, TiedWeight
+from harmony.profiling.profiles import PackSample, Profile, TiedWeight
 from harmony.scheduler.search import NoFeasibleConfiguration, SearchResult, search
 from harmony.scheduler.taskgraph import MODES
 from harmony.scheduler.tasks import HOST, Kind
@@ -293,7 +293,7 @@ def profile_graph(graph, get_batch, build_optimizer, options: CompileOptions, on
         finally:
             device.release()
         if options.probe:
-            from harmony.runtime.probe import probe_machine
+            from harmony.profiling.probe import probe_machine
 
             on_progress("probing links")
             machine = probe_machine(options.device_type, options.devices, device.capacity, size=16 << 20, repeats=2)

@@ -27,7 +27,7 @@ from harmony import serialization
 from harmony.decomposer.layer_graph import LayerGraph
 from harmony.errors import FormatError, HarmonyError
 from harmony.modelfile import source_hash
-from harmony.scheduler.profiles import PROFILE_FILE, Profile
+from harmony.profiling.profiles import PROFILE_FILE, Profile
 from harmony.scheduler.tasks import HOST, TaskGraph
 
 if TYPE_CHECKING:

@@ -42,7 +42,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import cloudpickle
 import torch
@@ -57,8 +57,10 @@ from harmony.runtime.executor import Batch, Executor, IterationResult, Shared, d
 from harmony.runtime.hoststore import HostStore
 from harmony.runtime.routes import Routes, build_routes
 from harmony.runtime.streams import SWITCH_INTERVAL
-from harmony.scheduler.profiles import Profile
 from harmony.scheduler.tasks import HOST, Channel, Kind, TaskGraph
+
+if TYPE_CHECKING:  # a plan's numbers, read; the runtime imports nothing of calibration
+    from harmony.profiling.profiles import Profile
 
 log = logging.getLogger(__name__)
 

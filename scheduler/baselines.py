@@ -50,7 +50,7 @@ from __future__ import annotations
 import bisect
 from typing import Callable
 
-from harmony.scheduler.profiles import Profile
+from harmony.profiling.profiles import Profile
 from harmony.scheduler.taskgraph import _buffer_out, _check, _connect, _Sizes, _state_inputs, _update_inputs, dp_swap
 from harmony.scheduler.tasks import Channel, Configuration, Kind, Task, TaskGraph, Transfer, microbatch_sizes
 

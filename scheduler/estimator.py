@@ -101,7 +101,7 @@ from typing import NamedTuple
 from . import memory
 from .lower import Program, lower
 from .machine import Machine
-from .profiles import Profile
+from harmony.profiling.profiles import Profile
 from .tasks import HOST, Channel, Kind, Task, TaskGraph, Transfer
 
 __all__ = ["Estimate", "StreamEvent", "STREAMS", "estimate", "chrome_trace", "task_compute_seconds", "task_seconds",

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from harmony import serialization
-from harmony.scheduler.profiles import Profile
+from harmony.profiling.profiles import Profile
 from harmony.scheduler.tasks import HOST, Channel, Kind, Task, TaskGraph
 
 __all__ = ["Action", "Edge", "Piece", "Program", "PROGRAM_FILE", "STREAMS", "lower", "pieces", "ranges",

@@ -3,7 +3,7 @@ has, and how fast bytes move between host and devices, between devices, and betw
 
 A ``Machine`` is plain data. It comes from one of three places (``source``):
 
-- ``"measured"``: ``harmony.runtime.probe.probe_machine`` timed real copies on this machine;
+- ``"measured"``: ``harmony.profiling.probe.probe_machine`` timed real copies on this machine;
 - ``"analytic"``: :meth:`Machine.from_spec` read a :class:`~harmony.scheduler.devicespec.DeviceSpec`
   preset or JSON file (hardware we do not have);
 - ``"given"``: a person wrote the numbers (a file edited by hand, a test).
@@ -22,7 +22,7 @@ Channels (all bandwidths in bytes per second, one direction):
 ``latency`` is the fixed cost of one transfer (seconds), added once per transfer.
 
 What the runtime itself costs beyond compute and transfers (measured by running the real executor
-on layers of near-zero compute, ``harmony.runtime.overheads``; zero when nobody measured them):
+on layers of near-zero compute, ``harmony.profiling.overheads``; zero when nobody measured them):
 
 - ``task_overhead``: seconds per task on a device's compute stream (loading its state, queueing its
   outputs, marking it done, the hand-overs between the compute and stream threads);

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .profiles import Profile
+from harmony.profiling.profiles import Profile
 from .tasks import HOST, Channel, Kind, MemoryPlan, Task
 
 __all__ = ["TaskMemory", "covers", "fused_update", "input_unit", "memory_plan", "reserve", "resident_bytes",

@@ -52,7 +52,7 @@ from typing import Literal
 
 import numpy as np
 
-from harmony.scheduler.profiles import Profile
+from harmony.profiling.profiles import Profile
 
 Pack = tuple[int, int]
 Pass = Literal["fwd", "bwd"]

@@ -20,7 +20,7 @@ from typing import Callable
 from harmony.scheduler import packing
 from harmony.scheduler.estimator import Estimate, estimate, task_compute_seconds
 from harmony.scheduler.machine import Machine
-from harmony.scheduler.profiles import Profile
+from harmony.profiling.profiles import Profile
 from harmony.scheduler.taskgraph import generate
 from harmony.scheduler.tasks import Channel, Configuration, Kind, TaskGraph
 

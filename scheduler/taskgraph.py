@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harmony.scheduler.profiles import Profile
+from harmony.profiling.profiles import Profile
 from harmony.scheduler.tasks import HOST, Channel, Configuration, Kind, Task, TaskGraph, Transfer, microbatch_sizes
 
 MODES = ("pp", "dp", "dp-swap", "dp-swap-r", "gpipe-swap", "gpipe-swap-r", "1f1b-swap", "1f1b-swap-r")

@@ -9,7 +9,7 @@ import pytest
 from harmony.cli import build_parser, main
 from harmony.decomposer.layer_graph import LayerGraph
 from harmony.scheduler.machine import Machine
-from harmony.scheduler.profiles import Profile
+from harmony.profiling.profiles import Profile
 
 ROOT = Path(__file__).resolve().parents[2]
 

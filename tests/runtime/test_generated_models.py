@@ -28,7 +28,7 @@ import harmony
 from harmony.compiler import CompileOptions, _nominal_machine, finish_plan, pack_measurer
 from harmony.errors import HarmonyError
 from harmony.plan import Plan
-from harmony.profiling import training_footprint
+from harmony.profiling.sweep import training_footprint
 from harmony.runtime.reference import microbatches_of, reference_train
 from harmony.scheduler.estimator import estimate
 from harmony.scheduler.search import NoFeasibleConfiguration, SearchResult, search

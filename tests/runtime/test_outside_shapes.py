@@ -28,7 +28,7 @@ from torch import nn
 import harmony
 from harmony.errors import HarmonyError
 from harmony.plan import Plan
-from harmony.profiling import training_footprint
+from harmony.profiling.sweep import training_footprint
 from harmony.runtime.reference import microbatches_of, reference_train
 from harmony.scheduler.estimator import estimate
 from harmony.scheduler.search import search

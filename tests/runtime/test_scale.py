@@ -19,7 +19,7 @@ from harmony.compiler import batch_coupled
 from harmony.models import gpt2
 from harmony.models.gpt2 import GPT, GPTConfig
 from harmony.plan import Plan
-from harmony.profiling import training_footprint
+from harmony.profiling.sweep import training_footprint
 from harmony.runtime.launcher import WorkerError
 from harmony.runtime.reference import microbatches_of, reference_train
 from harmony.scheduler.taskgraph import generate

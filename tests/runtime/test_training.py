@@ -21,7 +21,7 @@ import harmony
 from harmony.compiler import CompileOptions, _nominal_machine
 from harmony.models import bert, gpt2, resnet, vgg
 from harmony.plan import Plan
-from harmony.profiling import training_footprint
+from harmony.profiling.sweep import training_footprint
 from harmony.runtime.reference import microbatches_of, reference_train
 from harmony.scheduler.search import search
 from harmony.scheduler.taskgraph import MODES

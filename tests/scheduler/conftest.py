@@ -2,7 +2,7 @@
 
 import pytest
 
-from harmony.scheduler.profiles import LayerProfile, LayerSample, Profile
+from harmony.profiling.profiles import LayerProfile, LayerSample, Profile
 
 
 def uniform_profile(layers: int = 6, w: int = 1000, x_per_sample: int = 10, t_fwd: float = 1e-3,

@@ -11,7 +11,7 @@ import pytest
 
 from harmony.scheduler.estimator import STREAMS, chrome_trace, estimate
 from harmony.scheduler.machine import Machine
-from harmony.scheduler.profiles import LayerProfile, LayerSample, Profile
+from harmony.profiling.profiles import LayerProfile, LayerSample, Profile
 from harmony.scheduler.tasks import HOST, Channel, Configuration, Kind, Task, TaskGraph, Transfer
 
 MS = 1e-3

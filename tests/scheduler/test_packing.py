@@ -20,7 +20,7 @@ from harmony.scheduler.packing import (
     pack_memory_matrix,
     pack_times,
 )
-from harmony.scheduler.profiles import LayerProfile, LayerSample, Profile
+from harmony.profiling.profiles import LayerProfile, LayerSample, Profile
 
 US = (1, 2, 4)
 

@@ -7,7 +7,7 @@ import pytest
 from harmony.scheduler.estimator import estimate
 from harmony.scheduler.machine import Machine
 from harmony.scheduler.packing import all_contiguous_packings
-from harmony.scheduler.profiles import LayerProfile, LayerSample, Profile
+from harmony.profiling.profiles import LayerProfile, LayerSample, Profile
 from harmony.scheduler.search import NoFeasibleConfiguration, every_size, ladder, search
 from harmony.scheduler.taskgraph import generate
 from harmony.scheduler.tasks import Configuration

@@ -7,7 +7,7 @@ import torch
 
 import harmony
 from harmony.modelfile import load_model_file
-from harmony.scheduler.analytic import analytic_profile
+from harmony.profiling.analytic import analytic_profile
 from harmony.scheduler.machine import Machine
 from harmony.scheduler.search import search
 

@@ -8,7 +8,7 @@ import pytest
 from harmony.scheduler import memory
 from harmony.scheduler.estimator import estimate
 from harmony.scheduler.machine import Machine
-from harmony.scheduler.profiles import LayerProfile, LayerSample, LossSample, PackSample, Profile
+from harmony.profiling.profiles import LayerProfile, LayerSample, LossSample, PackSample, Profile
 from harmony.scheduler.tasks import Channel, Configuration, Kind, MemoryPlan, Task, TaskGraph, Transfer
 
 W = 1_000_000  # weight bytes per layer

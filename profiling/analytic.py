@@ -1,6 +1,6 @@
 """Analytic profiles: layer costs from FLOP counts and a roofline, for hardware we do not have.
 
-``analytic_profile(graph, spec)`` fills the same :class:`~harmony.scheduler.profiles.Profile` that
+``analytic_profile(graph, spec)`` fills the same :class:`~harmony.profiling.profiles.Profile` that
 the measuring profiler does (``source="analytic"``), without running anything real:
 
 1. **Counting.** Each layer module runs on *meta* tensors (no memory, no arithmetic) with its
@@ -66,7 +66,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from harmony.decomposer.layer_graph import LayerGraph, dtype_from_str
 from harmony.errors import HarmonyError
 from harmony.scheduler.devicespec import DeviceSpec, load_spec
-from harmony.scheduler.profiles import LayerProfile, LayerSample, Profile
+from harmony.profiling.profiles import LayerProfile, LayerSample, Profile
 
 log = logging.getLogger(__name__)
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from harmony.errors import HarmonyError
-from harmony.runtime.overheads import _message_cost
-from harmony.runtime.probe import ProbeError, probe_machine
+from harmony.profiling.overheads import _message_cost
+from harmony.profiling.probe import ProbeError, probe_machine
 from harmony.scheduler.estimator import estimate
 from harmony.scheduler.machine import Machine
-from harmony.scheduler.profiles import LayerProfile, LayerSample, Profile
+from harmony.profiling.profiles import LayerProfile, LayerSample, Profile
 from harmony.scheduler.taskgraph import generate
 from harmony.scheduler.tasks import Configuration
 
@@ -124,7 +124,7 @@ def test_shared_cores_never_exceed_the_machine_cores():
     a barrier, the work of more processes than cores is at most the cores' worth (noise aside)."""
     import os
 
-    from harmony.runtime.overheads import measure_cores
+    from harmony.profiling.overheads import measure_cores
 
     cores = measure_cores(os.cpu_count() or 1, repeats=1)
     assert 0 < cores <= (os.cpu_count() or 1) * 1.25

@@ -21,9 +21,9 @@ from torch.utils._pytree import tree_unflatten
 from harmony.decomposer.layer_graph import LayerGraph
 from harmony.errors import DeviceOutOfMemoryError, HarmonyError
 from harmony.runtime.device import CpuDevice, Device
-from harmony.runtime.profiler import (Measurement, measure_layer, measure_pack, measure_update,
+from harmony.profiling.measure import (Measurement, measure_layer, measure_pack, measure_update,
                                       torch_threads, update_scratch)
-from harmony.scheduler.profiles import LayerProfile, LayerSample, LossSample, PackSample, Profile
+from harmony.profiling.profiles import LayerProfile, LayerSample, LossSample, PackSample, Profile
 
 log = logging.getLogger(__name__)
 

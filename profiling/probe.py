@@ -25,7 +25,7 @@ split evenly between the device workers (``cpu_count // devices`` torch threads 
   ``p2p_latency``: half a tiny round trip on the p2p path, the fixed cost of one message, which is
   far larger; ``host_link_shared`` is True: one memory bus serves every worker.
 
-The runtime's own costs (``runtime=True``, ``cpu`` only; ``harmony.runtime.overheads``): the real
+The runtime's own costs (``runtime=True``, ``cpu`` only; ``harmony.profiling.overheads``): the real
 launcher runs near-zero compute to give ``task_overhead``, ``microbatch_overhead``,
 ``update_overhead`` and the per-message cost of its p2p path (``p2p_latency`` becomes the larger of
 that and the half round trip above), and a fixed loop in more processes than devices gives
@@ -66,9 +66,9 @@ import torch
 from harmony.errors import HarmonyError
 from harmony.scheduler.machine import Machine
 
-from . import processes
-from .device import CpuDevice, make_devices
-from .streams import SWITCH_INTERVAL, Stream
+from harmony.runtime import processes
+from harmony.runtime.device import CpuDevice, make_devices
+from harmony.runtime.streams import SWITCH_INTERVAL, Stream
 
 log = logging.getLogger(__name__)
 
@@ -248,7 +248,7 @@ def _run_workers(copiers: int, size: int, capacity: int | None, repeats: int, ti
     barrier = ctx.Barrier(nprocs)
     steps = ctx.Array("i", nprocs)
     results = ctx.Queue()
-    from .channels import Slabs
+    from harmony.runtime.channels import Slabs
 
     # rank 0 -> 1 and 1 -> 0 queues, and the pair's slabs: the runtime's p2p path
     links = (ctx.Queue(), ctx.Queue(), Slabs({(0, 1): size + 4096, (1, 0): size + 4096}))

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import harmony
-from harmony.profiling import Profiler, stride_sizes
+from harmony.profiling.sweep import Profiler, stride_sizes
 from harmony.runtime.device import CpuDevice
-from harmony.scheduler.profiles import Profile, fit_samples
+from harmony.profiling.profiles import Profile, fit_samples
 
 WIDTH = 32
 
@@ -154,7 +154,7 @@ def test_a_packs_update_memory_counts_every_parameters_step_counter():
     """Adam keeps a scalar step per parameter, held through every step and never moved as K: a
     pack's update holds all of its layers' (found as a 30-byte overrun of a fused update, issue
     14), not the largest layer's alone."""
-    from harmony.runtime.profiler import update_scratch
+    from harmony.profiling.measure import update_scratch
 
     graph = harmony.decompose(_mlp(), _get_batch(2, 0)[0])
     adam = lambda p: torch.optim.Adam(p, lr=1e-3)  # noqa: E731

@@ -12,9 +12,9 @@ from torch import nn
 import harmony
 from harmony.errors import HarmonyError
 from harmony.models import gpt2, resnet
-from harmony.scheduler.analytic import OPTIMIZERS, analytic_profile, layer_cost_models
+from harmony.profiling.analytic import OPTIMIZERS, analytic_profile, layer_cost_models
 from harmony.scheduler.devicespec import load_spec
-from harmony.scheduler.profiles import Profile
+from harmony.profiling.profiles import Profile
 
 IN, OUT, BATCH = 64, 96, 4
 

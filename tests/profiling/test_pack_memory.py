@@ -6,9 +6,9 @@ import pytest
 
 import harmony
 from harmony.modelfile import load_model_file
-from harmony.profiling import Profiler
+from harmony.profiling.sweep import Profiler
 from harmony.runtime.device import CpuDevice
-from harmony.runtime.profiler import measure_layer, measure_pack
+from harmony.profiling.measure import measure_layer, measure_pack
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
 U = 4

@@ -52,15 +52,15 @@ import torch
 from harmony.decomposer.decompose import decompose
 from harmony.scheduler.estimator import estimate
 from harmony.scheduler.machine import Machine
-from harmony.scheduler.profiles import LayerProfile, LayerSample, Profile
+from harmony.profiling.profiles import LayerProfile, LayerSample, Profile
 from harmony.scheduler.taskgraph import generate
 from harmony.scheduler.tasks import HOST, Configuration, Kind, TaskGraph
 
-from .device import CpuDevice
-from .executor import Batch
-from .hoststore import HostStore
-from .launcher import Launcher
-from .profiler import measure_layer, measure_update, torch_threads
+from harmony.runtime.device import CpuDevice
+from harmony.runtime.executor import Batch
+from harmony.runtime.hoststore import HostStore
+from harmony.runtime.launcher import Launcher
+from .measure import measure_layer, measure_update, torch_threads
 
 log = logging.getLogger(__name__)
 
