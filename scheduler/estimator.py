@@ -73,7 +73,7 @@ What is simulated (the runtime's semantics, which this module must keep in step 
   ``deadlock`` description naming, for each stuck device, the task it waits to run and the inputs
   it waits for (and the iteration time is infinite).
 
-Matching a consumer's input to its producer's output: the program decides it for activations and
+Which producer's output a consumer's input reads: the program decides it for activations and
 gradients (X, Xs, dY from a producer task), as it does for the executor. Each estimate lowers the
 graph's edges once (``lower.lower(graph, None, streams=False)``: no byte sizes, no stream order,
 which this module simulates itself). An input of microbatch j of stream s (as ``Program.reads``,
@@ -82,11 +82,10 @@ the last piece of ``program.into(consumer, s, j)`` (the piece that completes the
 samples): the first not yet read of its outputs naming the consumer, else one of the same tensor
 left in the host store naming no reader; with no such output it waits for that unit, and with no
 edge for the producer's whole task. One transfer is still simulated per input, of the input's
-bytes. What the program does not carry (pack state W, B, K and gradients dW, between tasks or
-through the host store) is matched here: among the producer's outputs naming the consumer on a
-compatible channel, the one with the same microbatch and tensor name is preferred; outputs naming
-no consumer match any later reader of that tensor. An input whose producer has no matching output
-waits for the producer's whole task.
+bytes. Every other input with a producer (pack state W, B, K and gradients dW, between tasks or
+through the host store) reads the output ``program.sources`` names (``lower.state_sources``, the
+same the program's LOADs name); an input whose producer has no such output waits for the
+producer's whole task. Nothing is matched here.
 """
 
 from __future__ import annotations
@@ -412,7 +411,7 @@ class _Simulation:
         # transfers and what they count
         "links", "latency", "xfers", "bytes_by_channel", "bytes_by_device",
         # outputs by who may read them (records: [transfer, producing unit, swap-out xfer or None, used, slot])
-        "made", "made_host", "to_consumer", "to_consumer_any", "to_host", "to_host_mb",
+        "made", "made_host", "records",
         # the simulation's state
         "heap", "seq", "now", "end_time", "mem", "peak", "caps", "ptr", "computing", "busy_flag", "busy_time",
         "swap_in_q", "swap_out_q", "p2p_in_q", "p2p_out_q", "events", "task_peak", "prefetched",
@@ -539,19 +538,18 @@ class _Simulation:
         return x
 
     def _build_outputs(self) -> None:
-        """What each producer emits, and when; the outputs indexed by who may read them."""
+        """What each producer emits, and when: activations indexed by the unit making them (the
+        program's edges name it), every output by (producer, output index) (the program's
+        ``sources`` name it)."""
         by_id, slot_of, host_slot = self.by_id, self.slot_of, self.host_slot
         # record: [transfer, producing unit, swap-out xfer or None, used, slot]
         made: dict[tuple, list[list]] = {}  # activations: (producer, consumer, group, producing unit) -> records
         made_host: dict[tuple, list[list]] = {}  # activations naming no consumer: (producer, producing unit) -> records
-        to_consumer: dict[tuple, list[list]] = {}  # the rest: (producer, consumer, group, microbatch) -> records
-        to_consumer_any: dict[tuple, list[list]] = {}  # (producer, consumer, group) -> records, activations too
-        to_host: dict[int, list[list]] = {}  # producer -> records naming no consumer
-        to_host_mb: dict[tuple, list[list]] = {}  # (producer, microbatch) -> the same records
+        records: dict[tuple[int, int], list] = {}  # (producer, output index) -> record
         for task in self.tasks:
             s = slot_of[task.device]
             on_host = s == host_slot
-            for o in task.outputs:
+            for n, o in enumerate(task.outputs):
                 pu = self._unit_for(task, o.microbatch, produce=True)
                 ch = o.channel
                 x = None
@@ -568,25 +566,16 @@ class _Simulation:
                     if ch == Channel.P2P:
                         pu.outbound_end += o.nbytes
                 rec = [o, pu, x, False, s]
-                activation = o.tensor in _ACTIVATIONS
+                records[(task.id, n)] = rec
+                if o.tensor not in _ACTIVATIONS:
+                    continue
                 if o.task is not None and o.task in by_id:
-                    group = _GROUP[ch]
-                    if activation:
-                        made.setdefault((task.id, o.task, group, pu.j), []).append(rec)
-                    else:
-                        to_consumer.setdefault((task.id, o.task, group, o.microbatch), []).append(rec)
-                    to_consumer_any.setdefault((task.id, o.task, group), []).append(rec)
-                else:
-                    if activation and ch in _HOSTLIKE:
-                        made_host.setdefault((task.id, pu.j), []).append(rec)
-                    to_host.setdefault(task.id, []).append(rec)
-                    to_host_mb.setdefault((task.id, o.microbatch), []).append(rec)
+                    made.setdefault((task.id, o.task, _GROUP[ch], pu.j), []).append(rec)
+                elif ch in _HOSTLIKE:
+                    made_host.setdefault((task.id, pu.j), []).append(rec)
         self.made = made
         self.made_host = made_host
-        self.to_consumer = to_consumer
-        self.to_consumer_any = to_consumer_any
-        self.to_host = to_host
-        self.to_host_mb = to_host_mb
+        self.records = records
 
     def _produced(self, program: Program, k: int, c: Task, i: Transfer,
                   stream: str) -> tuple[list | None, _Unit | None]:
@@ -609,51 +598,6 @@ class _Simulation:
                     return rec, us[p]
         return None, us[p]
 
-    def _match(self, k: int, c: Task, i: Transfer) -> list | None:
-        """The record of producer ``k``'s output that consumer ``c``'s input ``i`` reads, for what
-        the program does not carry (pack state, gradients; module docs): an unread output naming
-        ``c`` of the same microbatch, else any naming ``c`` (the same tensor first, else the first);
-        else one left in the host store."""
-        group = _GROUP[i.channel]
-        fallback = None
-        for rec in self.to_consumer.get((k, c.id, group, i.microbatch), ()):
-            if not rec[3]:
-                if rec[0].tensor == i.tensor:
-                    return rec
-                if fallback is None:
-                    fallback = rec
-        if fallback is not None:
-            return fallback
-        for rec in self.to_consumer_any.get((k, c.id, group), ()):
-            if not rec[3] and rec[0].tensor not in _ACTIVATIONS:
-                if rec[0].tensor == i.tensor:
-                    return rec
-                if fallback is None:
-                    fallback = rec
-        if fallback is not None:
-            return fallback
-        if group != "host":
-            return None
-        return self._match_host(k, i)
-
-    def _match_host(self, k: int, i: Transfer) -> list | None:
-        """Outputs of the same tensor to the host store naming no reader: the same microbatch
-        first, else the last task-wide one, else the last the producer wrote."""
-        for rec in self.to_host_mb.get((k, i.microbatch), ()):
-            o = rec[0]
-            if o.channel in _HOSTLIKE and o.tensor == i.tensor:
-                return rec
-        best = None
-        best_score = -1
-        for rec in self.to_host.get(k, ()):
-            o = rec[0]
-            if o.channel not in _HOSTLIKE or o.tensor != i.tensor:
-                continue
-            score = o.microbatch is None
-            if score >= best_score:
-                best, best_score = rec, score
-        return best
-
     def _build_inputs(self, program: Program) -> None:
         """Transfers into each consumer and their dependencies."""
         for task in self.tasks:
@@ -665,10 +609,12 @@ class _Simulation:
             task_units = self.units_of[task.id]
             streams = dict(program.reads(task))
             for index, i in enumerate(task.inputs):
-                self._build_input(program, task, i, streams.get(index), s, on_host, prev_first, prev_end, task_units)
+                self._build_input(program, task, index, streams.get(index), s, on_host, prev_first, prev_end,
+                                  task_units)
 
-    def _build_input(self, program: Program, task: Task, i: Transfer, stream: str | None, s: int, on_host: bool,
+    def _build_input(self, program: Program, task: Task, index: int, stream: str | None, s: int, on_host: bool,
                      prev_first: _Unit | None, prev_end: _Unit | None, task_units: list[_Unit]) -> None:
+        i = task.inputs[index]
         by_id = self.by_id
         cu = task_units[memory.input_unit(task, i.tensor, i.microbatch, len(task_units))]
         per_mb = cu.j == i.microbatch
@@ -680,8 +626,9 @@ class _Simulation:
         if k is not None:
             if stream is not None:  # an activation or gradient: the program's edges say who made it
                 rec, made_by = self._produced(program, k, task, i, stream)
-            else:
-                rec = self._match(k, task, i)
+            else:  # state, optimizer state, gradients: the program's sources say which output
+                source = program.sources.get((task.id, index))
+                rec = self.records[source] if source is not None else None
         if rec is not None and rec[0].task is not None:
             rec[3] = True
         # where the data becomes available: a swap-out's end, a producing unit's end, or now
@@ -769,7 +716,15 @@ class _Simulation:
     def _build_unread_outputs(self) -> None:
         """Outputs nobody read: P2P sends still happen; LOCAL tensors stay until their named task ends."""
         by_id, slot_of, host_slot = self.by_id, self.slot_of, self.host_slot
-        for recs in (*self.to_consumer_any.values(), *self.to_host.values()):
+        named: dict[tuple, list[list]] = {}  # grouped as the outputs' readers are, for a stable order
+        unnamed: dict[int, list[list]] = {}
+        for (producer, _), rec in self.records.items():
+            o = rec[0]
+            if o.task is not None and o.task in by_id:
+                named.setdefault((producer, o.task, _GROUP[o.channel]), []).append(rec)
+            else:
+                unnamed.setdefault(producer, []).append(rec)
+        for recs in (*named.values(), *unnamed.values()):
             for o, pu, x, used, s in recs:
                 if used or s == host_slot or o.nbytes <= 0:
                     continue

@@ -38,7 +38,7 @@ from harmony.scheduler.tasks import HOST, Channel, Kind, Task, TaskGraph
 __all__ = ["Action", "Edge", "Piece", "Program", "PROGRAM_FILE", "STREAMS", "lower", "pieces", "ranges",
            "stash_layers", "stream_layer", "stream_names", "IN_STREAM", "OUT_STREAM"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: LOADs name their source, Program.sources
 PROGRAM_FILE = "program.msgpack"
 STREAMS = ("compute", "swap-in", "swap-out", "p2p-in", "p2p-out")
 
@@ -196,7 +196,8 @@ class Edge:
 class Action:
     """One step of one stream of one device. ``op``: FWD, BWD, UPD (compute units: ``unit`` is
     the microbatch, or the fused update's index after them); SEND and RECV of an ``edge``; LOAD
-    and STORE of a pack's state (``tensor`` W, B, K or dW)."""
+    and STORE of a pack's state (``tensor`` W, B, K or dW), a LOAD naming the task whose output it
+    reads (``Program.sources``)."""
 
     stream: str
     op: str
@@ -206,6 +207,7 @@ class Action:
     edge: int | None = None
     nbytes: int = 0
     peer: int | None = None
+    src: int | None = None  # a LOAD's: the task whose output it reads (None: the host store's initial copy)
 
     def __str__(self) -> str:
         where = f"t{self.task}" + (f".{self.unit}" if self.unit is not None else "")
@@ -214,6 +216,8 @@ class Action:
             parts.append(self.tensor)
         if self.edge is not None:
             parts.append(f"e{self.edge}")
+        if self.src is not None:
+            parts.append(f"<-t{self.src}")
         if self.peer is not None:
             arrow = "->" if self.op == "SEND" else "<-"
             parts.append(f"{arrow}{'host' if self.peer == HOST else f'dev{self.peer}'}")
@@ -238,6 +242,9 @@ class Program:
     edges: list[Edge]
     streams: dict[int, dict[str, list[Action]]]
     peaks: dict[int, int] = field(default_factory=dict)
+    # (consumer, input index) -> (producer, output index) of every input that is not an edge and
+    # that a task of the graph produced: pack state, optimizer state, gradients (``state_sources``)
+    sources: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         into: dict[tuple[int, str, int], list[Edge]] = {}
@@ -303,14 +310,16 @@ class Program:
         return {"mode": self.mode, "edges": [asdict(e) for e in self.edges],
                 "streams": {str(d): {s: [asdict(a) for a in acts] for s, acts in per.items()}
                             for d, per in self.streams.items()},
-                "peaks": {str(d): int(p) for d, p in self.peaks.items()}}
+                "peaks": {str(d): int(p) for d, p in self.peaks.items()},
+                "sources": [[c, i, p, o] for (c, i), (p, o) in sorted(self.sources.items())]}
 
     @classmethod
     def from_dict(cls, body: dict) -> "Program":
         return cls(mode=body["mode"], edges=[Edge(**e) for e in body["edges"]],
                    streams={int(d): {s: [Action(**a) for a in acts] for s, acts in per.items()}
                             for d, per in body["streams"].items()},
-                   peaks={int(d): int(p) for d, p in body.get("peaks", {}).items()})
+                   peaks={int(d): int(p) for d, p in body.get("peaks", {}).items()},
+                   sources={(int(c), int(i)): (int(p), int(o)) for c, i, p, o in body.get("sources", [])})
 
     def save(self, directory: str | Path) -> Path:
         path = Path(directory) / PROGRAM_FILE
@@ -392,6 +401,92 @@ OUT_STREAM = {Channel.P2P.value: "p2p-out", Channel.SWAP.value: "swap-out", Chan
                Channel.LOCAL.value: "compute"}
 
 
+_ACTIVATIONS = frozenset(("X", "Y", "Xs", "dX", "dY"))
+_HOSTLIKE = frozenset((Channel.SWAP, Channel.MSG, Channel.SHM))
+# which inputs may read which outputs: copies through host memory are one group whatever the channel
+_GROUP = {Channel.P2P: "p2p", Channel.LOCAL: "local", Channel.SWAP: "host", Channel.MSG: "host", Channel.SHM: "host"}
+
+
+class _Outputs:
+    """Every output that is not an activation, indexed by who may read it: a consumer it names
+    (by microbatch, and by any microbatch), or the host store (outputs naming no task of the
+    graph). Entries are ``[producer, output index, transfer, read]``."""
+
+    def __init__(self, graph: TaskGraph) -> None:
+        ids = {t.id for t in graph.tasks}
+        self.by_mb: dict[tuple, list[list]] = {}  # (producer, consumer, group, microbatch)
+        self.by_consumer: dict[tuple, list[list]] = {}  # (producer, consumer, group)
+        self.host_mb: dict[tuple, list[list]] = {}  # (producer, microbatch): naming no task
+        self.host: dict[int, list[list]] = {}  # producer: naming no task
+        for task in graph.tasks:
+            for n, o in enumerate(task.outputs):
+                entry = [task.id, n, o, False]
+                if o.task is not None and o.task in ids:
+                    if o.tensor not in _ACTIVATIONS:
+                        group = _GROUP[o.channel]
+                        self.by_mb.setdefault((task.id, o.task, group, o.microbatch), []).append(entry)
+                        self.by_consumer.setdefault((task.id, o.task, group), []).append(entry)
+                else:
+                    self.host.setdefault(task.id, []).append(entry)
+                    self.host_mb.setdefault((task.id, o.microbatch), []).append(entry)
+
+    def read_by(self, producer: int, consumer: int, i) -> list | None:
+        """The output of ``producer`` that ``consumer``'s input ``i`` reads: an unread one naming the
+        consumer, of ``i``'s microbatch first, the same tensor first; else one left in the host store."""
+        group = _GROUP[i.channel]
+        for candidates in (self.by_mb.get((producer, consumer, group, i.microbatch), ()),
+                           self.by_consumer.get((producer, consumer, group), ())):
+            fallback = None
+            for entry in candidates:
+                if not entry[3]:
+                    if entry[2].tensor == i.tensor:
+                        return entry
+                    if fallback is None:
+                        fallback = entry
+            if fallback is not None:
+                return fallback
+        return self._in_host(producer, i) if group == "host" else None
+
+    def _in_host(self, producer: int, i) -> list | None:
+        """An output of the same tensor to the host store: of the same microbatch first, else the
+        last task-wide one, else the last the producer wrote."""
+        for entry in self.host_mb.get((producer, i.microbatch), ()):
+            o = entry[2]
+            if o.channel in _HOSTLIKE and o.tensor == i.tensor:
+                return entry
+        best, best_score = None, -1
+        for entry in self.host.get(producer, ()):
+            o = entry[2]
+            if o.channel in _HOSTLIKE and o.tensor == i.tensor:
+                score = o.microbatch is None
+                if score >= best_score:
+                    best, best_score = entry, score
+        return best
+
+
+def state_sources(graph: TaskGraph, reads: dict[int, list[tuple[int, str]]] | None = None
+                  ) -> dict[tuple[int, int], tuple[int, int]]:
+    """Which output each input that is not an edge reads (pack state, optimizer state, gradients):
+    (consumer, input index) -> (producer, output index). A task graph names the producer task of
+    an input, not which of its outputs; an output naming the consumer is read once, so two inputs
+    of one tensor (a tied weight's two shares) read two outputs. Inputs reading the host store's
+    initial copy (no producer) have none."""
+    outputs = _Outputs(graph)
+    ids = {t.id for t in graph.tasks}
+    sources: dict[tuple[int, int], tuple[int, int]] = {}
+    for task in graph.tasks:
+        edges = {n for n, _ in (reads.get(task.id) if reads is not None and task.id in reads else stream_names(task))}
+        for n, i in enumerate(task.inputs):
+            if n in edges or i.task is None or i.task not in ids:
+                continue
+            entry = outputs.read_by(i.task, task.id, i)
+            if entry is not None:
+                if entry[2].task is not None:
+                    entry[3] = True
+                sources[(task.id, n)] = (entry[0], entry[1])
+    return sources
+
+
 def lower(graph: TaskGraph, profile: Profile | None, streams: bool = True) -> Program:
     """The program of ``graph``: its edges and, per device and stream, the ordered actions (edge
     bytes from ``profile``; 0 without one). ``streams=False`` lowers the edges alone (no actions):
@@ -400,6 +495,7 @@ def lower(graph: TaskGraph, profile: Profile | None, streams: bool = True) -> Pr
     program = Program(graph.mode, _edges(graph, profile, reads), {},
                       dict(graph.memory.devices) if graph.memory is not None else {})
     program._reads = reads
+    program.sources = state_sources(graph, reads)
     if not streams:
         return program
     b = _Builder(graph, program, graph.memory.prefetch if graph.memory is not None else None)
@@ -411,19 +507,23 @@ def lower(graph: TaskGraph, profile: Profile | None, streams: bool = True) -> Pr
     return program
 
 
-def _state_loads(task: Task) -> list[Action]:
+def _loads(task: Task, names: tuple[str, ...], sources: dict[tuple[int, int], tuple[int, int]]) -> list[Action]:
+    """LOADs of the task's inputs of ``names`` from host memory, each naming the task it reads."""
+    return [Action("swap-in", "LOAD", task.id, tensor=t.tensor, nbytes=t.nbytes,
+                   src=sources[(task.id, n)][0] if (task.id, n) in sources else None)
+            for n, t in enumerate(task.inputs) if t.tensor in names and t.channel == Channel.SWAP and t.nbytes]
+
+
+def _state_loads(task: Task, sources: dict[tuple[int, int], tuple[int, int]]) -> list[Action]:
     """The pack state a task brings onto its device from host memory (nothing for LOCAL state);
     an update also its optimizer state and summed gradient."""
-    names = ("W", "B", "K", "dW") if task.kind == Kind.UPD else ("W", "B")
-    return [Action("swap-in", "LOAD", task.id, tensor=t.tensor, nbytes=t.nbytes)
-            for t in task.inputs if t.tensor in names and t.channel == Channel.SWAP and t.nbytes]
+    return _loads(task, ("W", "B", "K", "dW") if task.kind == Kind.UPD else ("W", "B"), sources)
 
 
-def _update_loads(task: Task) -> list[Action]:
+def _update_loads(task: Task, sources: dict[tuple[int, int], tuple[int, int]]) -> list[Action]:
     """What a fused update brings in once its backward is done: optimizer state (and a running
     gradient kept in host memory)."""
-    return [Action("swap-in", "LOAD", task.id, tensor=t.tensor, nbytes=t.nbytes)
-            for t in task.inputs if t.tensor == "K" and t.channel == Channel.SWAP and t.nbytes]
+    return _loads(task, ("K",), sources)
 
 
 def _state_stores(task: Task) -> list[Action]:
@@ -448,7 +548,7 @@ class _Builder:
     def load(self, task: Task) -> None:
         if task.id not in self.loaded:
             self.loaded.add(task.id)
-            self.add(task.device, _state_loads(task))
+            self.add(task.device, _state_loads(task, self.program.sources))
 
     def recvs(self, task: Task, unit: int) -> None:
         for stream in read_order(task):
@@ -489,5 +589,5 @@ class _Builder:
         if task.jit_update():
             if at == units:
                 self.load(nxt)
-            self.add(task.device, _update_loads(task) + [Action("compute", "UPD", task.id, units)])
+            self.add(task.device, _update_loads(task, self.program.sources) + [Action("compute", "UPD", task.id, units)])
         self.add(task.device, _state_stores(task))

@@ -104,3 +104,26 @@ def test_every_stream_is_named_and_p2p_moves_only_between_devices(uniform):
     for per in program.streams.values():
         assert set(per) == set(STREAMS)
     assert all(e.src_device != e.dst_device for e in program.edges if e.channel == Channel.P2P.value)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_state_input_with_a_producer_reads_one_named_output_of_its_tensor(uniform, mode):
+    """The program, not each player, says which output a pack state, optimizer state or gradient
+    input reads (issue 15: no matching in the estimator); an output naming its reader is read once."""
+    graph = generate(mode, uniform(layers=4), uneven_config(), 2, 6)
+    program = lower(graph, uniform(layers=4))
+    by_id = {t.id: t for t in graph.tasks}
+    edges = {(t.id, n) for t in graph.tasks for n, _ in program.reads(t)}
+    expected = {(t.id, n) for t in graph.tasks for n, i in enumerate(t.inputs)
+                if (t.id, n) not in edges and i.task in by_id}
+    assert set(program.sources) == expected
+    read = Counter()
+    for (consumer, n), (producer, o) in program.sources.items():
+        i, out = by_id[consumer].inputs[n], by_id[producer].outputs[o]
+        assert i.task == producer and out.tensor == i.tensor, (consumer, n)
+        if out.task is not None:
+            read[(producer, o)] += 1
+    assert max(read.values(), default=1) == 1
+    loads = [a for per in program.streams.values() for acts in per.values() for a in acts if a.op == "LOAD"]
+    assert all(a.src is None or (a.task, a.src) in {(c, p) for (c, _), (p, _) in program.sources.items()}
+               for a in loads)
