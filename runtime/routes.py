@@ -27,7 +27,7 @@ class Routes:
     sources: dict[str, list[int]] = field(default_factory=dict)  # parameter -> tasks depositing its gradient
     replicas: dict[int, list[int]] = field(default_factory=dict)  # UPD task -> all UPD tasks of its pack (replicated update)
     jit: set[int] = field(default_factory=set)  # BWD tasks that step their pack right after its backward
-    buffers_after: dict[int, int] = field(default_factory=dict)  # task -> the earlier task whose buffers it continues
+    buffers_after: dict[int, int] = field(default_factory=dict)  # the program's ``after`` (``lower.buffer_chain``)
     kept_resident: set[int] = field(default_factory=set)  # tasks whose pack state a later task reads LOCAL
 
 
@@ -37,23 +37,8 @@ def build_routes(graph: TaskGraph, layers: LayerGraph) -> Routes:
         r.kept_resident.update(t.task for t in task.inputs
                                if t.tensor == "W" and t.channel == Channel.LOCAL and t.task is not None)
     _parameters(r, layers)
-    _buffer_chain(r)
+    r.buffers_after = dict(r.program.after)
     return r
-
-
-def _buffer_chain(r: Routes) -> None:
-    """Tasks whose forward updates buffers (BatchNorm statistics) update them in the plan's order,
-    which lists microbatches in minibatch order, as the reference does: each waits for the
-    previous writer of any of its layers' buffers (on any device) to have written them back."""
-    writers: list[Task] = []
-    for task in r.graph.tasks:
-        if not any(t.tensor == "B" for t in task.outputs):
-            continue
-        for earlier in reversed(writers):
-            if earlier.first <= task.last and task.first <= earlier.last:
-                r.buffers_after[task.id] = earlier.id
-                break
-        writers.append(task)
 
 
 def _parameters(r: Routes, layers: LayerGraph) -> None:

@@ -658,6 +658,8 @@ class _Simulation:
             elif prev_first is not None:
                 x.need += 1
                 prev_first.issue.append(x)
+            if i.tensor in _STATE and task.id in program.after:
+                self._after_writer(x, program.after[task.id])
             x.end_units.append(cu)
             cu.need += 1
             cu.waits.append((i, k, x))
@@ -676,6 +678,20 @@ class _Simulation:
             held = memory.resident_bytes(by_id[k], self.profile)
             self.units_of[k][-1].alloc_end += held
             task_units[-1].release_end += held
+
+    def _after_writer(self, x: _Xfer, writer: int) -> None:
+        """A state load of a task continuing another's buffers (``Program.after``) waits until that
+        writer is done: its last unit ended and its outputs left (the runtime loads weights and
+        buffers together, and neither before then)."""
+        x.need += 1
+        self.units_of[writer][-1].end_xfers.append(x)
+        n = 0
+        while (writer, n) in self.records:
+            out = self.records[(writer, n)][2]
+            if out is not None:
+                x.need += 1
+                out.end_xfers.append(x)
+            n += 1
 
     def _input_xfer(self, task: Task, i: Transfer, s: int, on_host: bool, k: int | None, k_slot: int | None,
                     rec: list | None) -> _Xfer | None:

@@ -35,10 +35,10 @@ from harmony import serialization
 from harmony.profiling.profiles import Profile
 from harmony.scheduler.tasks import HOST, Channel, Kind, Task, TaskGraph
 
-__all__ = ["Action", "Edge", "Piece", "Program", "PROGRAM_FILE", "STREAMS", "lower", "pieces", "ranges",
-           "stash_layers", "stream_layer", "stream_names", "IN_STREAM", "OUT_STREAM"]
+__all__ = ["Action", "Edge", "Piece", "Program", "PROGRAM_FILE", "STREAMS", "buffer_chain", "lower", "pieces",
+           "ranges", "stash_layers", "state_sources", "stream_layer", "stream_names", "IN_STREAM", "OUT_STREAM"]
 
-SCHEMA_VERSION = 2  # 2: LOADs name their source, Program.sources
+SCHEMA_VERSION = 2  # 2: LOADs name their source; Program.sources, Program.after
 PROGRAM_FILE = "program.msgpack"
 STREAMS = ("compute", "swap-in", "swap-out", "p2p-in", "p2p-out")
 
@@ -245,6 +245,8 @@ class Program:
     # (consumer, input index) -> (producer, output index) of every input that is not an edge and
     # that a task of the graph produced: pack state, optimizer state, gradients (``state_sources``)
     sources: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
+    # task -> the earlier task whose buffers it continues: its state loads once that one is done
+    after: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         into: dict[tuple[int, str, int], list[Edge]] = {}
@@ -311,7 +313,8 @@ class Program:
                 "streams": {str(d): {s: [asdict(a) for a in acts] for s, acts in per.items()}
                             for d, per in self.streams.items()},
                 "peaks": {str(d): int(p) for d, p in self.peaks.items()},
-                "sources": [[c, i, p, o] for (c, i), (p, o) in sorted(self.sources.items())]}
+                "sources": [[c, i, p, o] for (c, i), (p, o) in sorted(self.sources.items())],
+                "after": [[t, e] for t, e in sorted(self.after.items())]}
 
     @classmethod
     def from_dict(cls, body: dict) -> "Program":
@@ -319,7 +322,8 @@ class Program:
                    streams={int(d): {s: [Action(**a) for a in acts] for s, acts in per.items()}
                             for d, per in body["streams"].items()},
                    peaks={int(d): int(p) for d, p in body.get("peaks", {}).items()},
-                   sources={(int(c), int(i)): (int(p), int(o)) for c, i, p, o in body.get("sources", [])})
+                   sources={(int(c), int(i)): (int(p), int(o)) for c, i, p, o in body.get("sources", [])},
+                   after={int(t): int(e) for t, e in body.get("after", [])})
 
     def save(self, directory: str | Path) -> Path:
         path = Path(directory) / PROGRAM_FILE
@@ -487,6 +491,25 @@ def state_sources(graph: TaskGraph, reads: dict[int, list[tuple[int, str]]] | No
     return sources
 
 
+def buffer_chain(graph: TaskGraph) -> dict[int, int]:
+    """Tasks whose forward updates buffers (BatchNorm statistics) update them in the plan's order,
+    which lists microbatches in minibatch order, as eager training does: each task writing buffers
+    -> the previous writer of any of its layers' buffers (on any device). Its state (weights and
+    buffers, loaded together) is not loaded until that writer is done, outputs gone: it would
+    otherwise read statistics one microbatch old."""
+    after: dict[int, int] = {}
+    writers: list[Task] = []
+    for task in graph.tasks:
+        if not any(t.tensor == "B" for t in task.outputs):
+            continue
+        for earlier in reversed(writers):
+            if earlier.first <= task.last and task.first <= earlier.last:
+                after[task.id] = earlier.id
+                break
+        writers.append(task)
+    return after
+
+
 def lower(graph: TaskGraph, profile: Profile | None, streams: bool = True) -> Program:
     """The program of ``graph``: its edges and, per device and stream, the ordered actions (edge
     bytes from ``profile``; 0 without one). ``streams=False`` lowers the edges alone (no actions):
@@ -496,6 +519,7 @@ def lower(graph: TaskGraph, profile: Profile | None, streams: bool = True) -> Pr
                       dict(graph.memory.devices) if graph.memory is not None else {})
     program._reads = reads
     program.sources = state_sources(graph, reads)
+    program.after = buffer_chain(graph)
     if not streams:
         return program
     b = _Builder(graph, program, graph.memory.prefetch if graph.memory is not None else None)

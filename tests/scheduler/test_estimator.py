@@ -306,7 +306,9 @@ def test_a_thousand_task_graph_estimates_fast(profile):
         est = estimate(g, profile, m, record_events=False)
         best = min(best, time.perf_counter() - t0)
     assert est.iteration_time == first.iteration_time
-    assert best < 0.2, f"1000 tasks took {best:.3f} s"
+    # a guard against a quadratic blow-up (about 0.15 s alone on two cores), not a speed target:
+    # bench/search_time.py measures the search's speed
+    assert best < 0.5, f"1000 tasks took {best:.3f} s"
     # the pipeline really overlaps: far below the serial sum of everything
     serial = sum(sum(d.values()) for d in est.busy.values())
     assert est.iteration_time < serial

@@ -132,6 +132,41 @@ def test_the_estimate_says_which_states_load_during_which_unit_of_the_task_befor
     assert tight.prefetched == {}  # no room beside the first task: loaded once it has ended
 
 
+def test_a_task_wide_stream_input_counts_from_the_task_start_not_from_the_lookahead(profile):
+    """One microbatch's stash (microbatch None) is copied in as its task starts, like any first
+    microbatch's input, not beside the task before (a dp-swap plan promised 43% too much)."""
+    big = 100 * W
+    first = bwd(0, 0, 0, mbs=(U,), inputs=[Transfer("W", Channel.SWAP, W)])
+    second = bwd(1, 1, 1, mbs=(U,), inputs=[Transfer("W", Channel.SWAP, W), Transfer("Xs", Channel.SWAP, big)])
+    est = estimate(graph([first, second]), profile, machine())
+    assert est.task_peaks[0] < big
+
+
+def test_a_running_gradient_is_the_tasks_gradient_buffer_counted_once(profile):
+    """A per-GPU-swap baseline's backward starts from the gradient so far: it becomes the task's
+    gradient buffers, which its state counts; not a second copy beside them."""
+    start = bwd(1, 0, 0, inputs=[Transfer("W", Channel.SWAP, W), Transfer("dW", Channel.SWAP, W, task=0)])
+    assert memory.covers(start, 0, 1, "dW")
+    held = memory.task_memory(start, profile)
+    assert memory.reserve(start, profile) == held.peak
+    first = bwd(0, 0, 0, inputs=[Transfer("W", Channel.SWAP, W)], outputs=[Transfer("dW", Channel.SWAP, W, task=1)])
+    est = estimate(graph([first, start]), profile, machine("cpu"))  # outputs leaving not counted
+    assert est.task_peaks[1] == held.peak
+
+
+def test_a_task_continuing_anothers_buffers_loads_its_state_once_that_one_is_done(profile):
+    """BatchNorm statistics are updated in microbatch order: the runtime loads the next writer's
+    weights and buffers together only after the writer before is done, so neither is prefetched."""
+    def writer(tid):
+        return Task(id=tid, device=0, kind=Kind.FWD, first=0, last=0, microbatches=[U],
+                    inputs=[Transfer("W", Channel.SWAP, W), Transfer("B", Channel.SWAP, 8, task=tid - 1 if tid else None)],
+                    outputs=[Transfer("B", Channel.SWAP, 8, task=tid + 1)])
+    tasks = [writer(0), writer(1)]
+    est = estimate(graph(tasks), profile, machine())
+    assert 1 not in est.prefetched
+    assert est.task_peaks[0] == memory.task_memory(tasks[0], profile).peak
+
+
 def test_a_memory_plan_travels_with_its_task_graph():
     plan = MemoryPlan(devices={0: 10, 1: 20}, tasks={3: 5}, reserves={3: 4}, prefetch={4: 1})
     g = graph([])
