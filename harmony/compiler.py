@@ -17,6 +17,8 @@ import torch
 
 from harmony.decomposer.decompose import decompose
 from harmony.decomposer.layer_graph import LayerGraph, dtype_from_str
+from harmony.decomposer.sample_mixing import describe as describe_mixing
+from harmony.decomposer.sample_mixing import sample_mixing_layers
 from harmony.errors import HarmonyError
 from harmony.plan import Plan
 from harmony.profiling.sweep import Profiler, training_footprint
@@ -244,7 +246,9 @@ def batch_coupled(graph: LayerGraph) -> str:
     a layer that draws random numbers (dropout masks are drawn per microbatch) or normalizes over
     the batch (BatchNorm in training mode) gives other results on other microbatches, and a value
     between layers that the decomposer could not cut along a batch dim (``LayerGraph.coupled_inputs``)
-    must reach the backward on the microbatch it was made for."""
+    must reach the backward on the microbatch it was made for. Layers whose own code mixes samples
+    (``x - x.mean(0)``) are found by running them (``decomposer/sample_mixing.py``); a layer that
+    mixes through a BatchNorm keeps BatchNorm's reason."""
     reasons = []
     coupled = graph.coupled_inputs()
     if coupled:
@@ -252,17 +256,22 @@ def batch_coupled(graph: LayerGraph) -> str:
         more = f" and {len(coupled) - 1} more" if len(coupled) > 1 else ""
         reasons.append(f"value {name} entering layer {layer}{more} depends on the microbatch size in a way that "
                        "cannot be cut between microbatches")
+    batchnorm_layers: set[int] = set()
     if graph.training:
         text = "\n".join(graph.sources.values())
         found = [name.rstrip("(").split(".")[-1] for name in _RANDOM_CALLS if name in text]
-        for module in graph.modules or []:
+        for index, module in enumerate(graph.modules or []):
             for sub in module.modules():
                 if isinstance(sub, torch.nn.modules.dropout._DropoutNd) and sub.p > 0:
                     found.append(type(sub).__name__)
                 if isinstance(sub, torch.nn.modules.batchnorm._BatchNorm):
                     reasons.append(f"{type(sub).__name__} normalizes over the microbatch")
+                    batchnorm_layers.add(index)
         if found:
             reasons.insert(0, f"layers draw random numbers ({', '.join(sorted(set(found)))})")
+    mixing = [layer for layer in sample_mixing_layers(graph) if layer.index not in batchnorm_layers]
+    if mixing:
+        reasons.append(describe_mixing(mixing))
     return "; ".join(dict.fromkeys(reasons))
 
 
