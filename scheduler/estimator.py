@@ -197,7 +197,7 @@ class _Xfer:
     __slots__ = (
         "kind", "nbytes", "dur", "link", "src", "dst", "need", "end_units", "end_xfers", "unit",
         "alloc_dst", "free_src", "free_dst", "done", "start", "transfer", "task_id",
-        "remaining", "version", "fetch_after", "fetch_at_end", "fetched",
+        "remaining", "version", "fetch_after", "fetch_at_end", "fetched", "fit",
     )
 
     def __init__(self, kind: int, transfer: Transfer, task_id: int, src: int | None, dst: int | None):
@@ -223,6 +223,7 @@ class _Xfer:
         self.fetch_after: _Unit | None = None  # the unit whose start (or end) the device copy waits for
         self.fetch_at_end = False
         self.fetched = False  # its bytes are on the device
+        self.fit = 0  # bytes that must fit for a prefetch to start: its own, or a whole pack state's
 
 
 class _Link:
@@ -608,12 +609,19 @@ class _Simulation:
             prev_end = self.last_unit_prev[task.id] if task.kind == Kind.UPD and not on_host else None
             task_units = self.units_of[task.id]
             streams = dict(program.reads(task))
+            state = []
             for index, i in enumerate(task.inputs):
-                self._build_input(program, task, index, streams.get(index), s, on_host, prev_first, prev_end,
-                                  task_units)
+                x = self._build_input(program, task, index, streams.get(index), s, on_host, prev_first, prev_end,
+                                      task_units)
+                if x is not None and i.tensor in _STATE and x.kind == _IN:
+                    state.append(x)
+            if len(state) > 1:  # the runtime loads a pack's weights and buffers together, or neither
+                state[0].fit = sum(x.alloc_dst for x in state)
 
     def _build_input(self, program: Program, task: Task, index: int, stream: str | None, s: int, on_host: bool,
-                     prev_first: _Unit | None, prev_end: _Unit | None, task_units: list[_Unit]) -> None:
+                     prev_first: _Unit | None, prev_end: _Unit | None, task_units: list[_Unit]) -> _Xfer | None:
+        """The transfer bringing the task's input ``index`` in, with its dependencies (None where
+        nothing is copied: a dependency on the producer alone)."""
         i = task.inputs[index]
         by_id = self.by_id
         cu = task_units[memory.input_unit(task, i.tensor, i.microbatch, len(task_units))]
@@ -645,7 +653,7 @@ class _Simulation:
         if x is not None:
             x.unit = cu
             if not on_host:
-                x.alloc_dst = i.nbytes
+                x.alloc_dst = x.fit = i.nbytes
                 if per_mb or stream is not None or _running_gradient(task, i):
                     _fetch_point(x, task_units, self.last_unit_prev[task.id])
                 _hold(cu, i.nbytes, per_mb, covered, task_units)
@@ -663,7 +671,7 @@ class _Simulation:
             x.end_units.append(cu)
             cu.need += 1
             cu.waits.append((i, k, x))
-            return
+            return x
         if source is not None:
             source.end_units.append(cu)
             cu.need += 1
@@ -678,6 +686,7 @@ class _Simulation:
             held = memory.resident_bytes(by_id[k], self.profile)
             self.units_of[k][-1].alloc_end += held
             task_units[-1].release_end += held
+        return None
 
     def _after_writer(self, x: _Xfer, writer: int) -> None:
         """A state load of a task continuing another's buffers (``Program.after``) waits until that
@@ -944,7 +953,7 @@ class _Simulation:
             return
         x = q[0][2]
         c = self.caps[s]
-        if c is not None and not x.fetched and self.mem[s] + x.alloc_dst > c:
+        if c is not None and not x.fetched and self.mem[s] + x.fit > c:
             # a prefetch that does not fit waits, unless the compute stream idles waiting for it
             if self.computing[s] or self.ptr[s] != x.unit.order:
                 return

@@ -167,6 +167,20 @@ def test_a_task_continuing_anothers_buffers_loads_its_state_once_that_one_is_don
     assert est.task_peaks[0] == memory.task_memory(tasks[0], profile).peak
 
 
+def test_a_pack_state_is_prefetched_whole_or_not_at_all(profile):
+    """The runtime loads a pack's weights and buffers together: where the weights alone would fit
+    beside the running task but not with the buffers, nothing is prefetched (a plan that counted
+    the weights alone was passed by the buffers' bytes)."""
+    a = Task(id=0, device=0, kind=Kind.FWD, first=0, last=0, microbatches=[U], inputs=[Transfer("W", Channel.SWAP, W)])
+    b = Task(id=1, device=0, kind=Kind.FWD, first=1, last=1, microbatches=[U],
+             inputs=[Transfer("W", Channel.SWAP, W), Transfer("B", Channel.SWAP, 100)])
+    running = memory.task_memory(a, profile).peak
+    roomy = estimate(graph([a, b]), profile, machine(), capacity=running + W + 100)
+    assert roomy.prefetched == {1: 0}
+    tight = estimate(graph([a, b]), profile, machine(), capacity=running + W + 50)
+    assert tight.prefetched == {} and tight.peak_memory[0] <= running + W + 50
+
+
 def test_a_memory_plan_travels_with_its_task_graph():
     plan = MemoryPlan(devices={0: 10, 1: 20}, tasks={3: 5}, reserves={3: 4}, prefetch={4: 1})
     g = graph([])
