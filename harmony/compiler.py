@@ -109,7 +109,7 @@ def compile_plan(
     results = {}
     infeasible: list[str] = []
     planned = int(capacity * (1 - options.memory_margin))
-    same_u = batch_coupled(graph)
+    same_u = batch_coupled(graph, _two_samples(graph, get_batch, options.minibatch))
     if same_u:
         log.info("U_F = U_B: %s", same_u)
     for mode in (MODES if options.compare else (options.mode,)):
@@ -241,14 +241,25 @@ _RANDOM_CALLS = ("functional.dropout", "functional.alpha_dropout", "functional.f
                  ".uniform_(", "native_dropout")
 
 
-def batch_coupled(graph: LayerGraph) -> str:
+def _two_samples(graph: LayerGraph, get_batch, minibatch: int) -> tuple | None:
+    """Real model inputs of two samples for the sample-mixing check (None, and synthesised inputs,
+    where the minibatch has one sample or the batch does not line up with the graph's inputs)."""
+    if minibatch < 2:
+        return None
+    inputs = get_batch(2, 0)[0]
+    inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    return inputs if len(inputs) == len(graph.inputs) else None
+
+
+def batch_coupled(graph: LayerGraph, inputs: tuple | None = None) -> str:
     """Why the forward's microbatches must be the recompute's (U_F = U_B), or "" if they need not:
     a layer that draws random numbers (dropout masks are drawn per microbatch) or normalizes over
     the batch (BatchNorm in training mode) gives other results on other microbatches, and a value
     between layers that the decomposer could not cut along a batch dim (``LayerGraph.coupled_inputs``)
     must reach the backward on the microbatch it was made for. Layers whose own code mixes samples
     (``x - x.mean(0)``) are found by running them (``decomposer/sample_mixing.py``); a layer that
-    mixes through a BatchNorm keeps BatchNorm's reason."""
+    mixes through a BatchNorm keeps BatchNorm's reason. ``inputs``: the model's example inputs for
+    that check (synthesised from the graph's specs without them)."""
     reasons = []
     coupled = graph.coupled_inputs()
     if coupled:
@@ -269,7 +280,7 @@ def batch_coupled(graph: LayerGraph) -> str:
                     batchnorm_layers.add(index)
         if found:
             reasons.insert(0, f"layers draw random numbers ({', '.join(sorted(set(found)))})")
-    mixing = [layer for layer in sample_mixing_layers(graph) if layer.index not in batchnorm_layers]
+    mixing = [layer for layer in sample_mixing_layers(graph, inputs) if layer.index not in batchnorm_layers]
     if mixing:
         reasons.append(describe_mixing(mixing))
     return "; ".join(dict.fromkeys(reasons))
