@@ -273,13 +273,24 @@ class Profiler:
             upd_bytes, upd_scalar_bytes = update_scratch(params, self.build_optimizer, self.device)
         except DeviceOutOfMemoryError:
             upd_device = float("inf")  # the update of this layer must be offloaded to the host
-            upd_bytes = upd_scalar_bytes = 0
+            upd_bytes, upd_scalar_bytes = self._unbounded_update_scratch(index, params)
         return LayerProfile(
             index=index, name=self.graph.layers[index].name, w_bytes=w_bytes,
             dw_bytes=sum(p.numel() * p.element_size() for p in params), k_bytes=k_bytes, b_bytes=b_bytes,
             upd_time_device=upd_device, upd_time_host=upd_host, upd_bytes=upd_bytes,
             upd_scalar_bytes=upd_scalar_bytes,
         )
+
+
+    def _unbounded_update_scratch(self, index: int, params: list[torch.Tensor]) -> tuple[int, int]:
+        """``update_scratch`` of a layer whose update does not fit the device, measured on an
+        emulated device without a limit: a plan that still steps it on the device (the per-GPU
+        baselines know no other place) must count its temporaries, so that it is refused rather
+        than run out of memory. On a GPU this is the CPU optimizer's figure, logged as such."""
+        if self.device.kind != "cpu":
+            log.warning("layer %d's update does not fit the device; its temporaries are taken from a step on "
+                        "the CPU", index)
+        return update_scratch(params, self.build_optimizer, CpuDevice("update scratch", None))
 
 
 def training_footprint(graph: LayerGraph, get_batch: Callable[[int, int], tuple], minibatch: int, k_per_w: float = 2.0) -> int:

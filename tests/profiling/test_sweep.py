@@ -164,3 +164,18 @@ def test_a_packs_update_memory_counts_every_parameters_step_counter():
     scratch, scalars = update_scratch(params, adam, CpuDevice("emu", None))
     assert scalars == sum(layer.upd_scalar_bytes for layer in profile.layers) == 4 * len(params)
     assert profile.pack_update_memory(0, len(profile.layers) - 1) >= scratch + scalars
+
+
+def test_a_layer_whose_update_does_not_fit_the_device_still_has_its_update_temporaries_measured():
+    """Its update must go to the host (time inf on the device), but a per-GPU baseline steps it on
+    the device anyway: with its temporaries counted as 0 such a plan promised 1.6 MB and asked for
+    1.8 MB (issue 14's long run, HF GPT-2 in dp-swap); measured, the plan is refused instead."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(WIDTH, 256), torch.nn.Linear(256, 256), torch.nn.Linear(256, 10))
+    graph = harmony.decompose(model, _get_batch(2, 0)[0])
+    adam = lambda p: torch.optim.Adam(p, lr=1e-3)  # noqa: E731
+    big = 256 * 257 * 4
+    profile = Profiler(graph, _get_batch, adam, CpuDevice("emu", 7 * big // 2), trials=0).profile(u_cap=2, samples=2)
+    layer = next(layer for layer in profile.layers if layer.w_bytes == big)
+    assert layer.upd_time_device == float("inf")
+    assert layer.upd_bytes >= 256 * 256 * 4 // 4 and layer.upd_scalar_bytes == 2 * 4  # Adam's denominator; 2 steps
