@@ -563,6 +563,7 @@ class _Builder:
         for device in sorted({t.device for t in graph.tasks} | set(range(graph.devices))):
             self.streams[device] = {s: [] for s in STREAMS}
         self.program, self.prefetch = program, prefetch
+        self.by_id = {t.id: t for t in graph.tasks}
         self.loaded: set[int] = set()  # tasks whose state an earlier action loaded
 
     def add(self, device: int, actions: list[Action]) -> None:
@@ -573,6 +574,18 @@ class _Builder:
         if task.id not in self.loaded:
             self.loaded.add(task.id)
             self.add(task.device, _state_loads(task, self.program.sources))
+
+    def running_gradient(self, task: Task) -> list[Action]:
+        """A per-GPU-swap backward's gradient so far, loaded as the task starts (after its state,
+        before its first microbatch's inputs) to become its gradient buffers. A tied weight's share
+        from another pack is not one: the step adds it."""
+        if task.kind != Kind.BWD:
+            return []
+        same = [n for n, t in enumerate(task.inputs) if t.tensor == "dW" and t.channel == Channel.SWAP and t.nbytes
+                and t.task in self.by_id and (self.by_id[t.task].first, self.by_id[t.task].last) == (task.first, task.last)]
+        sources = self.program.sources
+        return [Action("swap-in", "LOAD", task.id, tensor="dW", nbytes=task.inputs[n].nbytes,
+                       src=sources[(task.id, n)][0] if (task.id, n) in sources else None) for n in same]
 
     def recvs(self, task: Task, unit: int) -> None:
         for stream in read_order(task):
@@ -601,6 +614,7 @@ class _Builder:
             self.add(task.device, _state_stores(task))
             return
         units = len(task.microbatches)
+        self.add(task.device, self.running_gradient(task))
         self.recvs(task, 0)
         name = task.kind.value + ("+loss" if task.loss else "")
         for unit in range(units):
