@@ -27,7 +27,7 @@ from harmony.profiling.analytic import analytic_profile
 from harmony.scheduler.devicespec import load_spec
 from harmony.scheduler.estimator import chrome_trace, estimate
 from harmony.scheduler.machine import Machine
-from harmony.scheduler.memory import memory_plan
+from harmony.scheduler.memory import fused_update, memory_plan
 from harmony.profiling.profiles import PackSample, Profile, TiedWeight
 from harmony.scheduler.search import NoFeasibleConfiguration, SearchResult, search
 from harmony.scheduler.taskgraph import MODES
@@ -192,9 +192,13 @@ def measured_packs_plan(result: SearchResult, profile: Profile, machine: Machine
 
 
 def plan_packs(graph) -> set[tuple[int, int, int]]:
-    """(first, last, u) of every FWD and BWD task of a device, at each of its microbatch sizes."""
-    return {(t.first, t.last, u) for t in graph.tasks
-            if t.kind in (Kind.FWD, Kind.BWD) and t.device != HOST for u in set(t.microbatches)}
+    """(first, last, u) of every FWD and BWD task of a device, at each of its microbatch sizes,
+    and (first, last, 0) of every pack it steps on a device (a UPD task, or a fused update)."""
+    packs = {(t.first, t.last, u) for t in graph.tasks
+             if t.kind in (Kind.FWD, Kind.BWD) and t.device != HOST for u in set(t.microbatches)}
+    packs |= {(t.first, t.last, 0) for t in graph.tasks
+              if t.device != HOST and (t.kind == Kind.UPD or (fused_update(t) and t.jit_update()))}
+    return packs
 
 
 def pack_measurer(graph: LayerGraph, get_batch, build_optimizer, loss_fn, options: CompileOptions, capacity: int):

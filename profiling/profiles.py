@@ -195,10 +195,11 @@ class PackSample:
 
     first: int
     last: int
-    u: int
+    u: int  # 0: the pack's optimizer step on the device, in ``upd_bytes``
     fwd_peak: int
     bwd_peak: int
     bwd_first_peak: int = 0  # a group's first microbatch (0: as ``bwd_peak``)
+    upd_bytes: int = 0  # (u = 0) what the step holds beyond weights, gradients and state K
 
 
 @dataclass
@@ -358,7 +359,11 @@ class Profile:
     def pack_update_memory(self, first: int, last: int) -> int:
         """What one step of a pack's parameters holds on the device beyond the weights, gradients
         and state K: the optimizer's temporaries (the largest layer's, and the others' by
-        ``update_growth``) and every layer's scalar state (step counters), which do not share."""
+        ``update_growth``) and every layer's scalar state (step counters), which do not share; or,
+        for a pack a plan steps on the device, its step measured whole (``PackSample`` u = 0)."""
+        measured = self.measured_pack(first, last, 0)
+        if measured is not None:
+            return measured.upd_bytes
         layers = self.layers[first:last + 1]
         scratch = [layer.upd_bytes for layer in layers]
         if not scratch:

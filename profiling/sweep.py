@@ -205,10 +205,10 @@ class Profiler:
         BWD task's, the loss task's for a pack of the last layer. A plan's estimate then rests on
         what its own packs hold, not on composing layers (an upper bound, loose where layers share
         tensors). A pack whose backward does not fit the device is left out, and so is the last
-        pack without a loss function."""
-        out = []
+        pack without a loss function. ``u = 0`` asks for the pack's optimizer step (``upd_bytes``)."""
+        out = [self._update_sample(first, last) for first, last, u in sorted(packs) if u == 0]
         last_layer = len(self.graph.modules) - 1
-        for u in sorted({u for _, _, u in packs}):
+        for u in sorted({u for _, _, u in packs} - {0}):
             inputs = [self._inputs(u)]
             for module in self.graph.modules[:-1]:
                 inputs.append(measure_layer(module, inputs[-1], CpuDevice("feed"), trials=0, backward=False)[1])
@@ -223,6 +223,18 @@ class Profiler:
                 out.append(PackSample(first=first, last=last, u=u, fwd_peak=m.fwd_peak, bwd_peak=m.bwd_peak,
                                       bwd_first_peak=m.bwd_first_peak))
         return out
+
+    def _update_sample(self, first: int, last: int) -> PackSample:
+        """The optimizer step of a pack's parameters measured whole: its temporaries and scalar
+        state (``update_scratch``). Composed from its layers (the largest layer's temporaries, the
+        others' by ``Profile.update_growth``) it was off by a few bytes either way."""
+        params = list({id(p): p for m in self.graph.modules[first:last + 1] for p in m.parameters()
+                       if p.requires_grad}.values())
+        try:
+            scratch, scalars = update_scratch(params, self.build_optimizer, self.device)
+        except DeviceOutOfMemoryError:
+            scratch, scalars = update_scratch(params, self.build_optimizer, CpuDevice("update scratch", None))
+        return PackSample(first=first, last=last, u=0, fwd_peak=0, bwd_peak=0, upd_bytes=scratch + scalars)
 
     def _loss_sample(self, u: int, inputs: tuple, out: list[LossSample]) -> None:
         """The last layer's loss task alone at ``u`` (``LossSample``); none recorded where it

@@ -179,3 +179,20 @@ def test_a_layer_whose_update_does_not_fit_the_device_still_has_its_update_tempo
     layer = next(layer for layer in profile.layers if layer.w_bytes == big)
     assert layer.upd_time_device == float("inf")
     assert layer.upd_bytes >= 256 * 256 * 4 // 4 and layer.upd_scalar_bytes == 2 * 4  # Adam's denominator; 2 steps
+
+
+def test_a_packs_optimizer_step_is_measured_whole_for_a_plan_and_replaces_the_composition():
+    """A pack's update temporaries composed from its layers (the largest layer's, the others' by a
+    growth factor) fell 77 bytes short of a run (issue 14's long run, seed 5, gpipe-swap); a plan
+    measures the steps it makes on the device whole (PackSample u = 0)."""
+    from harmony.profiling.measure import update_scratch
+
+    graph = harmony.decompose(_mlp(), _get_batch(2, 0)[0])
+    adam = lambda p: torch.optim.Adam(p, lr=1e-3)  # noqa: E731
+    profiler = Profiler(graph, _get_batch, adam, CpuDevice("emu", None), trials=0)
+    profile = profiler.profile(u_cap=2, samples=2)
+    (sample,) = profiler.measure_packs([(0, 2, 0)])
+    params = [p for m in graph.modules[0:3] for p in m.parameters()]
+    assert sample.u == 0 and sample.upd_bytes == sum(update_scratch(params, adam, CpuDevice("emu", None)))
+    profile.add_packs([sample])
+    assert profile.pack_update_memory(0, 2) == sample.upd_bytes
