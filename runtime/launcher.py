@@ -53,10 +53,12 @@ from harmony.runtime import p2p as p2p_transport
 from harmony.runtime.channels import Aborted, Mailbox, Slabs
 from harmony.runtime import processes
 from harmony.runtime.device import CpuDevice, Device, cuda_device
-from harmony.runtime.executor import Batch, Executor, IterationResult, Shared, describe, host_update
+from harmony.runtime.executor import Batch, Executor, IterationResult, describe
+from harmony.runtime.flags import Shared
 from harmony.runtime.hoststore import HostStore
 from harmony.runtime.routes import Routes, build_routes
 from harmony.runtime.streams import SWITCH_INTERVAL
+from harmony.runtime.updates import host_update
 from harmony.scheduler.tasks import HOST, Channel, Kind, TaskGraph
 
 if TYPE_CHECKING:  # a plan's numbers, read; the runtime imports nothing of calibration

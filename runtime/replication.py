@@ -44,7 +44,7 @@ import numpy as np
 
 from harmony.decomposer.layer_graph import LayerGraph
 from harmony.runtime.channels import Aborted
-from harmony.runtime.executor import Shared
+from harmony.runtime.flags import Shared
 from harmony.runtime.hoststore import HostStore
 from harmony.runtime.routes import Routes
 from harmony.scheduler.tasks import HOST, Kind, Task

@@ -53,12 +53,14 @@ from harmony.decomposer.layer_graph import dtype_from_str
 from harmony.errors import HarmonyError
 from harmony.runtime.channels import Aborted, Slabs
 from harmony.runtime.device import CpuDevice, cuda_device
-from harmony.runtime.executor import Batch, Executor, IterationResult, Shared, host_update
+from harmony.runtime.executor import Batch, Executor, IterationResult
+from harmony.runtime.flags import Shared
 from harmony.runtime.hoststore import HostStore, Layout
 from harmony.runtime.launcher import StepResult, WorkerError, slab_sizes, working_memory
 from harmony.runtime.p2p import DistTransport, backend_for, p2p_pairs, pair_groups, resolve
 from harmony.runtime.replication import PeerWatch, ReplicatedShared, Replicator, task_writes
 from harmony.runtime.routes import build_routes
+from harmony.runtime.updates import host_update
 from harmony.scheduler.tasks import HOST
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,177 @@
+"""Admission: whether a copy or an allocation may take device memory now (docs/architecture.md,
+"The memory model", how the runtime keeps the plan's promise).
+
+- A copy made ahead of need (a state prefetch, the next microbatch's inputs, a P2P receive buffer)
+  may take the device only up to the plan's peak for it (``_prefetch_limit``), and must leave free
+  what the running task has yet to allocate: its ``_headroom``, the plan's reserve for it
+  (``_reserve``) until its state is in (``packstate.py`` lowers it then).
+- A copy the compute thread is blocked on is *urgent*: it may use the margin, and fails with
+  ``DeviceOutOfMemoryError`` only once it has found no room for a second (``_with_room``).
+- On emulated devices the memory tracker calls back here: past the plan's peak for the device
+  (``_let_outputs_leave``) and before it refuses an allocation of the compute thread
+  (``_reclaim``), outputs still leaving the device go first, since the plan counts them as gone.
+
+Part of ``Executor`` (``executor.py``), mixed in: ``self`` is the executor.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from harmony.errors import DeviceOutOfMemoryError
+from harmony.runtime.channels import Aborted, Counters
+from harmony.runtime.device import Device
+from harmony.runtime.streams import Stream
+from harmony.scheduler.tasks import Task
+
+if TYPE_CHECKING:
+    from harmony.runtime.flags import Shared
+    from harmony.runtime.transport import Values
+
+URGENT_STALL = 1.0  # seconds an urgent allocation keeps finding no room before it is out of memory
+RETRY = 0.001  # seconds between tries of an allocation that found no room
+
+
+class NoRoom(Exception):
+    """A prefetch that would not fit now (and was told not to wait)."""
+
+
+def on_compute_thread() -> bool:
+    """Stream threads are named ``harmony-...`` (``streams.Stream``); the compute thread is not."""
+    return not threading.current_thread().name.startswith("harmony-")
+
+
+class Admission:
+    """Room on the device for what is copied in and allocated; see the module docs."""
+
+    device: Device
+    shared: Shared
+    counters: Counters
+    swap_out: Stream
+    p2p_out: Stream
+    timeout: float
+    working_memory: dict[int, int]  # per task, its planned working memory (a plan without a memory plan)
+    _budget: int | None  # the plan's peak for this device
+    _reserves: dict[int, int]  # per task, the most it holds at once (the plan's reserve)
+    _prefetches: dict[int, int] | None  # per task, the unit its state loads at (None: no memory plan)
+    _headroom: int  # bytes the running task may still allocate: copies made ahead leave them free
+    _waiting: bool  # the compute thread is blocked on a stream's job
+    _task: int | None  # the task the compute thread runs
+    _gave_up_waiting: int | None  # the task whose outputs would not leave in time
+
+    def _to_device(self, t: torch.Tensor, channel: str, tensor: str, wait: bool = True, count: bool = True,
+                   room: int | None = None) -> torch.Tensor:
+        """A counted copy into device memory that waits while memory is short and work that can
+        free it is still running; gives up (out of memory) once the compute thread is blocked on
+        it and nothing was freed for a second. Without ``wait`` (a prefetch that gives up rather
+        than hold its stream) it is never urgent: it fits beside the running task or not at all.
+        ``room``: what it must leave free for the running task (default: the task's headroom)."""
+        nbytes = t.numel() * t.element_size()
+        urgent = self._compute_blocked if wait else on_compute_thread
+        out = self._with_room(nbytes, lambda: self.device.to_device(t), urgent, wait, room)
+        if count:
+            self.counters.add(channel, "in", tensor, nbytes)
+        return out
+
+    def _values_to_device(self, values: Values, channel: str, tensor: str) -> Values:
+        """A microbatch's inputs copied in. Under a memory plan they come one microbatch ahead, as the
+        plan counts them (beside the running microbatch's work): they keep no more room free."""
+        room = 0 if self._prefetches is not None else None
+        return [self._to_device(v, channel, tensor, room=room) if isinstance(v, torch.Tensor) else v for v in values]
+
+    def _compute_blocked(self) -> bool:
+        """Whether the copy being made is one the compute thread waits for (or makes itself)."""
+        return self._waiting or on_compute_thread()
+
+    def _with_room(self, nbytes: int, make: Callable[[], Any], urgent: Callable[[], bool], wait: bool = True,
+                   room: int | None = None) -> Any:
+        """``make()`` (an allocation of ``nbytes`` on the device) once there is room: while it is not
+        ``urgent`` it leaves ``room`` (default: what the running task still allocates) and waits while
+        memory is short; once urgent (the compute thread waits for it) it takes what there is, and
+        gives up (out of memory) when nothing was freed for a second.
+
+        Not ``channels.wait_until``: each try is the allocation itself (the allocator, or on an
+        emulated device the tracker, says whether it fits), and a copy may become urgent between
+        tries."""
+        stalled_since = None  # when an urgent try first failed (reset while the copy is not urgent)
+        while True:
+            try:
+                if not urgent() and not self._fits_ahead(nbytes, room):
+                    # a copy made ahead of need that would take the plan's room waits as if refused
+                    raise DeviceOutOfMemoryError(self.device.name, nbytes, self.device.allocated(), self.device.capacity)
+                return make()
+            except (DeviceOutOfMemoryError, torch.cuda.OutOfMemoryError) as exc:
+                if not wait:
+                    raise NoRoom from None
+                if self.shared.aborted():
+                    raise Aborted("the run was aborted by another worker's failure") from None
+                if urgent():
+                    now = time.monotonic()
+                    stalled_since = stalled_since or now
+                    if now - stalled_since > URGENT_STALL:
+                        if isinstance(exc, DeviceOutOfMemoryError):
+                            raise
+                        raise DeviceOutOfMemoryError(self.device.name, nbytes, self.device.allocated(),
+                                                     self.device.capacity) from exc
+                else:
+                    stalled_since = None
+                time.sleep(RETRY)
+
+    def _fits_ahead(self, nbytes: int, room: int | None) -> bool:
+        """Whether a copy of ``nbytes`` made ahead of need stays within the prefetch limit and leaves
+        ``room`` free (default: the running task's headroom)."""
+        free = self._headroom if room is None else room
+        return self.device.allocated() + nbytes + free <= self._prefetch_limit()
+
+    def _prefetch_limit(self) -> int:
+        """Bytes a copy made ahead of need may take the device to: the plan's peak for it (the rest
+        of the device is the margin left for noise), or the device's capacity without one."""
+        if self._budget is None:
+            return self.device.capacity
+        return min(self._budget, self.device.capacity)
+
+    def _reserve(self, task: Task) -> int:
+        """Room the running task needs before its state is in: the plan's reserve (the most it
+        holds at once), or, for a plan without one, its planned working memory."""
+        if task.id in self._reserves:
+            return self._reserves[task.id]
+        return self.working_memory.get(task.id, 0)
+
+    def _let_outputs_leave(self) -> None:
+        """An allocation would take the device past the plan's peak for it: the plan does not count
+        outputs still leaving the device (queued swap-outs and sends; see the estimator's module
+        docs), so let them go first. A job that cannot finish within a second (a send whose
+        receiver is short of room) is not waited for again in this task; nor do the outbound
+        streams wait for themselves."""
+        if self._gave_up_waiting == self._task or self._on_outbound_stream():
+            return
+        for stream in (self.swap_out, self.p2p_out):
+            if not stream.busy():
+                continue
+            try:
+                stream.submit(lambda: None).result(timeout=1.0)
+            except TimeoutError:
+                self._gave_up_waiting = self._task
+                return
+            except Exception:  # noqa: BLE001 - a failed job reports itself where it is awaited
+                return
+
+    def _on_outbound_stream(self) -> bool:
+        name = threading.current_thread().name
+        return name in (f"harmony-{self.swap_out.name}", f"harmony-{self.p2p_out.name}")
+
+    def _reclaim(self) -> bool:
+        """The memory manager's last resort before out-of-memory on the compute thread: outputs
+        still on their way to the host (and the device tensors they hold) are waited for."""
+        if not on_compute_thread():
+            return False
+        for stream in (self.p2p_out, self.swap_out):
+            try:
+                stream.submit(lambda: None).result(timeout=self.timeout)
+            except Exception:  # noqa: BLE001 - a failed job reports itself where it is awaited
+                return False
+        return True

@@ -1,0 +1,187 @@
+"""Compute: a pack's forward and backward on the compute thread, each as one-process eager training
+runs it (``reference.py``).
+
+- **FWD**: the pack's forward for each microbatch of its group, without autograd; the inputs of
+  the layers a later recompute starts from are stashed to host memory with the random-generator
+  state they had (``rng.py``); buffers (BatchNorm statistics) are updated and written back once.
+- **BWD**: per microbatch, the recompute from the stash (buffers on throwaway copies, so running
+  statistics are not updated twice; the generator state restored, so dropout masks repeat), then
+  the backward with the gradient arriving from the next pack. The pack's gradient buffer stays on
+  the device across its microbatches (input-batch grouping). A ``loss`` task runs the last pack's
+  forward, the loss scaled by u/D and the backward together.
+
+Each microbatch is a unit of the plan (``_unit_starts``: the next task's state may load then), and
+every tensor of a microbatch is let go as soon as the plan counts it gone (the ``del`` statements).
+
+Part of ``Executor`` (``executor.py``), mixed in: ``self`` is the executor. Inputs and sends go
+through ``transport.py``, the pack's state through ``packstate.py``, what follows a backward
+through ``updates.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.func import functional_call
+from torch.utils import _pytree as pytree
+
+from harmony.decomposer.layer_graph import LayerGraph
+from harmony.runtime import rng
+from harmony.runtime.channels import Counters
+from harmony.runtime.device import Device
+from harmony.runtime.routes import Routes
+from harmony.runtime.transport import Values
+from harmony.scheduler.lower import Edge, ranges, stash_layers
+from harmony.scheduler.tasks import Task
+
+
+class Compute:
+    """FWD and BWD tasks on the compute thread; see the module docs."""
+
+    device: Device
+    layers: LayerGraph
+    modules: list[torch.nn.Module]
+    routes: Routes
+    counters: Counters
+    loss_fn: Callable
+    minibatch: int
+    batch: Any  # the iteration's Batch
+    _out_spec: Any  # the model's output structure, to give the loss what the model returns
+
+    def _run_layer(self, index: int, state: dict[str, torch.Tensor], values: Values) -> Values:
+        """One layer, with the pack state's tensors as its parameters and buffers."""
+        names = self.layers.layers[index].state
+        return list(functional_call(self.modules[index], {n: state[n] for n in names}, tuple(values)))
+
+    def _run_pack(self, task: Task, state: dict[str, torch.Tensor], values: Values) -> Values:
+        for layer in range(task.first, task.last + 1):
+            values = self._run_layer(layer, state, values)
+        return values
+
+    def _forward(self, task: Task) -> None:
+        """FWD: each microbatch through the pack without autograd; stashes and outputs sent as the
+        program's edges say."""
+        state = self._pack_state(task)
+        device = self.device.torch_device
+        ready = self._stream_prefetch(task, ["X"], 0)
+        for mb in range(len(task.microbatches)):
+            got = self._inputs(task, ["X"], mb, ready)
+            ready = self._stream_prefetch(task, ["X"], mb + 1)
+            self._unit_starts(mb)
+            values, gen = got["X"]
+            if gen is not None:
+                rng.restore(device, gen)
+            at = self._sends_by_layer(task, mb)
+            with torch.no_grad():
+                for layer in range(task.first, task.last + 1):
+                    if layer in at:
+                        self._send(task, mb, at[layer], values, rng.capture(device))
+                    values = self._run_layer(layer, state, values)
+            self._send(task, mb, at.get(task.last + 1, []), values, rng.capture(device))
+            del values, got
+        self._write_buffers(task, state)
+        self._evict_weights(task, state)
+
+    def _sends_by_layer(self, task: Task, mb: int) -> dict[int, list[Edge]]:
+        """A forward microbatch's sends by the layer boundary each is taken at (stashes before a
+        layer of the pack, outputs after its last)."""
+        at: dict[int, list[Edge]] = {}
+        for e in self.routes.program.out_of(task.id, mb):
+            if not task.first <= e.layer <= task.last + 1:
+                raise RuntimeError(f"task {task.id} ({task}) is to send {e.stream} at layer {e.layer}, outside its pack")
+            at.setdefault(e.layer, []).append(e)
+        return at
+
+    def _backward(self, task: Task) -> float:
+        """BWD (and the loss task): per microbatch, the recompute from the stash and the backward;
+        returns the task's share of the loss."""
+        state = self._pack_state(task)
+        params = self._params(state)
+        for p in params.values():
+            p.requires_grad_(True)
+        overwrite = self._load_running_gradient(task, params)
+        layers = stash_layers(task)
+        streams = ["X"] if task.loss else ["dY"] + [f"Xs{l}" for l in layers]
+        if task.loss and task.first == 0:
+            streams = ["X"]
+        device = self.device.torch_device
+        loss_total = 0.0
+        ready = self._stream_prefetch(task, streams, 0)
+        for mb, (start, size) in enumerate(ranges(task)):
+            got = self._inputs(task, streams, mb, ready)
+            ready = self._stream_prefetch(task, streams, mb + 1)
+            self._unit_starts(mb)
+            if task.loss:
+                xs, gen = got["X"]
+                xs = _leaves(xs)
+                if gen is not None:
+                    rng.restore(device, gen)
+                outputs = self._run_pack(task, state, xs)
+                target = self._target(start, size)
+                loss = self.loss_fn(pytree.tree_unflatten(outputs, self._out_spec), target) * (size / self.minibatch)
+                del outputs
+                loss.backward()
+                loss_total += float(loss.detach())
+                del loss, target
+            else:
+                # the pack's incoming gradient is the last layer's alone: let go once its gradient moved
+                # on (a plan stepping layer by layer counts it in that layer's step, not in earlier ones)
+                grads = got.pop("dY")[0]
+                scratch = {n: (t.clone() if self.layers.state[n].kind != "parameter" else t) for n, t in state.items()}
+                for layer in reversed(layers):
+                    xs, gen = got[f"Xs{layer}"]
+                    xs = _leaves(xs)
+                    if gen is not None:
+                        rng.restore(device, gen)
+                    stop = task.last if len(layers) == 1 else layer
+                    values = xs
+                    for l in range(layer, stop + 1):
+                        values = self._run_layer(l, scratch, values)
+                    _autograd_backward(values, grads)
+                    del values
+                    grads = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in xs]
+                    # a later layer's stash is done with once its gradient moved on; the first's gives dX
+                    got[f"Xs{layer}"] = (xs, None) if layer == layers[0] else None
+                xs = got[f"Xs{layers[0]}"][0]
+                del scratch
+            if task.first > 0:
+                dx = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in xs]
+                self._send(task, mb, [e for e in self.routes.program.out_of(task.id, mb) if e.stream == "dY"], dx, None)
+                del dx
+            # nothing of this microbatch outlives it but what its sends hold until they have left (the
+            # plan counts its gradients gone then, not alive into the next microbatch)
+            del xs, got
+            grads = None
+        if task.loss:
+            self._write_buffers(task, state)
+        self._after_backward(task, state, params, overwrite)
+        return loss_total
+
+    def _target(self, start: int, size: int) -> Any:
+        """The loss target of samples ``start`` to ``start + size``, on the device."""
+        target = self._slice(self.batch.target, start, size)
+        if isinstance(target, torch.Tensor):
+            target = self.device.to_device(target)
+            self.counters.add("TARGET", "in", "T", target.numel() * target.element_size())
+        return target
+
+
+def _leaves(values: Values) -> Values:
+    """Inputs of a recompute or a loss task: floating tensors become leaves that collect their
+    gradient (what flows back to the previous pack)."""
+    out = []
+    for v in values:
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            v = v.detach().requires_grad_(True)
+        out.append(v)
+    return out
+
+
+def _autograd_backward(outputs: Values, grads: Values) -> None:
+    """Backward from the outputs that have both a graph and an incoming gradient."""
+    pairs = [(y, g) for y, g in zip(outputs, grads)
+             if isinstance(y, torch.Tensor) and y.requires_grad and isinstance(g, torch.Tensor)]
+    if pairs:
+        torch.autograd.backward([y for y, _ in pairs], [g for _, g in pairs])
+

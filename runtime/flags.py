@@ -1,0 +1,114 @@
+"""Cross-process flags in shared memory (``Shared``): which tasks finished this iteration, which
+replicas of an update read their inputs, whether the run was aborted, and per worker the task it runs
+and what it waits for. Every worker of a run maps the same flags: a task waits here for the tasks it
+depends on in other workers, and the launcher reads them to name what a failed, dead or stalled
+worker was doing (``runtime/replication.py`` keeps them in step across hosts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from harmony.runtime.channels import wait_until
+
+MAX_WORKERS = 64  # worker status rows in the shared flags
+STATUS_BYTES = 512  # per worker: what it is doing or waiting for, UTF-8, for stall and failure reports
+
+
+@dataclass
+class Shared:
+    """Cross-process flags in shared memory: which tasks finished this iteration, which replicas
+    of an update read their inputs, whether the run was aborted, and per worker the task it runs
+    and what it waits for (read by the launcher when a worker fails, dies or stalls)."""
+
+    done: torch.Tensor  # int64 [tasks]: iteration + 1 once the task and all its outputs finished
+    reads: torch.Tensor  # int64 [tasks]: iteration + 1 once a replicated UPD read its inputs
+    abort: torch.Tensor  # int64 [1]: nonzero once any worker failed
+    current: torch.Tensor | None = None  # int64 [MAX_WORKERS]: task id + 1 running now, 0 between tasks
+    status: torch.Tensor | None = None  # uint8 [MAX_WORKERS, STATUS_BYTES]: NUL-padded text
+
+    def __post_init__(self) -> None:
+        # numpy views of the same shared memory: polled from threads inside a device's memory scope,
+        # they must not go through torch's dispatcher (and its tracking mode) thousands of times
+        self._done = self.done.numpy()
+        self._reads = self.reads.numpy()
+        self._abort = self.abort.numpy()
+        self._current = self.current.numpy() if self.current is not None else None
+        self._status = self.status.numpy() if self.status is not None else None
+
+    def __getstate__(self) -> dict:
+        return {"done": self.done, "reads": self.reads, "abort": self.abort, "current": self.current,
+                "status": self.status}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.__post_init__()
+
+    def is_done(self, task: int, iteration: int) -> bool:
+        return int(self._done[task]) == iteration + 1
+
+    def mark_done(self, task: int, iteration: int) -> None:
+        self._done[task] = iteration + 1
+
+    def mark_read(self, task: int, iteration: int) -> None:
+        self._reads[task] = iteration + 1
+
+    def has_read(self, task: int, iteration: int) -> bool:
+        return int(self._reads[task]) == iteration + 1
+
+    def set_abort(self) -> None:
+        self._abort[0] = 1
+
+    # ------------------------------------------------------------ worker status
+    def set_current(self, rank: int, task: int | None) -> None:
+        if self._current is not None and rank < MAX_WORKERS:
+            self._current[rank] = 0 if task is None else task + 1
+
+    def current_task(self, rank: int) -> int | None:
+        if self._current is None or rank >= MAX_WORKERS:
+            return None
+        value = int(self._current[rank])
+        return value - 1 if value else None
+
+    def set_status(self, rank: int, text: str) -> None:
+        if self._status is None or rank >= MAX_WORKERS:
+            return
+        data = np.frombuffer(text.encode()[:STATUS_BYTES], dtype=np.uint8)
+        row = self._status[rank]
+        row[:len(data)] = data
+        row[len(data):] = 0
+
+    def get_status(self, rank: int) -> str:
+        if self._status is None or rank >= MAX_WORKERS:
+            return ""
+        return bytes(self._status[rank]).rstrip(b"\0").decode(errors="replace")
+
+    @classmethod
+    def create(cls, tasks: int, path: str | None = None, create: bool = True) -> "Shared":
+        """Flags for ``tasks`` tasks; with ``path``, in that file (mapped by every process that
+        names it: torchrun's workers are not forked from one parent)."""
+        n = max(tasks, 1)
+        status_words = MAX_WORKERS * STATUS_BYTES // 8
+        size = 2 * n + 1 + MAX_WORKERS + status_words
+        if path is None:
+            flat = torch.zeros(size, dtype=torch.int64).share_memory_()
+        else:
+            flat = torch.from_file(path, shared=True, size=size, dtype=torch.int64)
+        status = flat[2 * n + 1 + MAX_WORKERS:].view(torch.uint8).view(MAX_WORKERS, STATUS_BYTES)
+        return cls(flat[:n], flat[n:2 * n], flat[2 * n:2 * n + 1], flat[2 * n + 1:2 * n + 1 + MAX_WORKERS], status)
+
+    def aborted(self) -> bool:
+        return bool(self._abort[0])
+
+    def wait_done(self, task_ids: list[int], iteration: int, what: str, timeout: float) -> None:
+        pending = list(task_ids)
+
+        def ready() -> bool:
+            pending[:] = [t for t in pending if not self.is_done(t, iteration)]
+            return not pending
+
+        wait_until(ready, self.aborted, timeout, f"task(s) {pending} before {what}")
+

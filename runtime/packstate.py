@@ -1,0 +1,218 @@
+"""A pack's state on the device: its parameters (W) and buffers (B) in from the host store and out
+again, and the gradients (dW) its parameters collect across tasks.
+
+- In: loaded when the task starts, or prefetched on the swap-in stream while the previous task
+  computes, at the unit the memory plan names (``MemoryPlan.prefetch``; without one, once the
+  running task's own state is in), giving up rather than waiting when it does not fit; or kept
+  resident on the device for a later task (``Routes.kept_resident``).
+- Out: buffers a forward changed (BatchNorm statistics) written back; weights evicted without an
+  update, as the per-GPU-swap baselines do.
+- Gradients: the running gradient a baseline's backward starts from (dW <- SWAP) and the deposits a
+  task leaves in this device's host slots for an update elsewhere (dW -> SWAP).
+
+Part of ``Executor`` (``executor.py``), mixed in: ``self`` is the executor. Copies into the device
+go through ``admission.py``.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+import torch
+
+from harmony.decomposer.layer_graph import LayerGraph
+from harmony.runtime.admission import NoRoom
+from harmony.runtime.channels import Counters, tensor_bytes
+from harmony.runtime.device import Device
+from harmony.runtime.hoststore import HostStore
+from harmony.runtime.routes import Routes
+from harmony.runtime.streams import Stream
+from harmony.scheduler.tasks import Channel, Kind, Task
+
+if TYPE_CHECKING:
+    from harmony.runtime.flags import Shared
+
+
+class PackState:
+    """A pack's W, B and dW between the host store and the device; see the module docs."""
+
+    rank: int
+    device: Device
+    layers: LayerGraph
+    routes: Routes
+    store: HostStore
+    shared: Shared
+    counters: Counters
+    swap_in: Stream
+    swap_out: Stream
+    iteration: int
+    resident: dict[int, dict[str, torch.Tensor]]  # task -> pack state kept for a later task
+    _prefetched: dict[int, Future]  # task -> its state, prefetched
+    _prefetches: dict[int, int] | None  # per task, the unit its state loads at (None: no memory plan)
+    _reserves: dict[int, int]
+    _headroom: int
+    _next: Task | None  # the next task, while its state may still be prefetched
+
+    def _state_names(self, task: Task) -> list[str]:
+        names: list[str] = []
+        for layer in range(task.first, task.last + 1):
+            for name in self.layers.layers[layer].state:
+                if name not in names:
+                    names.append(name)
+        return names
+
+    def _unit_starts(self, unit: int) -> None:
+        """Unit ``unit`` of the running task (a microbatch, or its update) is about to compute: the
+        moment the plan may load the next task's state (``MemoryPlan.prefetch``), its memory counted
+        beside this unit's."""
+        nxt = self._next
+        if nxt is None or self._prefetches is None or self._prefetches.get(nxt.id, -1) != unit:
+            return
+        self._next = None
+        self._prefetch_state(nxt)
+
+    def _prefetch_state(self, task: Task) -> None:
+        """Load the next task's state while the running one computes: where the plan does (its
+        memory counts it beside the running task), or, for a plan without a memory plan, wherever
+        it fits beside the running task's planned working memory."""
+        if task.kind == Kind.UPD or any(t.tensor == "W" and t.channel == Channel.LOCAL for t in task.inputs):
+            return
+        before = self.routes.buffers_after.get(task.id)
+        if before is not None and not self.shared.is_done(before, self.iteration):
+            # its buffers are still being updated (maybe by the task running now): a prefetch would
+            # hold the swap-in stream, and the running task's inputs queued behind it, until then
+            return
+        self._prefetched[task.id] = self.swap_in.submit(self._try_load_state, task, label="state in", task=task.id)
+
+    def _try_load_state(self, task: Task) -> dict[str, torch.Tensor] | None:
+        """A prefetch of the next task's state that gives up, rather than wait, when it does not
+        fit beside the running task: waiting would hold the swap-in stream, and the running task's
+        inputs behind it. The task then loads its state when it starts."""
+        try:
+            # a prefetch the plan makes was counted beside the running task: it needs no room kept
+            return self._load_state(task, wait=False, room=0 if self._prefetches is not None else None)
+        except NoRoom:
+            return None
+
+    def _load_state(self, task: Task, wait: bool = True, room: int | None = None) -> dict[str, torch.Tensor]:
+        """The pack's parameters and buffers on the device, by original name (a tied parameter's
+        names share one copy)."""
+        local = next((t for t in task.inputs if t.tensor == "W" and t.channel == Channel.LOCAL), None)
+        if local is not None:
+            return self.resident.pop(local.task)
+        before = self.routes.buffers_after.get(task.id)
+        if before is not None:
+            self._wait_done([before], f"task {task.id} reads the buffers task {before} updates")
+        state: dict[str, torch.Tensor] = {}
+        copies: dict[str, torch.Tensor] = {}
+        for name in self._state_names(task):
+            spec = self.layers.state[name]
+            if spec.kind == "parameter":
+                canon = self.layers.canonical(name)
+                if canon not in copies:
+                    copies[canon] = self._to_device(self.store.weight(canon), "SWAP", "W", wait, count=False, room=room)
+                state[name] = copies[canon]
+            else:
+                state[name] = self._to_device(self.store.view(f"B/{name}"), "SWAP", "B", wait, count=False, room=room)
+        # counted once the whole state is in (an abandoned prefetch moved nothing the plan counts)
+        buffers = [t for n, t in state.items() if self.layers.state[n].kind != "parameter"]
+        for tensor, group in (("B", buffers), ("W", list(copies.values()))):
+            for t in group:
+                self.counters.add("SWAP", "in", tensor, t.numel() * t.element_size())
+        for tensor, group in (("W", list(copies.values())), ("B", buffers)):
+            if group:
+                self._moved("swap-in", "LOAD", (task.id, tensor), tensor_bytes(group))
+        return state
+
+    def _pack_state(self, task: Task) -> dict[str, torch.Tensor]:
+        """The running task's state on the device: the prefetched copy if one came, else loaded now.
+        Once it is in, the task's headroom is what its reserve has yet to allocate."""
+        future = self._prefetched.pop(task.id, None)
+        state = self._wait(future, "state") if future is not None else None
+        if state is None:
+            state = self._load_state(task)
+        if task.id in self._reserves:  # the state is in: the task's room is what it has yet to allocate
+            loaded = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in state.values()}
+            self._headroom = max(0, self._reserves[task.id] - sum(loaded.values()))
+        if task.id in self.routes.kept_resident:
+            self.resident[task.id] = state
+        self._prefetch_unplanned()
+        return state
+
+    def _prefetch_unplanned(self) -> None:
+        """Without a memory plan, the next task's state loads once this task's is in, wherever it
+        fits (``lower.py`` lists it there)."""
+        if self._prefetches is None and self._next is not None:
+            nxt, self._next = self._next, None
+            self._prefetch_state(nxt)
+
+    def _params(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Canonical name -> device tensor of the trainable parameters in a pack state."""
+        out = {}
+        for name, t in state.items():
+            spec = self.layers.state[name]
+            if spec.kind == "parameter" and spec.requires_grad:
+                out.setdefault(self.layers.canonical(name), t)
+        return out
+
+    def _write_buffers(self, task: Task, state: dict[str, torch.Tensor]) -> None:
+        """B -> SWAP: buffers changed by the forward (running statistics) go back to the host."""
+        if not any(t.tensor == "B" for t in task.outputs):
+            return
+        buffers = {name: t for name, t in state.items() if self.layers.state[name].kind != "parameter"}
+
+        def write() -> None:
+            for name, t in buffers.items():
+                self._to_host_into(self.store.view(f"B/{name}"), t, "B")
+
+        self._after_compute(self.swap_out, "B out", write)
+
+    def _evict_weights(self, task: Task, state: dict[str, torch.Tensor]) -> None:
+        """W -> SWAP without an update (per-GPU-swap baselines evict their weights): the copy is
+        made, as the baseline makes it, into a scratch buffer, since the master is unchanged."""
+        if task.id in self.routes.jit or not any(t.tensor == "W" for t in task.outputs):
+            return
+        params = {self.layers.canonical(n): t for n, t in state.items() if self.layers.state[n].kind == "parameter"}
+
+        def evict() -> None:
+            for t in params.values():
+                host = self.device.to_host(t)
+                self.counters.add("SWAP", "out", "W", host.numel() * host.element_size())
+
+        self._after_compute(self.swap_out, "W out", evict)
+
+    def _load_running_gradient(self, task: Task, params: dict[str, torch.Tensor]) -> bool:
+        """dW <- SWAP: the gradient accumulated so far (per-GPU-swap baselines) becomes the
+        starting value of this task's gradient buffer; says whether it did."""
+        same_pack = (task.first, task.last)
+        if not any(t.tensor == "dW" and t.channel == Channel.SWAP and t.task is not None
+                   and (self.routes.by_id[t.task].first, self.routes.by_id[t.task].last) == same_pack
+                   for t in task.inputs):
+            return False  # (a tied weight's gradient handed over by another pack is added at the step)
+        # every earlier deposit into this device's slots (a tied weight's slot takes two packs'
+        # deposits) is queued on this device's swap-out stream: wait until it has drained
+        self._wait(self.swap_out.submit(lambda: None), "gradient deposits")
+        for name, p in params.items():
+            if self.store.slot_written(self.rank, name, self.iteration):
+                p.grad = self._to_device(self.store.grad_slot(self.rank, name), "SWAP", "dW")
+        return True
+
+    def _deposit(self, grads: dict[str, torch.Tensor], overwrite: bool) -> None:
+        """dW -> SWAP: leave gradients in this device's host slots (added to what an earlier task
+        of this iteration left there, unless this task started from it)."""
+        for name, g in grads.items():
+            slot = self.store.grad_slot(self.rank, name)
+            if overwrite or not self.store.slot_written(self.rank, name, self.iteration):
+                self._to_host_into(slot, g, "dW")
+            else:
+                host = self.device.to_host(g)
+                self.counters.add("SWAP", "out", "dW", host.numel() * host.element_size())
+                slot.add_(host)
+            self.store.stamp_slot(self.rank, name, self.iteration)
+
+    def _to_host_into(self, dst: torch.Tensor, src: torch.Tensor, tensor: str) -> None:
+        """A counted copy from the device into host memory the store owns (a master, a slot)."""
+        with torch.no_grad(), self.device.host_side():
+            dst.copy_(src.detach())
+        self.counters.add("SWAP", "out", tensor, src.numel() * src.element_size())

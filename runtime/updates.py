@@ -1,0 +1,190 @@
+"""Updates: each parameter stepped exactly once per iteration, by the task that owns it, with the sum
+of every gradient of it, as one-process eager training steps it (``reference.py``).
+
+- jit-update on the device right after a pack's last backward (``update="device"``), or the
+  gradient is left in a host slot for an update elsewhere (an offloaded host update, the baselines'
+  UPD tasks, or the owner of a tied weight);
+- a UPD task on a device: weights, the summed gradient and the optimizer state (K) in, step, out.
+  Replicas of one update (data parallel with per-GPU swap) all compute it; the lowest one writes
+  the master after every replica has read it;
+- ``host_update``: a UPD task bound to the host steps the master weights in shared memory in place
+  (run by the launcher, not by a worker).
+
+Part of ``Executor`` (``executor.py``), mixed in: ``self`` is the executor (``host_update`` is a plain
+function). Copies into the device go through ``admission.py``; gradient deposits and evictions are
+``packstate.py``'s.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from harmony.decomposer.layer_graph import LayerGraph
+from harmony.runtime.channels import Counters, tensor_bytes
+from harmony.runtime.device import Device
+from harmony.runtime.hoststore import HostStore
+from harmony.runtime.routes import Routes
+from harmony.runtime.streams import Stream
+from harmony.scheduler.tasks import Channel, Task
+
+if TYPE_CHECKING:
+    from harmony.runtime.flags import Shared
+
+
+class Updates:
+    """Optimizer steps on the device, and what follows a backward; see the module docs."""
+
+    device: Device
+    layers: LayerGraph
+    routes: Routes
+    store: HostStore
+    shared: Shared
+    counters: Counters
+    swap_out: Stream
+    build_optimizer: Callable
+    iteration: int
+    resident: dict[int, dict[str, torch.Tensor]]
+
+    def _after_backward(self, task: Task, state: dict[str, torch.Tensor], params: dict[str, torch.Tensor],
+                        overwrite: bool) -> None:
+        """What follows a pack's backward, at the plan's update unit: its gradients deposited in host
+        slots for an update elsewhere, or stepped here at once (jit-update); then its weights evicted
+        (the baselines) and its gradients let go."""
+        self._unit_starts(len(task.microbatches))  # the plan's update unit (a step here or none)
+        deposits = self.routes.deposits.get(task.id, [])
+        if deposits:
+            grads = {name: params[name].grad for name in deposits if params[name].grad is not None}
+            self._after_compute(self.swap_out, "dW out", self._deposit, grads, overwrite)
+        if task.id in self.routes.jit:
+            owned = {name: params[name] for name in self.routes.updates.get(task.id, [])}
+            self._step(task, owned, write=True)
+        self._evict_weights(task, state)
+        for p in params.values():
+            p.grad = None
+
+    def _update_task(self, task: Task) -> None:
+        """A UPD task on this device: weights, the summed gradient and the state in, step, out.
+        Replicas of one update (data parallel with per-GPU swap) all compute it; the lowest one
+        writes the master after every replica has read it."""
+        local = next((t for t in task.inputs if t.tensor == "W" and t.channel == Channel.LOCAL), None)
+        state = self.resident.pop(local.task) if local is not None else None
+        owned = self.routes.updates.get(task.id, [])
+        params = {}
+        for name in owned:
+            if state is not None:
+                params[name] = next(t for n, t in state.items() if self.layers.canonical(n) == name)
+            else:
+                params[name] = self._to_device(self.store.weight(name), "SWAP", "W")
+        if state is None and params:
+            self._moved("swap-in", "LOAD", (task.id, "W"), sum(t.numel() * t.element_size() for t in params.values()))
+        self._prefetch_unplanned()
+        replicas = self.routes.replicas.get(task.id, [task.id])
+        writer = min(replicas, key=lambda t: self.routes.by_id[t].device)
+        self._unit_starts(0)
+        self._step(task, params, write=task.id == writer, replicas=replicas)
+
+    def _gradient(self, name: str, own: torch.Tensor | None) -> torch.Tensor | None:
+        """The full gradient of a parameter: this task's own (on the device) plus every host slot
+        written this iteration, summed on the host and copied in once."""
+        host = self.store.gradient_sum(name, self.iteration)
+        if host is None:
+            return own
+        g = self._to_device(host, "SWAP", "dW")
+        return g if own is None else own.add_(g)
+
+    def _step(self, task: Task, params: dict[str, torch.Tensor], write: bool, replicas: list[int] | None = None) -> None:
+        """Step ``params`` with their full gradients, once every task depositing one is done: the
+        optimizer state (K) comes in from the host store, and the new weights and state go back
+        (``_write_state``: into the master only if ``write``)."""
+        if not params:
+            self._write_state(task, {}, {}, write)
+            return
+        sources = sorted({s for name in params for s in self.routes.sources.get(name, []) if s != task.id})
+        self._wait_done(sources, f"updating task {task.id}")
+        leaves = {}
+        for name, p in params.items():
+            leaf = p.detach().requires_grad_(True)
+            leaf.grad = self._gradient(name, p.grad)
+            leaves[name] = leaf
+        opt = self.build_optimizer(list(leaves.values()))
+        for name, leaf in leaves.items():
+            if self.store.state_initialized(name):
+                opt.state[leaf] = {k: (self._to_device(v, "SWAP", "K") if v.dim() > 0 else v.clone())
+                                   for k, v in self.store.state(name).items()}
+            else:  # the first step starts from an empty state; the (zero) slots still come in
+                for v in self.store.state(name).values():
+                    if v.dim() > 0:
+                        self._to_device(v, "SWAP", "K")
+        if replicas and len(replicas) > 1:
+            self.shared.mark_read(task.id, self.iteration)
+            if write:
+                self._wait_replicas(replicas)
+        opt.step()
+        new_state = {name: dict(opt.state[leaf]) for name, leaf in leaves.items()}
+        weights = {name: leaf.detach() for name, leaf in leaves.items()}
+        for leaf in leaves.values():
+            leaf.grad = None
+        self._write_state(task, weights, new_state, write)
+
+    def _write_state(self, task: Task, weights: dict, states: dict, write: bool) -> None:
+        """W, K -> SWAP after a step: into the master (the writer) or a scratch copy (a replica)."""
+
+        def out() -> None:
+            for name, w in weights.items():
+                if write:
+                    self._to_host_into(self.store.weight(name), w, "W")
+                else:
+                    self.counters.add("SWAP", "out", "W", tensor_bytes(self.device.to_host(w)))
+            for name, values in states.items():
+                slots = self.store.state(name)
+                for key, v in values.items():
+                    if not isinstance(v, torch.Tensor):
+                        continue
+                    if v.dim() == 0:
+                        if write:
+                            slots[key].copy_(v)
+                        continue
+                    if write:
+                        self._to_host_into(slots[key], v, "K")
+                    else:
+                        self.counters.add("SWAP", "out", "K", tensor_bytes(self.device.to_host(v)))
+                if write:
+                    self.store.mark_state_initialized(name)
+
+        self._after_compute(self.swap_out, "W K out", out)
+
+
+def host_update(task: Task, layers: LayerGraph, routes: Routes, store: HostStore, shared: Shared,
+                build_optimizer: Callable, iteration: int, timeout: float) -> float:
+    """A UPD task bound to the host (an offloaded update): the optimizer steps the master weights
+    in shared memory in place, with the gradients the devices left in their slots. Returns when
+    (``time.perf_counter``) its gradients were all there and the update began."""
+    owned = routes.updates.get(task.id, [])
+    shared.wait_done(sorted({s for name in owned for s in routes.sources.get(name, [])}), iteration,
+                     f"the host update of task {task.id}", timeout)
+    began = time.perf_counter()
+    leaves = {}
+    for name in owned:
+        grad = store.gradient_sum(name, iteration)
+        if grad is None:
+            continue
+        leaf = torch.nn.Parameter(store.weight(name), requires_grad=True)
+        leaf.grad = grad
+        leaves[name] = leaf
+    if leaves:
+        opt = build_optimizer(list(leaves.values()))
+        for name, leaf in leaves.items():
+            if store.state_initialized(name):
+                opt.state[leaf] = dict(store.state(name))  # in place: the state lives in the slots
+        opt.step()
+        for name, leaf in leaves.items():
+            slots = store.state(name)
+            for key, v in opt.state[leaf].items():
+                if isinstance(v, torch.Tensor) and v.data_ptr() != slots[key].data_ptr():
+                    slots[key].copy_(v)
+            store.mark_state_initialized(name)
+    shared.mark_done(task.id, iteration)
+    return began
