@@ -139,8 +139,6 @@ def covers(task: Task, unit: int, units: int, tensor: str) -> bool:
         return False
     if fused_update(task) and unit == units - 1:
         return tensor in _UPDATE_COVERS
-    if unit == 0 and tensor == "dW" and _running_gradient(task):
-        return True  # the running gradient becomes the task's gradient buffers, which its state counts
     return tensor in _MICROBATCH_COVERS[task.kind] or (unit == 0 and tensor in _FIRST_COVERS)
 
 

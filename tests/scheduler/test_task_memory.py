@@ -142,18 +142,6 @@ def test_a_task_wide_stream_input_counts_from_the_task_start_not_from_the_lookah
     assert est.task_peaks[0] < big
 
 
-def test_a_running_gradient_is_the_tasks_gradient_buffer_counted_once(profile):
-    """A per-GPU-swap baseline's backward starts from the gradient so far: it becomes the task's
-    gradient buffers, which its state counts; not a second copy beside them."""
-    start = bwd(1, 0, 0, inputs=[Transfer("W", Channel.SWAP, W), Transfer("dW", Channel.SWAP, W, task=0)])
-    assert memory.covers(start, 0, 1, "dW")
-    held = memory.task_memory(start, profile)
-    assert memory.reserve(start, profile) == held.peak
-    first = bwd(0, 0, 0, inputs=[Transfer("W", Channel.SWAP, W)], outputs=[Transfer("dW", Channel.SWAP, W, task=1)])
-    est = estimate(graph([first, start]), profile, machine("cpu"))  # outputs leaving not counted
-    assert est.task_peaks[1] == held.peak
-
-
 def test_a_task_continuing_anothers_buffers_loads_its_state_once_that_one_is_done(profile):
     """BatchNorm statistics are updated in microbatch order: the runtime loads the next writer's
     weights and buffers together only after the writer before is done, so neither is prefetched."""
