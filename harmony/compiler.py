@@ -166,6 +166,24 @@ def finish_plan(result: SearchResult, profile: Profile, machine: Machine, option
     return result
 
 
+def promise_memory(plan: Plan) -> None:
+    """Attach the memory promise to a plan whose task graph was searched outside ``compile`` (a
+    script or test that calls ``search`` itself): the runtime admits every copy made ahead of need
+    against it, so no plan runs without one. The estimate is the one the search made: the profile's
+    machine (nominal copy speeds where it has none) at the plan's device count and planned memory."""
+    if plan.tasks.memory is not None:
+        return
+    options = CompileOptions(minibatch=plan.tasks.minibatch, devices=plan.tasks.devices)
+    capacity = plan.profile.capacity
+    machine = plan.profile.machine or _nominal_machine(options, capacity)
+    if machine.devices != plan.tasks.devices:
+        machine = dataclasses.replace(machine, devices=plan.tasks.devices)
+    est = estimate(plan.tasks, plan.profile, machine, capacity=plan.options.get("planned_memory", capacity),
+                   record_events=False)
+    plan.tasks.memory = memory_plan(plan.tasks, est.peak_memory, est.task_peaks, est.prefetched, plan.profile)
+    log.info("the plan had no memory promise (searched outside compile); estimated one: peaks %s", est.peak_memory)
+
+
 def measured_packs_plan(result: SearchResult, profile: Profile, machine: Machine, options: CompileOptions,
                         planned: int, same_u: bool, measure: Callable[[list[tuple[int, int, int]]], list[PackSample]],
                         rounds: int = 3) -> SearchResult:

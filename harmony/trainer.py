@@ -55,6 +55,10 @@ class Trainer:
             if graph.modules is None:
                 raise HarmonyError("this plan has no weights; pass state_dict= (e.g. model.state_dict())")
             state_dict = graph.state_dict()
+        if plan.tasks.memory is None and plan.profile is not None:
+            from harmony.compiler import promise_memory  # the compiler only for a plan searched by hand
+
+            promise_memory(plan)
         self.store = HostStore.create(graph, plan.tasks.devices, self.build_optimizer, state_dict)
         device_type = plan.options.get("device_type", "cpu")
         capacity = plan.worker_capacity()

@@ -123,6 +123,20 @@ def test_training_equals_eager_reference_and_moves_the_planned_bytes(name, mode,
             assert (worker.peak > 0) == (rank in busy), f"dev{rank} measured {worker.peak} bytes"
 
 
+def test_a_plan_searched_outside_compile_runs_under_a_memory_promise():
+    """A task graph from ``search`` alone carries no memory promise; the trainer estimates one
+    before it starts, so copies made ahead of need are admitted against the plan's peaks rather
+    than the device's capacity (CI once ran out of memory on bert dp 1 that way)."""
+    model, get_batch, plan = plan_for("bert", "dp", 1)
+    assert plan.tasks.memory is None
+    with harmony.Trainer(plan, optimizer=adam, timeout=20) as trainer:
+        promise = plan.tasks.memory
+        assert promise is not None and set(promise.devices) == {0}
+        assert set(promise.reserves) == {t.id for t in plan.tasks.tasks if t.device == 0}
+        trainer.step(*get_batch(MINIBATCH, 0))
+    assert trainer.history[-1].workers[0].peak <= plan.options["device_memory"]
+
+
 @pytest.mark.parametrize("mode", ["pp", "dp"])
 def test_training_without_prefetch_is_as_exact_and_moves_the_same_bytes(mode):
     losses, expected, state, reference, history, plan = train_both("gpt2", mode, 2, prefetch=False)
