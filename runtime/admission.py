@@ -16,6 +16,7 @@ Part of ``Executor`` (``executor.py``), mixed in: ``self`` is the executor.
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
@@ -154,7 +155,7 @@ class Admission:
                 continue
             try:
                 stream.submit(lambda: None).result(timeout=1.0)
-            except TimeoutError:
+            except concurrent.futures.TimeoutError:  # not the builtin one before Python 3.11
                 self._gave_up_waiting = self._task
                 return
             except Exception:  # noqa: BLE001 - a failed job reports itself where it is awaited

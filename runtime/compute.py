@@ -103,8 +103,6 @@ class Compute:
         overwrite = self._load_running_gradient(task, params)
         layers = stash_layers(task)
         streams = ["X"] if task.loss else ["dY"] + [f"Xs{l}" for l in layers]
-        if task.loss and task.first == 0:
-            streams = ["X"]
         device = self.device.torch_device
         loss_total = 0.0
         ready = self._stream_prefetch(task, streams, 0)

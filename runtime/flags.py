@@ -110,5 +110,5 @@ class Shared:
             pending[:] = [t for t in pending if not self.is_done(t, iteration)]
             return not pending
 
-        wait_until(ready, self.aborted, timeout, f"task(s) {pending} before {what}")
+        wait_until(ready, self.aborted, timeout, lambda: f"task(s) {pending} before {what}")
 
