@@ -626,7 +626,7 @@ class _Simulation:
         by_id = self.by_id
         cu = task_units[memory.input_unit(task, i.tensor, i.microbatch, len(task_units))]
         per_mb = cu.j == i.microbatch
-        covered = memory.covers(task, cu.j, len(task_units), i.tensor)
+        covered = memory.covers(task, cu.j, len(task_units), i.tensor, memory.running_gradient_input(task, i, by_id))
         # the optimizer state of a fused update is loaded for the step, once the backward is done
         load_after = task_units[cu.j - 1] if cu.j and i.tensor == "K" and not per_mb else prev_end
         k = i.task if i.task in by_id else None

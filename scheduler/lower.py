@@ -34,6 +34,7 @@ from pathlib import Path
 from harmony import serialization
 from harmony.profiling.profiles import Profile
 from harmony.scheduler.tasks import HOST, Channel, Kind, Task, TaskGraph
+from harmony.scheduler.memory import running_gradient_input
 
 __all__ = ["Action", "Edge", "Piece", "Program", "PROGRAM_FILE", "STREAMS", "buffer_chain", "lower", "pieces",
            "ranges", "stash_layers", "state_sources", "stream_layer", "stream_names", "IN_STREAM", "OUT_STREAM"]
@@ -581,8 +582,7 @@ class _Builder:
         from another pack is not one: the step adds it."""
         if task.kind != Kind.BWD:
             return []
-        same = [n for n, t in enumerate(task.inputs) if t.tensor == "dW" and t.channel == Channel.SWAP and t.nbytes
-                and t.task in self.by_id and (self.by_id[t.task].first, self.by_id[t.task].last) == (task.first, task.last)]
+        same = [n for n, t in enumerate(task.inputs) if running_gradient_input(task, t, self.by_id)]
         sources = self.program.sources
         return [Action("swap-in", "LOAD", task.id, tensor="dW", nbytes=task.inputs[n].nbytes,
                        src=sources[(task.id, n)][0] if (task.id, n) in sources else None) for n in same]

@@ -23,13 +23,14 @@ reservations (issue 15) count the same bytes.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from harmony.profiling.profiles import Profile
-from .tasks import HOST, Channel, Kind, MemoryPlan, Task
+from .tasks import HOST, Channel, Kind, MemoryPlan, Task, Transfer
 
 __all__ = ["TaskMemory", "covers", "fused_update", "input_unit", "memory_plan", "reserve", "resident_bytes",
-           "stash_layers", "stashes_every_layer", "task_key", "task_memory"]
+           "running_gradient_input", "stash_layers", "stashes_every_layer", "task_key", "task_memory"]
 
 # what the work of a unit counts among the task's inputs, by unit kind
 _FIRST_COVERS = frozenset(("W", "B"))
@@ -133,10 +134,23 @@ def input_unit(task: Task, tensor: str, microbatch: int | None, units: int) -> i
     return 0
 
 
-def covers(task: Task, unit: int, units: int, tensor: str) -> bool:
-    """Whether unit ``unit`` (of ``units``) of ``task`` counts input ``tensor`` in its work."""
+def running_gradient_input(task: Task, t: Transfer, by_id: Mapping[int, Task]) -> bool:
+    """Whether input ``t`` of ``task`` is the gradient so far of the task's own pack (a
+    per-GPU-swap backward starts from it, and it becomes the task's gradient buffers, which its
+    state counts), rather than a tied weight's share from another pack, which the step adds."""
+    if task.kind != Kind.BWD or t.tensor != "dW" or t.channel != Channel.SWAP or not t.nbytes:
+        return False
+    source = by_id.get(t.task)
+    return source is not None and (source.first, source.last) == (task.first, task.last)
+
+
+def covers(task: Task, unit: int, units: int, tensor: str, running_gradient: bool = False) -> bool:
+    """Whether unit ``unit`` (of ``units``) of ``task`` counts input ``tensor`` in its work; a
+    ``running_gradient`` (``running_gradient_input``) is counted by the task's state."""
     if task.kind == Kind.UPD:
         return False
+    if running_gradient:
+        return True
     if fused_update(task) and unit == units - 1:
         return tensor in _UPDATE_COVERS
     return tensor in _MICROBATCH_COVERS[task.kind] or (unit == 0 and tensor in _FIRST_COVERS)
@@ -147,15 +161,17 @@ def resident_bytes(task: Task, profile: Profile) -> int:
     return sum(layer.w_bytes + layer.b_bytes for layer in profile.layers[task.first:task.last + 1])
 
 
-def reserve(task: Task, profile: Profile, stashes: tuple[int, ...] = ()) -> int:
+def reserve(task: Task, profile: Profile, stashes: tuple[int, ...] = (), by_id: Mapping[int, Task] | None = None) -> int:
     """The most a running task holds at once: its state, its largest unit's work and the inputs its
     work does not count (an update's weights, gradients and optimizer state). The runtime lets a
     copy ahead of need in beside the running task only if what the task has not allocated yet of
     this stays free."""
     held = task_memory(task, profile, stashes)
     units = len(held.work)
+    by_id = by_id or {}
     uncovered = sum(t.nbytes for t in task.inputs
-                    if not covers(task, input_unit(task, t.tensor, t.microbatch, units), units, t.tensor)
+                    if not covers(task, input_unit(task, t.tensor, t.microbatch, units), units, t.tensor,
+                                  running_gradient_input(task, t, by_id))
                     and t.channel not in (Channel.SHM, Channel.LOCAL))
     return held.peak + uncovered
 
@@ -167,6 +183,7 @@ def memory_plan(graph, device_peaks: dict[int, int], task_peaks: dict[int, int],
     the estimate loads while the task before them computes, with the unit of that task it loads
     during."""
     consumers = {t.id: t for t in graph.tasks}
-    reserves = {t.id: reserve(t, profile, stash_layers(t, consumers)) for t in graph.tasks if t.device != HOST}
+    reserves = {t.id: reserve(t, profile, stash_layers(t, consumers), consumers) for t in graph.tasks
+                if t.device != HOST}
     return MemoryPlan(devices=dict(device_peaks), tasks=dict(task_peaks), reserves=reserves,
                       prefetch=dict(prefetched))
