@@ -253,14 +253,27 @@ class Executor(Admission, PackState, Transport, Compute, Updates):
         return loss
 
     def _finish(self, task: Task) -> None:
-        """Mark the task done once every output it queued has left (stream order guarantees it)."""
-        sent = self.p2p_out.submit(lambda: None)
+        """Mark the task done once every output it queued has left (stream order guarantees it:
+        a no-op queued behind them on both outbound streams). Marked from whichever of the two
+        finishes last, never by a job that blocks one stream on the other: a swap-out stream held
+        by a send that waits for a peer's room would hold back this device's gradient deposits,
+        which its own compute thread may wait for while the peer waits for it (a deadlock seen on
+        gloo in 1f1b-swap on 4 devices)."""
+        iteration = self.iteration
+        lock = threading.Lock()
+        pending = [2]
 
-        def mark() -> None:
-            sent.result()
-            self.shared.mark_done(task.id, self.iteration)
+        def one_left(marker: Future) -> None:
+            if marker.cancelled():
+                return
+            with lock:
+                pending[0] -= 1
+                last = pending[0] == 0
+            if last:
+                self.shared.mark_done(task.id, iteration)
 
-        self.swap_out.submit(mark)
+        for stream in (self.p2p_out, self.swap_out):
+            stream.submit(lambda: None).add_done_callback(one_left)
 
     # ================================================================ streams and waits
     def _moved(self, stream: str, op: str, what: tuple, nbytes: int) -> None:

@@ -192,7 +192,8 @@ class PackState:
             return False  # (a tied weight's gradient handed over by another pack is added at the step)
         # every earlier deposit into this device's slots (a tied weight's slot takes two packs'
         # deposits) is queued on this device's swap-out stream: wait until it has drained
-        self._wait(self.swap_out.submit(lambda: None), "gradient deposits")
+        with self._waiting_for("this device's earlier gradient deposits to reach their host slots"):
+            self._wait(self.swap_out.submit(lambda: None), "gradient deposits")
         for name, p in params.items():
             if self.store.slot_written(self.rank, name, self.iteration):
                 p.grad = self._to_device(self.store.grad_slot(self.rank, name), "SWAP", "dW")
