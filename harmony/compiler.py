@@ -25,7 +25,7 @@ from harmony.profiling.sweep import Profiler, training_footprint
 from harmony.runtime.device import check_gpus, make_devices, parse_bytes
 from harmony.profiling.analytic import analytic_profile
 from harmony.scheduler.devicespec import load_spec
-from harmony.scheduler.estimator import chrome_trace, estimate
+from harmony.scheduler.estimator import chrome_trace, estimate, promise
 from harmony.scheduler.machine import Machine
 from harmony.scheduler.memory import fused_update, memory_plan
 from harmony.profiling.profiles import PackSample, Profile, TiedWeight
@@ -178,10 +178,9 @@ def promise_memory(plan: Plan) -> None:
     machine = plan.profile.machine or _nominal_machine(options, capacity)
     if machine.devices != plan.tasks.devices:
         machine = dataclasses.replace(machine, devices=plan.tasks.devices)
-    est = estimate(plan.tasks, plan.profile, machine, capacity=plan.options.get("planned_memory", capacity),
-                   record_events=False)
-    plan.tasks.memory = memory_plan(plan.tasks, est.peak_memory, est.task_peaks, est.prefetched, plan.profile)
-    log.info("the plan had no memory promise (searched outside compile); estimated one: peaks %s", est.peak_memory)
+    plan.tasks.memory = promise(plan.tasks, plan.profile, machine, plan.options.get("planned_memory", capacity))
+    log.info("the plan had no memory promise (searched outside compile); estimated one: peaks %s",
+             plan.tasks.memory.devices)
 
 
 def measured_packs_plan(result: SearchResult, profile: Profile, machine: Machine, options: CompileOptions,

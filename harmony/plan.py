@@ -77,6 +77,9 @@ class Plan:
         ``estimator.chrome_trace``); the manifest goes last, so a half-written plan has none."""
         trace = trace if trace is not None else self.trace
         from harmony import __version__
+        from harmony.compiler import promise_memory  # a saved plan is runnable: it carries its memory promise
+
+        promise_memory(self)
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)

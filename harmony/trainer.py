@@ -64,7 +64,7 @@ class Trainer:
         capacity = plan.worker_capacity()
         self.launcher = Launcher(graph, plan.tasks, self.store, self.loss_fn, self.build_optimizer,
                                  device_type=device_type, capacity=capacity, seed=seed, timeout=timeout,
-                                 profile=plan.profile, prefetch=prefetch, p2p=p2p)
+                                 prefetch=prefetch, p2p=p2p)
 
     # ------------------------------------------------------------ training
     def step(self, inputs: Any, target: Any) -> float:

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from harmony.decomposer.decompose import decompose
-from harmony.scheduler.estimator import estimate
+from harmony.scheduler.estimator import estimate, promise
 from harmony.scheduler.machine import Machine
 from harmony.profiling.profiles import LayerProfile, LayerSample, Profile
 from harmony.scheduler.taskgraph import generate
@@ -154,6 +154,12 @@ def _profiled(model: torch.nn.Module, shape: tuple[int, ...]):
         return graph, _profile(graph, CpuDevice("overhead-probe"), shape)
 
 
+def _promised(tasks: TaskGraph, profile: Profile, machine: Machine) -> TaskGraph:
+    """The task graph with its memory promise, which the launcher runs it under."""
+    tasks.memory = promise(tasks, profile, machine)
+    return tasks
+
+
 def _spans(graph, tasks: TaskGraph, iterations: int, timeout: float,
            shape: tuple[int, ...] = (WIDTH,)) -> tuple[dict[int, float], float]:
     """Median measured span of every device task over ``iterations`` (after one warm-up), and the
@@ -212,7 +218,7 @@ def measure_overheads(machine: Machine, iterations: int = 4, timeout: float = 60
     residuals: dict[int, list[float]] = {}
     updates: list[float] = []
     for mode in ("dp", "dp-swap"):
-        tasks = generate(mode, profile, config, devices, MINIBATCH * devices)
+        tasks = _promised(generate(mode, profile, config, devices, MINIBATCH * devices), profile, base)
         measured, _ = _spans(graph, tasks, iterations, timeout)
         modelled = _estimated_spans(tasks, profile, base)
         for task in tasks.tasks:
@@ -231,7 +237,7 @@ def measure_overheads(machine: Machine, iterations: int = 4, timeout: float = 60
     update = max(_lower_quartile(updates) - task, 0.0) if updates else 0.0
     with_overheads = dataclasses.replace(base, task_overhead=task, microbatch_overhead=microbatch,
                                          update_overhead=update)
-    pipeline = generate("pp", profile, config, devices, MINIBATCH * devices)
+    pipeline = _promised(generate("pp", profile, config, devices, MINIBATCH * devices), profile, base)
     _, seconds = _spans(graph, pipeline, iterations, timeout)
     message = _message_cost(pipeline, profile, with_overheads, seconds)
     log.info("runtime overheads: %.3f ms per task, %.3f ms per microbatch, %.3f ms per update (%d tasks), "
@@ -256,7 +262,8 @@ def measure_compute_scaling(machine: Machine, iterations: int = 5, rounds: int =
     config = Configuration(u_f=MINIBATCH // 2, packs_f=packs, u_b=MINIBATCH // 2, packs_b=packs)
     runs = {}  # per device count: its task graph and the estimator's span of each task (the same every round)
     for count in (1, devices):
-        tasks = generate("dp", profile, config, count, MINIBATCH * count, update="host")
+        tasks = _promised(generate("dp", profile, config, count, MINIBATCH * count, update="host"), profile,
+                          dataclasses.replace(base, devices=count))
         runs[count] = tasks, _estimated_spans(tasks, profile, dataclasses.replace(base, devices=count))
     ratios: dict[int, list[float]] = {count: [] for count in runs}
     for _ in range(rounds):

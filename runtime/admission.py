@@ -55,10 +55,9 @@ class Admission:
     swap_out: Stream
     p2p_out: Stream
     timeout: float
-    working_memory: dict[int, int]  # per task, its planned working memory (a plan without a memory plan)
     _budget: int | None  # the plan's peak for this device
     _reserves: dict[int, int]  # per task, the most it holds at once (the plan's reserve)
-    _prefetches: dict[int, int] | None  # per task, the unit its state loads at (None: no memory plan)
+    _prefetches: dict[int, int]  # per task loaded ahead, the unit of the task before that it loads at
     _headroom: int  # bytes the running task may still allocate: copies made ahead leave them free
     _waiting: bool  # the compute thread is blocked on a stream's job
     _task: int | None  # the task the compute thread runs
@@ -79,10 +78,9 @@ class Admission:
         return out
 
     def _values_to_device(self, values: Values, channel: str, tensor: str) -> Values:
-        """A microbatch's inputs copied in. Under a memory plan they come one microbatch ahead, as the
-        plan counts them (beside the running microbatch's work): they keep no more room free."""
-        room = 0 if self._prefetches is not None else None
-        return [self._to_device(v, channel, tensor, room=room) if isinstance(v, torch.Tensor) else v for v in values]
+        """A microbatch's inputs copied in. They come one microbatch ahead, as the plan counts them
+        (beside the running microbatch's work): they keep no more room free."""
+        return [self._to_device(v, channel, tensor, room=0) if isinstance(v, torch.Tensor) else v for v in values]
 
     def _compute_blocked(self) -> bool:
         """Whether the copy being made is one the compute thread waits for (or makes itself)."""
@@ -130,17 +128,16 @@ class Admission:
 
     def _prefetch_limit(self) -> int:
         """Bytes a copy made ahead of need may take the device to: the plan's peak for it (the rest
-        of the device is the margin left for noise), or the device's capacity without one."""
+        of the device is the margin left for noise), or the device's capacity where the plan gives
+        it no task."""
         if self._budget is None:
             return self.device.capacity
         return min(self._budget, self.device.capacity)
 
     def _reserve(self, task: Task) -> int:
         """Room the running task needs before its state is in: the plan's reserve (the most it
-        holds at once), or, for a plan without one, its planned working memory."""
-        if task.id in self._reserves:
-            return self._reserves[task.id]
-        return self.working_memory.get(task.id, 0)
+        holds at once)."""
+        return self._reserves.get(task.id, 0)
 
     def _let_outputs_leave(self) -> None:
         """An allocation would take the device past the plan's peak for it: the plan does not count

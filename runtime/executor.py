@@ -95,8 +95,7 @@ class Executor(Admission, PackState, Transport, Compute, Updates):
 
     def __init__(self, rank: int, device: Device, layers: LayerGraph, routes: Routes, store: HostStore,
                  shared: Shared, mailbox: Mailbox, peers: list[Any], loss_fn: Callable,
-                 build_optimizer: Callable, seed: int, timeout: float = 600.0,
-                 working_memory: dict[int, int] | None = None, slabs: Slabs | None = None,
+                 build_optimizer: Callable, seed: int, timeout: float = 600.0, slabs: Slabs | None = None,
                  prefetch: bool = True, transport: DistTransport | None = None) -> None:
         self.rank = rank
         self.prefetch = prefetch  # off only to measure what prefetching buys (bench, Fig. 14)
@@ -122,17 +121,16 @@ class Executor(Admission, PackState, Transport, Compute, Updates):
         self._activity: dict[int, str] = {}  # thread -> what it waits for, published to shared.status
         self._activity_lock = threading.Lock()
         # admission.py: the plan's promise (scheduler/memory.py): what no prefetch may take this
-        # device past, and per task the most it holds at once
+        # device past, and per task the most it holds at once (the launcher refuses a plan without one)
         plan = routes.graph.memory
-        self.working_memory = working_memory or {}
-        self._budget = plan.devices.get(rank) if plan is not None else None
-        self._reserves = plan.reserves if plan is not None else {}
+        self._budget = plan.devices.get(rank)  # None: a device the plan gives no task
+        self._reserves = plan.reserves
         self._headroom = 0  # bytes the running task may still allocate (planned): prefetches leave them free
         self._gave_up_waiting: int | None = None  # the task whose outputs would not leave in time
         # packstate.py
         self.resident: dict[int, dict[str, torch.Tensor]] = {}  # task -> pack state kept for a later task
         self._prefetched: dict[int, Future] = {}
-        self._prefetches = dict(plan.prefetch) if plan is not None else None  # states loaded ahead, and when
+        self._prefetches = dict(plan.prefetch)  # the states loaded ahead, and at which unit of the task before
         self._next: Task | None = None  # the next task, while its state may still be prefetched
         # transport.py
         self.local: dict[Any, Any] = {}  # LOCAL outputs waiting on the device for their consumer

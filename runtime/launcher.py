@@ -42,7 +42,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import cloudpickle
 import torch
@@ -59,14 +59,16 @@ from harmony.runtime.hoststore import HostStore
 from harmony.runtime.routes import Routes, build_routes
 from harmony.runtime.streams import SWITCH_INTERVAL
 from harmony.runtime.updates import host_update
-from harmony.scheduler.tasks import HOST, Channel, Kind, TaskGraph
-
-if TYPE_CHECKING:  # a plan's numbers, read; the runtime imports nothing of calibration
-    from harmony.profiling.profiles import Profile
+from harmony.scheduler.tasks import HOST, Channel, TaskGraph
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Launcher", "WorkerError", "StepResult"]
+
+
+NO_PROMISE = ("the plan's task graph carries no memory promise (TaskGraph.memory), which the runtime admits every "
+              "copy against: compile it with harmony.compile or `harmony compile`, or attach one with "
+              "harmony.compiler.promise_memory(plan)")
 
 
 class WorkerError(HarmonyError):
@@ -113,7 +115,6 @@ class _WorkerContext:
     results: Any
     loss_fn: Callable
     build_optimizer: Callable
-    working_memory: dict[int, int]
     slabs: Slabs
     prefetch: bool
     p2p_store: str | None = None  # the rendezvous FileStore's path when P2P goes over torch.distributed
@@ -135,40 +136,6 @@ def slab_sizes(tasks: TaskGraph, routes: Routes, p2p: bool = True) -> dict[tuple
                 continue
             sizes[(src, task.device)] = sizes.get((src, task.device), 0) + t.nbytes + 4 * 64
     return {pair: int(n * 1.25) + (1 << 20) for pair, n in sizes.items()}
-
-
-def planned_memory(tasks: TaskGraph, profile: Profile | None) -> dict[int, int]:
-    """Per task, the device bytes the plan expected while it runs (the estimate's, with what the
-    device holds beside the task: ``MemoryPlan.tasks``), or for a plan without them the profile's
-    pack estimate at the task's microbatch size."""
-    if tasks.memory is not None:
-        return dict(tasks.memory.tasks)
-    if profile is None:
-        return {}
-    out = {}
-    for task in tasks.tasks:
-        if task.kind == Kind.FWD:
-            out[task.id] = profile.pack_fwd_memory(task.first, task.last, task.u)
-        elif task.kind == Kind.BWD:
-            out[task.id] = profile.pack_bwd_memory(task.first, task.last, task.u)
-    return out
-
-
-def working_memory(tasks: TaskGraph, profile: Profile | None) -> dict[int, int]:
-    """Per task, the planned bytes it allocates beyond its weights, buffers and gradients (one
-    microbatch's activations and inputs): the room a prefetch must leave while it runs."""
-    if profile is None:
-        return {}
-    out = {}
-    by_id = {t.id: t for t in tasks.tasks}
-    for task_id, planned in planned_memory(tasks, profile).items():
-        task = by_id[task_id]
-        layers = profile.layers[task.first:task.last + 1]
-        state = sum(l.w_bytes + l.b_bytes for l in layers)
-        if task.kind == Kind.BWD:
-            state += sum(l.dw_bytes for l in layers)
-        out[task_id] = max(0, planned - state)
-    return out
 
 
 class _ByValue:
@@ -257,7 +224,7 @@ def _worker_main(ctx: _WorkerContext) -> None:
             transport = p2p_transport.DistTransport(ctx.rank, device, groups, ctx.inboxes, mailbox, ctx.shared.aborted,
                                                     ctx.shared.set_abort)
         executor = Executor(ctx.rank, device, graph, routes, ctx.store, ctx.shared, mailbox, ctx.inboxes,
-                            ctx.loss_fn, ctx.build_optimizer, ctx.seed, ctx.timeout, ctx.working_memory, ctx.slabs,
+                            ctx.loss_fn, ctx.build_optimizer, ctx.seed, ctx.timeout, ctx.slabs,
                             prefetch=ctx.prefetch, transport=transport)
         ctx.results.put(("ready", ctx.rank, None))
         while True:
@@ -306,7 +273,9 @@ class Launcher:
     def __init__(self, graph: LayerGraph, tasks: TaskGraph, store: HostStore, loss_fn: Callable,
                  build_optimizer: Callable, device_type: str = "cpu", capacity: int | None = None,
                  seed: int = 0, timeout: float = 600.0, threads: int | None = None,
-                 profile: Profile | None = None, prefetch: bool = True, p2p: str = "auto") -> None:
+                 prefetch: bool = True, p2p: str = "auto") -> None:
+        if tasks.memory is None:
+            raise HarmonyError(NO_PROMISE)
         method = processes.start_method(device_type)
         if method != "fork":  # before anything is made that would need closing
             loss_fn, build_optimizer = _by_value(loss_fn, "loss function"), _by_value(build_optimizer, "optimizer builder")
@@ -323,8 +292,7 @@ class Launcher:
         # the directory of the FileStore the workers' process groups meet at (P2P over torch.distributed)
         self._rendezvous = tempfile.mkdtemp(prefix="harmony-p2p-") if pairs else None
         self.slabs = Slabs(slab_sizes(tasks, self.routes, p2p=self.p2p == "shm"))
-        self.planned = planned_memory(tasks, profile)
-        working = working_memory(tasks, profile)  # the same for every worker: computed once
+        self.planned = dict(tasks.memory.tasks)
         self.iteration = 0
         self._closed = False
         mpctx = processes.context(method)
@@ -343,7 +311,7 @@ class Launcher:
                 rank=rank, device_type=device_type, capacity=capacity, threads=threads, seed=seed, timeout=timeout,
                 graph_data=graph_data, graph=graph if method == "fork" else None, tasks=tasks, store=store,
                 shared=self.shared, inboxes=self.inboxes, commands=self.commands[rank], results=self.results,
-                loss_fn=loss_fn, build_optimizer=build_optimizer, working_memory=working,
+                loss_fn=loss_fn, build_optimizer=build_optimizer,
                 slabs=self.slabs, prefetch=prefetch, p2p_pairs=pairs,
                 p2p_store=os.path.join(self._rendezvous, "store") if self._rendezvous is not None else None,
             )

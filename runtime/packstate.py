@@ -49,7 +49,7 @@ class PackState:
     iteration: int
     resident: dict[int, dict[str, torch.Tensor]]  # task -> pack state kept for a later task
     _prefetched: dict[int, Future]  # task -> its state, prefetched
-    _prefetches: dict[int, int] | None  # per task, the unit its state loads at (None: no memory plan)
+    _prefetches: dict[int, int]  # per task loaded ahead, the unit of the task before that it loads at
     _reserves: dict[int, int]
     _headroom: int
     _next: Task | None  # the next task, while its state may still be prefetched
@@ -67,15 +67,14 @@ class PackState:
         moment the plan may load the next task's state (``MemoryPlan.prefetch``), its memory counted
         beside this unit's."""
         nxt = self._next
-        if nxt is None or self._prefetches is None or self._prefetches.get(nxt.id, -1) != unit:
+        if nxt is None or self._prefetches.get(nxt.id, -1) != unit:
             return
         self._next = None
         self._prefetch_state(nxt)
 
     def _prefetch_state(self, task: Task) -> None:
-        """Load the next task's state while the running one computes: where the plan does (its
-        memory counts it beside the running task), or, for a plan without a memory plan, wherever
-        it fits beside the running task's planned working memory."""
+        """Load the next task's state while the running one computes, where the plan does (its
+        memory counts it beside the running task)."""
         if task.kind == Kind.UPD or any(t.tensor == "W" and t.channel == Channel.LOCAL for t in task.inputs):
             return
         before = self.routes.buffers_after.get(task.id)
@@ -91,7 +90,7 @@ class PackState:
         inputs behind it. The task then loads its state when it starts."""
         try:
             # a prefetch the plan makes was counted beside the running task: it needs no room kept
-            return self._load_state(task, wait=False, room=0 if self._prefetches is not None else None)
+            return self._load_state(task, wait=False, room=0)
         except NoRoom:
             return None
 
@@ -137,15 +136,7 @@ class PackState:
             self._headroom = max(0, self._reserves[task.id] - sum(loaded.values()))
         if task.id in self.routes.kept_resident:
             self.resident[task.id] = state
-        self._prefetch_unplanned()
         return state
-
-    def _prefetch_unplanned(self) -> None:
-        """Without a memory plan, the next task's state loads once this task's is in, wherever it
-        fits (``lower.py`` lists it there)."""
-        if self._prefetches is None and self._next is not None:
-            nxt, self._next = self._next, None
-            self._prefetch_state(nxt)
 
     def _params(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Canonical name -> device tensor of the trainable parameters in a pack state."""

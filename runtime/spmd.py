@@ -56,7 +56,7 @@ from harmony.runtime.device import CpuDevice, cuda_device
 from harmony.runtime.executor import Batch, Executor, IterationResult
 from harmony.runtime.flags import Shared
 from harmony.runtime.hoststore import HostStore, Layout
-from harmony.runtime.launcher import StepResult, WorkerError, slab_sizes, working_memory
+from harmony.runtime.launcher import NO_PROMISE, StepResult, WorkerError, slab_sizes
 from harmony.runtime.p2p import DistTransport, backend_for, p2p_pairs, pair_groups, resolve
 from harmony.runtime.replication import PeerWatch, ReplicatedShared, Replicator, task_writes
 from harmony.runtime.routes import build_routes
@@ -217,6 +217,8 @@ def run_spmd(plan, loss_fn: Callable, build_optimizer: Callable, get_batch: Call
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
+    if plan.tasks.memory is None:
+        raise HarmonyError(NO_PROMISE)
     if world != plan.tasks.devices:
         raise HarmonyError(f"the plan is for {plan.tasks.devices} device(s) but torchrun started {world} process(es); "
                            f"start {plan.tasks.devices} in all (--nnodes times --nproc-per-node)")
@@ -383,7 +385,7 @@ def _train(topo: Topology, plan, routes, host, shared, slabs, store, replicator,
     peers = [StorePeer(store)] * world
     transport = _transport(p2p, tasks, rank, device, peers, mailbox, shared, timeout)
     executor = Executor(rank, device, plan.graph, routes, host, shared, mailbox, peers,
-                        loss_fn, build_optimizer, seed, timeout, working_memory(tasks, plan.profile), slabs,
+                        loss_fn, build_optimizer, seed, timeout, slabs,
                         transport=transport)
     fail = replicator.fail if replicator is not None else lambda reason: shared.set_abort()
     history: list[StepResult] = []

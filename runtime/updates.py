@@ -80,7 +80,6 @@ class Updates:
                 params[name] = self._to_device(self.store.weight(name), "SWAP", "W")
         if state is None and params:
             self._moved("swap-in", "LOAD", (task.id, "W"), sum(t.numel() * t.element_size() for t in params.values()))
-        self._prefetch_unplanned()
         replicas = self.routes.replicas.get(task.id, [task.id])
         writer = min(replicas, key=lambda t: self.routes.by_id[t].device)
         self._unit_starts(0)

@@ -101,10 +101,10 @@ from . import memory
 from .lower import Program, lower
 from .machine import Machine
 from harmony.profiling.profiles import Profile
-from .tasks import HOST, Channel, Kind, Task, TaskGraph, Transfer
+from .tasks import HOST, Channel, Kind, MemoryPlan, Task, TaskGraph, Transfer
 
-__all__ = ["Estimate", "StreamEvent", "STREAMS", "estimate", "chrome_trace", "task_compute_seconds", "task_seconds",
-           "unit_overheads"]
+__all__ = ["Estimate", "StreamEvent", "STREAMS", "estimate", "chrome_trace", "promise", "task_compute_seconds",
+           "task_seconds", "unit_overheads"]
 
 STREAMS = ("compute", "swap-in", "swap-out", "p2p-in", "p2p-out")
 _COMPUTE, _SWAP_IN, _SWAP_OUT, _P2P_IN, _P2P_OUT = range(5)
@@ -376,6 +376,14 @@ def estimate(
     finally:
         if enabled:
             gc.enable()
+
+
+def promise(graph: TaskGraph, profile: Profile, machine: Machine, capacity: int | None = None) -> MemoryPlan:
+    """The memory promise of a task graph (``TaskGraph.memory``), from its estimate: what the
+    runtime admits every copy against. ``compile`` attaches it to the plan it chooses; a graph
+    made any other way (a script's own ``search``, the overheads probe) gets it here."""
+    est = estimate(graph, profile, machine, capacity=capacity, record_events=False)
+    return memory.memory_plan(graph, est.peak_memory, est.task_peaks, est.prefetched, profile)
 
 
 def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: int | None, record_events: bool) -> Estimate:

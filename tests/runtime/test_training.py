@@ -137,6 +137,15 @@ def test_a_plan_searched_outside_compile_runs_under_a_memory_promise():
     assert trainer.history[-1].workers[0].peak <= plan.options["device_memory"]
 
 
+def test_the_runtime_refuses_a_task_graph_without_a_memory_promise():
+    from harmony.errors import HarmonyError
+    from harmony.runtime.launcher import Launcher
+
+    model, get_batch, plan = plan_for("gpt2", "pp", 2)
+    with pytest.raises(HarmonyError, match="carries no memory promise.*promise_memory"):
+        Launcher(plan.graph, plan.tasks, None, plan.loss_fn, adam)
+
+
 @pytest.mark.parametrize("mode", ["pp", "dp"])
 def test_training_without_prefetch_is_as_exact_and_moves_the_same_bytes(mode):
     losses, expected, state, reference, history, plan = train_both("gpt2", mode, 2, prefetch=False)
