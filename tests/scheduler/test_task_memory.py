@@ -145,14 +145,17 @@ def test_a_task_wide_stream_input_counts_from_the_task_start_not_from_the_lookah
 def test_a_task_continuing_anothers_buffers_loads_its_state_once_that_one_is_done(profile):
     """BatchNorm statistics are updated in microbatch order: the runtime loads the next writer's
     weights and buffers together only after the writer before is done, so neither is prefetched."""
-    def writer(tid):
-        return Task(id=tid, device=0, kind=Kind.FWD, first=0, last=0, microbatches=[U],
+    def writer(tid, layer=0):
+        return Task(id=tid, device=0, kind=Kind.FWD, first=layer, last=layer, microbatches=[U],
                     inputs=[Transfer("W", Channel.SWAP, W), Transfer("B", Channel.SWAP, 8, task=tid - 1 if tid else None)],
                     outputs=[Transfer("B", Channel.SWAP, 8, task=tid + 1)])
     tasks = [writer(0), writer(1)]
     est = estimate(graph(tasks), profile, machine())
     assert 1 not in est.prefetched
     assert est.task_peaks[0] == memory.task_memory(tasks[0], profile).peak
+    # the same two tasks writing different layers' buffers form no chain: the second is prefetched
+    apart = estimate(graph([writer(0), writer(1, layer=1)]), profile, machine())
+    assert apart.prefetched == {1: 0}
 
 
 def test_a_pack_state_is_prefetched_whole_or_not_at_all(profile):
