@@ -55,7 +55,7 @@ class Trainer:
             if graph.modules is None:
                 raise HarmonyError("this plan has no weights; pass state_dict= (e.g. model.state_dict())")
             state_dict = graph.state_dict()
-        if plan.tasks.memory is None and plan.profile is not None:
+        if plan.tasks.memory is None:
             from harmony.compiler import promise_memory  # the compiler only for a plan searched by hand
 
             promise_memory(plan)

@@ -28,6 +28,7 @@ from harmony.runtime.device import Device
 from harmony.runtime.hoststore import HostStore
 from harmony.runtime.routes import Routes
 from harmony.runtime.streams import Stream
+from harmony.scheduler.memory import running_gradient_input
 from harmony.scheduler.tasks import Channel, Kind, Task
 
 if TYPE_CHECKING:
@@ -176,10 +177,7 @@ class PackState:
     def _load_running_gradient(self, task: Task, params: dict[str, torch.Tensor]) -> bool:
         """dW <- SWAP: the gradient accumulated so far (per-GPU-swap baselines) becomes the
         starting value of this task's gradient buffer; says whether it did."""
-        same_pack = (task.first, task.last)
-        if not any(t.tensor == "dW" and t.channel == Channel.SWAP and t.task is not None
-                   and (self.routes.by_id[t.task].first, self.routes.by_id[t.task].last) == same_pack
-                   for t in task.inputs):
+        if not any(running_gradient_input(task, t, self.routes.by_id) for t in task.inputs):
             return False  # (a tied weight's gradient handed over by another pack is added at the step)
         # every earlier deposit into this device's slots (a tied weight's slot takes two packs'
         # deposits) is queued on this device's swap-out stream: wait until it has drained
