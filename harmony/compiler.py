@@ -363,7 +363,7 @@ def tied_weights(graph: LayerGraph, build_optimizer: Callable) -> list[TiedWeigh
         if spec.requires_grad:
             for shape, kdtype in state_layout(torch.empty(spec.shape, dtype=dtype, device="meta"), build_optimizer).values():
                 if shape:
-                    k += math.prod(shape) * torch.empty((), dtype=kdtype).element_size()
+                    k += math.prod(shape) * kdtype.itemsize
         ties.append(TiedWeight(layers=layers, w_bytes=spec.nbytes, dw_bytes=spec.nbytes if spec.requires_grad else 0,
                                k_bytes=k))
     return ties

@@ -234,7 +234,7 @@ class Slabs:
             if item[0] == "slab":
                 _, offset, shape, name = item
                 dtype = dtype_from_str(name)
-                n = torch.empty((), dtype=dtype).element_size()
+                n = dtype.itemsize
                 for s in shape:
                     n *= s
                 out.append(self.buffers[(src, dst)][offset:offset + n].view(dtype).view(shape))

@@ -48,7 +48,7 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=dtype_from_str(self.dtype)).element_size()
+        return self.numel * dtype_from_str(self.dtype).itemsize
 
 
 @dataclass

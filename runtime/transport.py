@@ -231,7 +231,7 @@ class Transport:
         thread, inside the device's memory scope): received ahead of its consumer, a message waits
         for room like a prefetch, unless the compute thread waits for a message from ``src`` (this
         one, or one behind it in the sender's order)."""
-        nbytes = sum(torch.empty((), dtype=dtype).element_size() * math.prod(shape) for shape, dtype in specs)
+        nbytes = sum(dtype.itemsize * math.prod(shape) for shape, dtype in specs)
         where = self.device.torch_device
 
         def make() -> list[torch.Tensor]:

@@ -1,0 +1,43 @@
+"""The host store seen from a device's stream threads: looking a slot up must not touch the device.
+
+A swap-out thread runs inside its device's memory tracker. Anything it allocates while finding a
+host slot is counted as device memory, and lands on top of whatever the compute thread holds at
+that moment: a long run saw device peaks 4 bytes over their plan, from a ``torch.empty(())`` made
+only to read a dtype's element size.
+"""
+
+import torch
+
+from harmony.runtime.hoststore import HostStore, Layout
+from harmony.runtime.memory import MemoryTracker
+
+
+def _store() -> HostStore:
+    layout = Layout(devices=2)
+    layout.params = ["w"]
+    layout.add("W/w", [3, 5], torch.float32)
+    layout.add("G/0/w", [3, 5], torch.float32)
+    layout.add("K/w/momentum_buffer", [3, 5], torch.float64)
+    buffer = torch.zeros(layout.size, dtype=torch.uint8)
+    flags = torch.zeros(1 + 2, dtype=torch.int64)
+    return HostStore(layout, buffer, flags)
+
+
+def test_looking_up_host_slots_allocates_nothing_on_the_device():
+    store = _store()
+    tracker = MemoryTracker(capacity_bytes=1 << 20, device_name="cpu0")
+    with tracker:
+        slot = store.grad_slot(0, "w")
+        weight = store.weight("w")
+        state = store.view("K/w/momentum_buffer")
+    assert tracker.peak == 0
+    assert (slot.shape, slot.dtype) == (torch.Size([3, 5]), torch.float32)
+    assert (weight.shape, state.dtype) == (torch.Size([3, 5]), torch.float64)
+
+
+def test_entry_bytes_follow_the_dtype():
+    layout = Layout()
+    layout.add("a", [7], torch.float64)
+    layout.add("b", [2, 3], "torch.bfloat16")
+    assert layout.entries["a"].nbytes == 56
+    assert layout.entries["b"].nbytes == 12
