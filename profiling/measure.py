@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import statistics
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -45,6 +45,7 @@ class Measurement:
     act_bytes: int = 0
     dx_bytes: int = 0
     bwd_error: str = ""  # why the backward task did not fit, if it did not
+    fwd_layer_peaks: list[int] = field(default_factory=list)  # the FWD task's peak during each layer
 
 
 MIN_TIMED_SECONDS = 0.02  # keep repeating a short task until this much was timed ...
@@ -113,9 +114,16 @@ def _device_state(module: torch.nn.Module, device: Device) -> dict[str, torch.Te
     return state
 
 
-def _run_pack(modules: Sequence[torch.nn.Module], states: list[dict], values: tuple) -> tuple:
+def _run_pack(modules: Sequence[torch.nn.Module], states: list[dict], values: tuple,
+              peaks: list[int] | None = None, device: Device | None = None) -> tuple:
+    """The pack's forward; with ``peaks``, the device's peak during each layer goes there (a
+    stashed input adds to the layer after its own, so where the peak falls matters)."""
     for module, state in zip(modules, states):
+        if peaks is not None:
+            device.reset_peak()
         values = tuple(functional_call(module, state, values))
+        if peaks is not None:
+            peaks.append(device.peak())
     return values
 
 
@@ -145,23 +153,27 @@ def measure_pack(
     with torch.random.fork_rng(devices=[]), device.memory_scope():
         states = [_device_state(module, device) for module in modules]
         fwd_times, fwd_peak, x_bytes, y_bytes = [], 0, 0, 0
+        layer_peaks: list[int] = []
         outputs: tuple = ()
         for trial in _trial_indices(trials, fwd_times):  # the warm-up is not timed and feeds the next layer
             xs = _on_device(device, inputs, grad=False)
+            peaks: list[int] | None = None if trial else []  # the peak per layer, from the untimed run
             device.reset_peak()
             timer = device.timer()
             timer.start()
             with torch.no_grad():
-                ys = _run_pack(modules, states, xs)
+                ys = _run_pack(modules, states, xs, peaks, device)
             elapsed = timer.stop()
-            fwd_peak = max(fwd_peak, device.peak())
+            fwd_peak = max(fwd_peak, device.peak(), *(peaks or ()))
             x_bytes, y_bytes = _nbytes(xs), _nbytes(ys)
             if trial:
                 fwd_times.append(elapsed)
             else:
+                layer_peaks = peaks
                 outputs = tuple(device.to_host(y) if isinstance(y, torch.Tensor) else y for y in ys)
             del xs, ys
-        m = Measurement(fwd_time=_median(fwd_times), fwd_peak=fwd_peak, x_bytes=x_bytes, y_bytes=y_bytes)
+        m = Measurement(fwd_time=_median(fwd_times), fwd_peak=fwd_peak, x_bytes=x_bytes, y_bytes=y_bytes,
+                        fwd_layer_peaks=layer_peaks)
         if backward:
             try:
                 _measure_backward(modules, states, inputs, device, trials, m, loss)

@@ -200,6 +200,18 @@ class PackSample:
     bwd_peak: int
     bwd_first_peak: int = 0  # a group's first microbatch (0: as ``bwd_peak``)
     upd_bytes: int = 0  # (u = 0) what the step holds beyond weights, gradients and state K
+    fwd_layer_peaks: list[int] = field(default_factory=list)  # the FWD task's peak during each layer
+
+
+def _measured_fwd_memory(sample: PackSample, held: list[float]) -> int:
+    """A measured FWD task's peak with its stashed inputs (``held[k]``: layer k's input, queued for
+    the host at k) counted while the next layer runs (``Profile.pack_fwd_memory``). A pack measured
+    before its peak per layer was recorded adds the largest stash to its peak."""
+    peaks = sample.fwd_layer_peaks
+    if len(peaks) != len(held):
+        return int(round(sample.fwd_peak + max(held[:-1], default=0.0)))
+    slack = sample.fwd_peak - max(peaks)  # a timed run that peaked above the per-layer run
+    return int(round(slack + max(peak + (held[k - 1] if k else 0.0) for k, peak in enumerate(peaks))))
 
 
 @dataclass
@@ -272,19 +284,23 @@ class Profile:
         The pack's weights and buffers are resident; layer l's input, output and temporaries come
         and go in turn, while the pack's own input stays (it is stashed for the recompute). The
         input of a layer in ``stashes`` (stashed for a backward starting there) is queued for the
-        host when that layer starts and may stay while the layers after it run.
+        host when that layer starts and counted while the next layer runs: a copy out takes far
+        less than a layer's compute, and where one is late the runtime waits for it before going
+        past the plan's peak (``admission._let_outputs_leave``), as for every output leaving the
+        device. Counted until the pack's end, four stashes made a 12-layer forward's plan 1.3x
+        what it held.
         """
         layers = self.layers[first:last + 1]
         held = [layers[k].at("x_bytes", u) if first + k in stashes and k else 0.0 for k in range(len(layers))]
         measured = self.measured_pack(first, last, u)
         if measured is not None:
-            return int(round(measured.fwd_peak + sum(held[:-1])))
+            return _measured_fwd_memory(measured, held)
         resident = sum(layer.w_bytes + layer.b_bytes for layer in layers)
         x_first = layers[0].at("x_bytes", u)
         worst = 0.0
         for k, layer in enumerate(layers):
             working = layer.at("fwd_peak", u) - layer.w_bytes - layer.b_bytes
-            worst = max(worst, working + (x_first if k else 0.0) + sum(held[:k]))
+            worst = max(worst, working + (x_first if k else 0.0) + (held[k - 1] if k else 0.0))
         return int(round(resident + worst))
 
     def pack_bwd_memory(self, first: int, last: int, u: int, accumulate: bool = True) -> int:

@@ -221,7 +221,7 @@ class Profiler:
                     log.info("pack L%d-%d at u=%d: %s", first, last, u, m.bwd_error)
                     continue
                 out.append(PackSample(first=first, last=last, u=u, fwd_peak=m.fwd_peak, bwd_peak=m.bwd_peak,
-                                      bwd_first_peak=m.bwd_first_peak))
+                                      bwd_first_peak=m.bwd_first_peak, fwd_layer_peaks=m.fwd_layer_peaks))
         return out
 
     def _update_sample(self, first: int, last: int) -> PackSample:

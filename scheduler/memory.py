@@ -8,8 +8,8 @@ steps its pack on the device, one more for that update; a UPD task is one unit. 
   the update);
 - ``work[j]``: what unit j allocates above the state while it computes, freed when it ends. For a
   microbatch: the pack's peak at its size less the state, which counts the microbatch's inputs (X,
-  Xs, dY), the activations, the backward's temporaries and a loss task's loss; the stashed inputs a
-  forward queues for the host while its later layers run; the copies of the buffers a recompute
+  Xs, dY), the activations, the backward's temporaries and a loss task's loss; the stashed input a
+  forward queues for the host, while the layer after it runs; the copies of the buffers a recompute
   runs on. For the update: the optimizer state (K), the gradients summed on the host that come in
   for the step, and the optimizer's temporaries.
 - Inputs a unit's work counts (``covers``) are held by their copy from its start until that unit

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 
 import harmony
 from harmony.modelfile import load_model_file
@@ -38,3 +39,25 @@ def test_pack_memory_estimate_is_never_below_the_measured_peak(name):
             where = f"{name} pack {first}-{last}"
             assert measured.fwd_peak <= fwd <= SLACK * measured.fwd_peak, where
             assert measured.bwd_peak <= bwd <= SLACK * measured.bwd_peak, where
+
+
+class _Layer(torch.nn.Module):
+    """A layer as the decomposer makes them: values in, a tuple of values out."""
+
+    def __init__(self, a: int, b: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(a, b, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.linear(x),)
+
+
+def test_a_pack_measured_whole_records_the_forwards_peak_during_each_layer():
+    widths = [8, 64, 8]
+    modules = [_Layer(a, b) for a, b in zip([8] + widths, widths)]
+    measured, _ = measure_pack(modules, (torch.randn(4, 8, dtype=torch.float64),), CpuDevice("pack", None),
+                               trials=2, backward=False)
+    peaks = measured.fwd_layer_peaks
+    assert len(peaks) == len(modules)
+    assert max(peaks) == measured.fwd_peak
+    assert peaks[1] - peaks[0] >= 4 * (64 - 8) * 8  # the wide layer's output is there only while it runs

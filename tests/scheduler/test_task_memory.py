@@ -64,6 +64,22 @@ def test_an_updates_temporaries_grow_with_the_pack_as_the_optimizer_steps_it(pro
     assert profile.pack_update_memory(0, 2) == 3 * W // 4  # the whole group at once
 
 
+def test_a_stashed_input_is_counted_while_the_next_layer_runs_not_to_the_packs_end(profile):
+    # a 4-layer forward peaking in its last layer, stashing the inputs of layers 1 and 2
+    peaks = [W + 9 * X, W + 5 * X, W + 4 * X, W + 20 * X]
+    profile.add_packs([PackSample(first=0, last=3, u=U, fwd_peak=max(peaks), bwd_peak=0, fwd_layer_peaks=peaks)])
+    x = X * U  # one stashed input
+    assert profile.pack_fwd_memory(0, 3, U) == W + 20 * X
+    assert profile.pack_fwd_memory(0, 3, U, stashes=(2,)) == W + 20 * X + x  # layer 3 runs beside it
+    assert profile.pack_fwd_memory(0, 3, U, stashes=(1,)) == max(W + 20 * X, W + 4 * X + x)  # gone by layer 3
+    assert profile.pack_fwd_memory(0, 3, U, stashes=(1, 2)) == W + 20 * X + x  # not both: one at a time
+
+
+def test_a_pack_measured_without_its_peak_per_layer_adds_its_largest_stash(profile):
+    profile.add_packs([PackSample(first=0, last=3, u=U, fwd_peak=W, bwd_peak=0)])
+    assert profile.pack_fwd_memory(0, 3, U, stashes=(1, 2)) == W + X * U
+
+
 def test_a_groups_first_microbatch_makes_the_gradient_buffers_and_later_ones_add_a_temporary(profile):
     task = bwd(0, 0, 0, mbs=(U, U))
     first, later = memory.task_memory(task, profile).work
