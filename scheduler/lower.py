@@ -18,8 +18,8 @@ lists, with the five streams of a Harmony device and host-memory swaps.
   ``LOCAL`` edges stay on the device: their send and receive are on ``compute``.
 - **Order.** Per stream, actions are listed in the order the runtime issues them: a task's first
   microbatch's inputs when it starts, each later microbatch's while the one before computes, the
-  next task's state at the unit the memory plan chose (``MemoryPlan.prefetch``), else once the
-  task's own state is in.
+  next task's state at the unit the memory promise chose (``MemoryPlan.prefetch``), else when
+  that task starts. A graph without a promise has no program (``NO_PROMISE``).
 
 Each action prints as one short line (``t3.1 RECV X e12 <-dev0 4.0K``), a program as one block per
 device and stream; ``harmony show PLAN --program`` prints it, ``Program.save`` writes it to the plan
@@ -41,6 +41,9 @@ __all__ = ["Action", "Edge", "Piece", "Program", "PROGRAM_FILE", "STREAMS", "buf
 
 SCHEMA_VERSION = 2  # 2: LOADs name their source; Program.sources, Program.after
 PROGRAM_FILE = "program.msgpack"
+NO_PROMISE = ("a task graph without a memory promise (TaskGraph.memory) has no program: where each task's "
+              "state is loaded is the promise's choice. Attach one with harmony.scheduler.estimator.promise(graph, "
+              "profile, machine, capacity), or for a Plan harmony.compiler.promise_memory(plan)")
 STREAMS = ("compute", "swap-in", "swap-out", "p2p-in", "p2p-out")
 
 
@@ -514,7 +517,10 @@ def buffer_chain(graph: TaskGraph) -> dict[int, int]:
 def lower(graph: TaskGraph, profile: Profile | None, streams: bool = True) -> Program:
     """The program of ``graph``: its edges and, per device and stream, the ordered actions (edge
     bytes from ``profile``; 0 without one). ``streams=False`` lowers the edges alone (no actions):
-    who sends what to whom, all a player that orders the streams itself needs (the estimator)."""
+    who sends what to whom, all a player that orders the streams itself needs (the estimator).
+    The actions need the graph's memory promise: it says where each task's state is loaded."""
+    if streams and graph.memory is None:
+        raise ValueError(NO_PROMISE)
     reads: dict[int, list[tuple[int, str]]] = {}
     program = Program(graph.mode, _edges(graph, profile, reads), {},
                       dict(graph.memory.devices) if graph.memory is not None else {})
@@ -523,7 +529,7 @@ def lower(graph: TaskGraph, profile: Profile | None, streams: bool = True) -> Pr
     program.after = buffer_chain(graph)
     if not streams:
         return program
-    b = _Builder(graph, program, graph.memory.prefetch if graph.memory is not None else None)
+    b = _Builder(graph, program, graph.memory.prefetch)
     for device in b.streams:
         tasks = graph.device_tasks(device)
         for i, task in enumerate(tasks):
@@ -559,7 +565,7 @@ def _state_stores(task: Task) -> list[Action]:
 class _Builder:
     """Appends each task's actions to its device's streams, in the runtime's issue order."""
 
-    def __init__(self, graph: TaskGraph, program: Program, prefetch: dict[int, int] | None) -> None:
+    def __init__(self, graph: TaskGraph, program: Program, prefetch: dict[int, int]) -> None:
         self.streams: dict[int, dict[str, list[Action]]] = {}
         for device in sorted({t.device for t in graph.tasks} | set(range(graph.devices))):
             self.streams[device] = {s: [] for s in STREAMS}
@@ -602,13 +608,10 @@ class _Builder:
 
     def task(self, task: Task, nxt: Task | None) -> None:
         """One task's actions, with the next task's state loaded at the unit the memory plan
-        prefetches it (without a memory plan, once the task's own state is in; an update's when it
-        starts)."""
+        prefetches it (else when that task starts; an update's always then)."""
         ahead = nxt is not None and nxt.kind != Kind.UPD
         self.load(task)
-        if ahead and self.prefetch is None:
-            self.load(nxt)
-        at = self.prefetch.get(nxt.id) if (ahead and self.prefetch is not None) else None
+        at = self.prefetch.get(nxt.id) if ahead else None
         if task.kind == Kind.UPD:
             self.add(task.device, [Action("compute", "UPD", task.id, 0)])
             self.add(task.device, _state_stores(task))

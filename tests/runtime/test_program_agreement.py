@@ -1,9 +1,9 @@
 """The executor moves exactly what the lowered program says (issue 15): per device and stream, the
 same edges (by key), the same bytes, in the same order; and the same pack-state loads.
 
-Plans come from the search (with a memory plan, so the next task's state loads at the unit the
-plan chose) and from a configuration with U_F != U_B and different packs in the two passes (no
-memory plan: pieces cross microbatch boundaries, states load as the task before starts)."""
+Plans come from the search and from a configuration with U_F != U_B and different packs in the two
+passes (pieces cross microbatch boundaries); each runs under its memory promise (the Trainer
+estimates one for the second), so the next task's state loads at the unit the promise chose."""
 
 from __future__ import annotations
 

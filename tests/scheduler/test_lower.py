@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 
 from harmony.errors import FormatError
-from harmony.scheduler.lower import STREAMS, Program, lower
+from harmony.scheduler.estimator import promise
+from harmony.scheduler.lower import NO_PROMISE, STREAMS, Program, lower
+from harmony.scheduler.machine import Machine
 from harmony.scheduler.taskgraph import MODES, generate
-from harmony.scheduler.tasks import Channel, Configuration
+from harmony.scheduler.tasks import Channel, Configuration, TaskGraph
 
 GOLDEN = Path(__file__).parent / "golden" / "program"
 PACKS_F, PACKS_B = [(0, 1), (2, 2), (3, 3)], [(0, 0), (1, 2), (3, 3)]
@@ -21,8 +23,19 @@ def uneven_config() -> Configuration:
     return Configuration(u_f=2, packs_f=PACKS_F, u_b=3, packs_b=PACKS_B)
 
 
+MACHINE = Machine(kind="analytic", device_name="test", devices=2, capacity=1 << 30, h2d=1e9, d2h=1e9, d2d=2e9,
+                  host_link_shared=False, h2d_all=2e9, d2h_all=2e9, msg=1e9, latency=0.0)
+
+
+def promised(uniform, mode: str) -> TaskGraph:
+    """The uneven configuration's task graph with its memory promise, as compile leaves it."""
+    graph = generate(mode, uniform(layers=4), uneven_config(), 2, 6)
+    graph.memory = promise(graph, uniform(layers=4), MACHINE)
+    return graph
+
+
 def program_of(uniform, mode: str) -> Program:
-    return lower(generate(mode, uniform(layers=4), uneven_config(), 2, 6), uniform(layers=4))
+    return lower(promised(uniform, mode), uniform(layers=4))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -49,7 +62,7 @@ def test_every_edge_is_sent_once_and_received_once_on_the_right_streams(uniform,
 
 @pytest.mark.parametrize("mode", MODES)
 def test_pieces_of_a_consumer_microbatch_cover_its_samples_exactly(uniform, mode):
-    graph = generate(mode, uniform(layers=4), uneven_config(), 2, 6)
+    graph = promised(uniform, mode)
     program = lower(graph, uniform(layers=4))
     by_id = {t.id: t for t in graph.tasks}
     covered: dict[tuple, list[tuple[int, int]]] = {}
@@ -110,7 +123,7 @@ def test_every_stream_is_named_and_p2p_moves_only_between_devices(uniform):
 def test_every_state_input_with_a_producer_reads_one_named_output_of_its_tensor(uniform, mode):
     """The program, not each player, says which output a pack state, optimizer state or gradient
     input reads (issue 15: no matching in the estimator); an output naming its reader is read once."""
-    graph = generate(mode, uniform(layers=4), uneven_config(), 2, 6)
+    graph = promised(uniform, mode)
     program = lower(graph, uniform(layers=4))
     by_id = {t.id: t for t in graph.tasks}
     edges = {(t.id, n) for t in graph.tasks for n, _ in program.reads(t)}
@@ -127,3 +140,11 @@ def test_every_state_input_with_a_producer_reads_one_named_output_of_its_tensor(
     loads = [a for per in program.streams.values() for acts in per.values() for a in acts if a.op == "LOAD"]
     assert all(a.src is None or (a.task, a.src) in {(c, p) for (c, _), (p, _) in program.sources.items()}
                for a in loads)
+
+
+def test_a_task_graph_without_a_memory_promise_has_no_program_but_has_edges(uniform):
+    graph = generate("pp", uniform(layers=4), uneven_config(), 2, 6)
+    with pytest.raises(ValueError, match="memory promise") as info:
+        lower(graph, uniform(layers=4))
+    assert str(info.value) == NO_PROMISE
+    assert lower(graph, uniform(layers=4), streams=False).edges == program_of(uniform, "pp").edges
