@@ -330,10 +330,14 @@ def _optimal_bound(t: _Tables, n: int, packs: int) -> float | None:
     return hi
 
 
-def _rebuild(t: _Tables, n: int, bound: float, packs: int) -> list[Pack]:
+def _rebuild(t: _Tables, n: int, bound: float, packs: int) -> list[Pack] | None:
     """Exactly ``packs`` allowed packs under ``bound``, chosen from the back: each pack's first
     layer is the one leaving a pack time nearest the average of what remains, among the choices
-    that keep the rest packable into the remaining count (d[s] ≤ k-1 ≤ s)."""
+    that keep the rest packable into the remaining count (d[s] ≤ k-1 ≤ s). None where no choice
+    is left: ``s ≥ k-1`` assumes a prefix splits into more packs as easily as into fewer, which
+    holds for packs composed from layers but not once packs are measured whole (``PackSample``):
+    a measured pack may fit where one of its layers, composed alone, does not. The search of a
+    generated transformer's compiled profile crashed on it."""
     ends = _ends_within(t, n, bound)
     his = _levels(ends + 1, n, packs)
     assert his is not None
@@ -346,6 +350,8 @@ def _rebuild(t: _Tables, n: int, bound: float, packs: int) -> list[Pack]:
         s = idx[:end]
         ok = (ends[:end] >= end - 1) & (fewest[:end] <= k - 1) & (s >= k - 1)
         candidates = s[ok]
+        if not len(candidates):
+            return None
         target = (prefix[end] - prefix[0]) / k
         pick = int(candidates[np.argmin(np.abs(prefix[end] - prefix[candidates] - target))])
         out.append((pick, end - 1))
@@ -410,7 +416,8 @@ def balanced_time_packing(
     bound = _optimal_bound(t, n, packs)
     if bound is None:
         return None
-    return _rebuild(t, n, bound, packs) + tail  # type: ignore[operator]
+    rebuilt = _rebuild(t, n, bound, packs)
+    return None if rebuilt is None else rebuilt + tail
 
 
 def greedy_packing(

@@ -20,7 +20,7 @@ from harmony.scheduler.packing import (
     pack_memory_matrix,
     pack_times,
 )
-from harmony.profiling.profiles import LayerProfile, LayerSample, Profile
+from harmony.profiling.profiles import LayerProfile, LayerSample, PackSample, Profile
 
 US = (1, 2, 4)
 
@@ -263,3 +263,17 @@ def test_many_calls_on_420_layers_are_fast():
             calls += 1
     assert calls >= 100
     assert time.perf_counter() - start < 2.0, calls
+
+
+def test_a_pack_count_that_only_a_measured_pack_makes_possible_is_refused_not_a_crash(uniform):
+    """Measured whole, layers 0-1 fit where layer 1 composed alone does not: two packs fit, three
+    cannot, and asking for three answers None (it raised ValueError from an empty argmin)."""
+    profile = uniform(layers=3, w=1000, x_per_sample=10)
+    u = 4
+    alone = profile.pack_fwd_memory(1, 1, u)
+    profile.add_packs([PackSample(first=0, last=0, u=u, fwd_peak=alone // 2, bwd_peak=alone // 2),
+                       PackSample(first=0, last=1, u=u, fwd_peak=alone // 2, bwd_peak=alone // 2),
+                       PackSample(first=2, last=2, u=u, fwd_peak=alone // 2, bwd_peak=alone // 2)])
+    capacity = alone - 1
+    assert balanced_time_packing(profile, u, capacity, "fwd", num_packs=2) == [(0, 1), (2, 2)]
+    assert balanced_time_packing(profile, u, capacity, "fwd", num_packs=3) is None
