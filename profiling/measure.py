@@ -164,7 +164,7 @@ def measure_pack(
             with torch.no_grad():
                 ys = _run_pack(modules, states, xs, peaks, device)
             elapsed = timer.stop()
-            fwd_peak = max(fwd_peak, device.peak(), *(peaks or ()))
+            fwd_peak = max(fwd_peak, *(peaks or (device.peak(),)))
             x_bytes, y_bytes = _nbytes(xs), _nbytes(ys)
             if trial:
                 fwd_times.append(elapsed)

@@ -203,15 +203,15 @@ class PackSample:
     fwd_layer_peaks: list[int] = field(default_factory=list)  # the FWD task's peak during each layer
 
 
-def _measured_fwd_memory(sample: PackSample, held: list[float]) -> int:
-    """A measured FWD task's peak with its stashed inputs (``held[k]``: layer k's input, queued for
-    the host at k) counted while the next layer runs (``Profile.pack_fwd_memory``). A pack measured
-    before its peak per layer was recorded adds the largest stash to its peak."""
+def _measured_fwd_memory(sample: PackSample, beside: list[float]) -> int:
+    """A measured FWD task's peak with ``beside[k]`` (the stash still leaving while layer k runs,
+    ``Profile.pack_fwd_memory``) added to layer k's. A pack measured before its peak per layer was
+    recorded adds the largest stash to its peak."""
     peaks = sample.fwd_layer_peaks
-    if len(peaks) != len(held):
-        return int(round(sample.fwd_peak + max(held[:-1], default=0.0)))
+    if len(peaks) != len(beside):
+        return int(round(sample.fwd_peak + max(beside)))
     slack = sample.fwd_peak - max(peaks)  # a timed run that peaked above the per-layer run
-    return int(round(slack + max(peak + (held[k - 1] if k else 0.0) for k, peak in enumerate(peaks))))
+    return int(round(slack + max(peak + extra for peak, extra in zip(peaks, beside))))
 
 
 @dataclass
@@ -291,16 +291,18 @@ class Profile:
         what it held.
         """
         layers = self.layers[first:last + 1]
-        held = [layers[k].at("x_bytes", u) if first + k in stashes and k else 0.0 for k in range(len(layers))]
+        # per layer, the stash of the layer before it (the pack's own input is no stash: it stays)
+        beside = [0.0] + [layers[k].at("x_bytes", u) if first + k in stashes and k else 0.0
+                          for k in range(len(layers) - 1)]
         measured = self.measured_pack(first, last, u)
         if measured is not None:
-            return _measured_fwd_memory(measured, held)
+            return _measured_fwd_memory(measured, beside)
         resident = sum(layer.w_bytes + layer.b_bytes for layer in layers)
         x_first = layers[0].at("x_bytes", u)
         worst = 0.0
         for k, layer in enumerate(layers):
             working = layer.at("fwd_peak", u) - layer.w_bytes - layer.b_bytes
-            worst = max(worst, working + (x_first if k else 0.0) + (held[k - 1] if k else 0.0))
+            worst = max(worst, working + (x_first if k else 0.0) + beside[k])
         return int(round(resident + worst))
 
     def pack_bwd_memory(self, first: int, last: int, u: int, accumulate: bool = True) -> int:
