@@ -5,9 +5,10 @@ input gradients (dY), and the minibatch's inputs from host memory.
 A producer cuts each microbatch into its edges' pieces (along the batch dims the decomposer
 recorded) and routes each by its channel: LOCAL stays on the device; P2P goes through the
 shared-memory slabs or a ``DistTransport`` (``p2p.py``); SWAP and MSG park in host memory. A
-consumer takes the pieces of its microbatch, joins them, and may prefetch the next microbatch's on
-the swap-in or p2p-in stream. Every move is logged in program terms (``_moved``), and
-``tests/runtime/test_program_agreement.py`` holds that log equal to the program. A P2P message
+consumer takes the pieces of its microbatch, joins them (a copy the plan does not count, made only
+where it fits: ``_joined``), and may prefetch the next microbatch's on the swap-in or p2p-in stream.
+Every move is logged in program terms (``_moved``), and ``tests/runtime/test_program_agreement.py``
+holds that log equal to the program. A P2P message
 received ahead of its consumer waits for room like a prefetch (``_p2p_buffers``), unless the
 compute thread waits on its sender.
 
@@ -88,6 +89,19 @@ class Transport:
 
     def _join(self, parts: list[Values], boundary: int) -> Values:
         return batching.join(parts, self._batch_dims.get(boundary, []))
+
+    def _joined(self, parts: list[Values], boundary: int) -> Values:
+        """A microbatch's pieces joined on the device. The join is a copy the plan does not count
+        (it counts the microbatch's input once): while it is made, the pieces and their join are
+        both live. Made ahead of need (a prefetch on an inbound stream), it waits for room like
+        any copy made ahead, so that the moment both live never takes the device past its
+        planned peak; the compute thread waiting for it makes it at once."""
+        if len(parts) == 1:
+            return parts[0]
+        dims = self._batch_dims.get(boundary, [])
+        nbytes = sum(tensor_bytes([p[i] for p in parts]) for i, d in enumerate(dims)
+                     if d is not None and isinstance(parts[0][i], torch.Tensor))
+        return self._with_room(nbytes, lambda: self._join(parts, boundary), self._compute_blocked, room=0)
 
     def _key(self, consumer: int, stream: str, start: int) -> tuple:
         return (self.iteration, consumer, stream, start)
@@ -190,7 +204,7 @@ class Transport:
             self._moved(IN_STREAM[channel], "RECV", key[1:], tensor_bytes(values))
             state = piece_state if state is None else state
             parts.append(values)
-        return self._join(parts, edges[0].layer), state
+        return self._joined(parts, edges[0].layer), state
 
     def _take_local(self, key: tuple, what: str) -> tuple[Values, torch.Tensor | None]:
         """A LOCAL piece (kept on the device by a task of this worker), once its producer left it."""

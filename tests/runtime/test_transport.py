@@ -1,0 +1,95 @@
+"""Joining a microbatch's pieces on the device (``runtime/transport.py``, ``Transport._joined``).
+
+A consumer microbatch made of several producers' pieces holds the pieces and their join at once
+while the join is made. Prefetched on an inbound stream, that moment fell on the running unit's
+peak and took the device past its planned peak (issue 14, seed 27 of the generated models: 8,768
+bytes over in 2 runs of 8). The join is a copy made ahead of need and waits for room like one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from harmony.runtime.admission import Admission
+from harmony.runtime.device import CpuDevice
+from harmony.runtime.transport import Transport
+
+PIECE = 40  # float64 elements in each piece: 320 bytes
+
+
+class _Aborted:
+    def aborted(self) -> bool:
+        return False
+
+
+class _Joiner(Admission, Transport):
+    """The parts of an executor that a join touches: a device with a planned peak, nothing leaving."""
+
+    def __init__(self, device: CpuDevice, budget: int) -> None:
+        self.device = device
+        self._budget = budget
+        self._headroom = 0
+        self._waiting = False
+        self._batch_dims = {0: [0, None]}
+        self.shared = _Aborted()
+
+
+def _warm_up(device: CpuDevice) -> None:
+    """A first op under a dispatch mode on a new thread takes torch seconds to set up; the join
+    must not pass the waiting test only because it had not started yet."""
+    def op() -> None:
+        with device.memory_scope():
+            torch.cat([torch.zeros(1), torch.zeros(1)])
+
+    thread = threading.Thread(target=op)
+    thread.start()
+    thread.join()
+
+
+def _pieces(device: CpuDevice) -> list[list]:
+    return [[device.to_device(torch.full((PIECE,), float(i), dtype=torch.float64)), "whole"] for i in range(2)]
+
+
+def test_a_prefetched_join_waits_until_pieces_and_join_fit_under_the_planned_peak():
+    device = CpuDevice("dev0", capacity=100_000)
+    joiner = _Joiner(device, budget=1_400)
+    parts = _pieces(device)
+    work = device.to_device(torch.zeros(50, dtype=torch.float64))  # the running unit's 400 bytes
+    result: list = []
+    _warm_up(device)
+
+    def prefetch() -> None:
+        with device.memory_scope():
+            result.append(joiner._joined(parts, 0))
+
+    stream = threading.Thread(target=prefetch, name="harmony-dev0-p2p-in")  # a stream thread, not the compute thread
+    stream.start()
+    time.sleep(0.5)
+    assert not result, "the join was made while pieces, join and the running unit exceed the planned peak"
+    del work  # the running unit ends: pieces and their join fit under the peak
+    stream.join(timeout=5)
+    joined, whole = result[0]
+    assert whole == "whole"
+    assert torch.equal(joined, torch.cat([torch.zeros(PIECE), torch.ones(PIECE)]).double())
+    assert device.peak() == 4 * PIECE * 8  # pieces and join; the unit's 400 bytes were gone by then
+
+
+def test_a_join_the_compute_thread_waits_for_is_made_at_once_past_the_planned_peak():
+    device = CpuDevice("dev0", capacity=100_000)
+    joiner = _Joiner(device, budget=700)
+    parts = _pieces(device)
+    joiner._waiting = True  # the compute thread is blocked on this join
+    with device.memory_scope():
+        joined, _ = joiner._joined(parts, 0)
+    assert joined.shape == (2 * PIECE,)
+    assert device.peak() == 4 * PIECE * 8
+
+
+def test_a_single_piece_is_its_own_join_and_copies_nothing():
+    device = CpuDevice("dev0", capacity=100_000)
+    joiner = _Joiner(device, budget=0)
+    parts = _pieces(device)[:1]
+    assert joiner._joined(parts, 0) is parts[0]
