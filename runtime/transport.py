@@ -8,9 +8,8 @@ shared-memory slabs or a ``DistTransport`` (``p2p.py``); SWAP and MSG park in ho
 consumer takes the pieces of its microbatch, joins them (a copy the plan does not count, made only
 where it fits: ``_joined``), and may prefetch the next microbatch's on the swap-in or p2p-in stream.
 Every move is logged in program terms (``_moved``), and ``tests/runtime/test_program_agreement.py``
-holds that log equal to the program. A P2P message
-received ahead of its consumer waits for room like a prefetch (``_p2p_buffers``), unless the
-compute thread waits on its sender.
+holds that log equal to the program. A P2P message received ahead of its consumer waits for room
+like a prefetch (``_p2p_buffers``), unless the compute thread waits on its sender.
 
 Part of ``Executor`` (``executor.py``), mixed in: ``self`` is the executor. Copies into the device
 go through ``admission.py``.
