@@ -19,15 +19,16 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Hashable
 
 import torch
 
 from harmony.errors import DeviceOutOfMemoryError
 from harmony.runtime.channels import Aborted, Counters
 from harmony.runtime.device import Device
+from harmony.runtime.ledger import STATE, Ledger
 from harmony.runtime.streams import Stream
-from harmony.scheduler.tasks import Task
+from harmony.scheduler.tasks import MemoryPlan, Task
 
 if TYPE_CHECKING:
     from harmony.runtime.flags import Shared
@@ -56,6 +57,8 @@ class Admission:
     p2p_out: Stream
     timeout: float
     _budget: int | None  # the plan's peak for this device
+    _memory: MemoryPlan  # the plan's promise
+    ledger: Ledger  # the device's memory as the plan counts it
     _reserves: dict[int, int]  # per task, the most it holds at once (the plan's reserve)
     _prefetches: dict[int, int]  # per task loaded ahead, the unit of the task before that it loads at
     _headroom: int  # bytes the running task may still allocate: copies made ahead leave them free
@@ -64,23 +67,34 @@ class Admission:
     _gave_up_waiting: int | None  # the task whose outputs would not leave in time
 
     def _to_device(self, t: torch.Tensor, channel: str, tensor: str, wait: bool = True, count: bool = True,
-                   room: int | None = None) -> torch.Tensor:
+                   room: int | None = None, owner: Hashable = None) -> torch.Tensor:
         """A counted copy into device memory that waits while memory is short and work that can
         free it is still running; gives up (out of memory) once the compute thread is blocked on
         it and nothing was freed for a second. Without ``wait`` (a prefetch that gives up rather
         than hold its stream) it is never urgent: it fits beside the running task or not at all.
-        ``room``: what it must leave free for the running task (default: the task's headroom)."""
+        ``room``: what it must leave free for the running task (default: the task's headroom).
+        ``owner``: whose it is in the ledger (default: the running task's state)."""
         nbytes = t.numel() * t.element_size()
         urgent = self._compute_blocked if wait else on_compute_thread
         out = self._with_room(nbytes, lambda: self.device.to_device(t), urgent, wait, room)
+        self.ledger.hold(out, (self._task, STATE) if owner is None else owner)
         if count:
             self.counters.add(channel, "in", tensor, nbytes)
         return out
 
-    def _values_to_device(self, values: Values, channel: str, tensor: str) -> Values:
+    def _values_to_device(self, values: Values, channel: str, tensor: str, owner: Hashable) -> Values:
         """A microbatch's inputs copied in. They come one microbatch ahead, as the plan counts them
         (beside the running microbatch's work): they keep no more room free."""
-        return [self._to_device(v, channel, tensor, room=0) if isinstance(v, torch.Tensor) else v for v in values]
+        return [self._to_device(v, channel, tensor, room=0, owner=owner) if isinstance(v, torch.Tensor) else v
+                for v in values]
+
+    def _ledger_unit(self, task: int, unit: int) -> None:
+        """Unit ``unit`` of ``task`` starts: the ledger reserves what the plan says the task holds
+        while it computes. Where the device counts every op (an emulated one), the real memory is
+        compared with the ledger's count here, where the unit before has let go of its work."""
+        self.ledger.run(((task, STATE), (task, unit)), self._memory.unit_bytes(task, unit))
+        if getattr(self.device, "tracker", None) is not None:
+            self.ledger.compare(self.device.allocated())
 
     def _compute_blocked(self) -> bool:
         """Whether the copy being made is one the compute thread waits for (or makes itself)."""

@@ -15,6 +15,8 @@ a stream's job (``_wait``), on other workers' tasks (``_wait_done``), published 
 
 - ``admission.py``: whether a copy may take device memory now (the plan's peak for the device, the
   running task's headroom, urgent copies, outputs let go first when memory is short);
+- ``ledger.py``: the device's memory as the plan counts it, once per buffer (kept beside the
+  per-op tracker and compared with it at every unit's start; admission does not read it yet);
 - ``packstate.py``: a pack's state (W, B) loaded, prefetched, kept resident, written back or
   evicted; gradients in from and out to host slots (dW);
 - ``transport.py``: activations and gradients along the lowered program's edges (send, route,
@@ -49,6 +51,7 @@ from harmony.runtime.compute import Compute
 from harmony.runtime.device import Device
 from harmony.runtime.flags import Shared
 from harmony.runtime.hoststore import HostStore
+from harmony.runtime.ledger import Ledger
 from harmony.runtime.p2p import DistTransport
 from harmony.runtime.packstate import PackState
 from harmony.runtime.routes import Routes
@@ -86,6 +89,11 @@ class IterationResult:
     # ``what`` an edge's key (consumer, stream, first sample) or (task, state tensor); compared with
     # the lowered program's actions (``scheduler/lower.py``) by the tests
     transfers: dict[str, list[tuple[str, tuple, int]]] = field(default_factory=dict)
+    # the ledger's view (runtime/ledger.py): its peak, and by how much the real memory exceeded it at
+    # the start of a unit (0 where the plan's count holds; compared only where the device counts
+    # every op, an emulated one)
+    ledger_peak: int = 0
+    ledger_shortfall: int = 0
 
 
 class Executor(Admission, PackState, Transport, Compute, Updates):
@@ -124,6 +132,8 @@ class Executor(Admission, PackState, Transport, Compute, Updates):
         # device past, and per task the most it holds at once (the launcher refuses a plan without one)
         plan = routes.graph.memory
         self._budget = plan.devices.get(rank)  # None: a device the plan gives no task
+        self._memory = plan
+        self.ledger = Ledger()
         self._reserves = plan.reserves
         self._headroom = 0  # bytes the running task may still allocate (planned): prefetches leave them free
         self._gave_up_waiting: int | None = None  # the task whose outputs would not leave in time
@@ -195,6 +205,8 @@ class Executor(Admission, PackState, Transport, Compute, Updates):
         if self.slabs is not None:
             self.slabs.reset()
         self.device.reset_peak()
+        self.ledger.reset_peak()
+        self.ledger.shortfall = 0
         loss = 0.0
         task_seconds: dict[int, float] = {}
         task_peaks: dict[int, int] = {}
@@ -209,7 +221,9 @@ class Executor(Admission, PackState, Transport, Compute, Updates):
                 self._headroom = self._reserve(task)
                 self.device.reset_peak()
                 self._next = self.tasks[i + 1] if self.prefetch and i + 1 < len(self.tasks) else None
+                self._ledger_unit(task.id, 0)
                 loss += self._run_task(task)
+                self.ledger.idle()
                 self._next = None
                 self._headroom = 0
                 t1 = time.perf_counter()
@@ -234,7 +248,8 @@ class Executor(Admission, PackState, Transport, Compute, Updates):
             events.extend((kind, *event) for event in stream.take_events())
         return IterationResult(loss=loss, seconds=seconds, peak=peak, bytes_by_channel=by_channel,
                                bytes_by_tensor=by_tensor, task_seconds=task_seconds, task_peaks=task_peaks,
-                               events=events, transfers=self._transfers)
+                               events=events, transfers=self._transfers, ledger_peak=self.ledger.peak,
+                               ledger_shortfall=self.ledger.shortfall)
 
     def _run_task(self, task: Task) -> float:
         """Run one task on the compute thread; returns its share of the loss (0 but for a loss task)."""

@@ -26,6 +26,7 @@ from harmony.runtime.admission import NoRoom
 from harmony.runtime.channels import Counters, tensor_bytes
 from harmony.runtime.device import Device
 from harmony.runtime.hoststore import HostStore
+from harmony.runtime.ledger import STATE, Ledger
 from harmony.runtime.routes import Routes
 from harmony.runtime.streams import Stream
 from harmony.scheduler.memory import running_gradient_input
@@ -45,6 +46,7 @@ class PackState:
     store: HostStore
     shared: Shared
     counters: Counters
+    ledger: Ledger
     swap_in: Stream
     swap_out: Stream
     iteration: int
@@ -67,6 +69,7 @@ class PackState:
         """Unit ``unit`` of the running task (a microbatch, or its update) is about to compute: the
         moment the plan may load the next task's state (``MemoryPlan.prefetch``), its memory counted
         beside this unit's."""
+        self._ledger_unit(self._task, unit)
         nxt = self._next
         if nxt is None or self._prefetches.get(nxt.id, -1) != unit:
             return
@@ -99,8 +102,10 @@ class PackState:
         """The pack's parameters and buffers on the device, by original name (a tied parameter's
         names share one copy)."""
         local = next((t for t in task.inputs if t.tensor == "W" and t.channel == Channel.LOCAL), None)
-        if local is not None:
-            return self.resident.pop(local.task)
+        if local is not None:  # kept for this task by the one before: now this task's state
+            state = self.resident.pop(local.task)
+            self.ledger.hold(list(state.values()), (task.id, STATE))
+            return state
         before = self.routes.buffers_after.get(task.id)
         if before is not None:
             self._wait_done([before], f"task {task.id} reads the buffers task {before} updates")
@@ -111,10 +116,12 @@ class PackState:
             if spec.kind == "parameter":
                 canon = self.layers.canonical(name)
                 if canon not in copies:
-                    copies[canon] = self._to_device(self.store.weight(canon), "SWAP", "W", wait, count=False, room=room)
+                    copies[canon] = self._to_device(self.store.weight(canon), "SWAP", "W", wait, count=False, room=room,
+                                                    owner=(task.id, STATE))
                 state[name] = copies[canon]
             else:
-                state[name] = self._to_device(self.store.view(f"B/{name}"), "SWAP", "B", wait, count=False, room=room)
+                state[name] = self._to_device(self.store.view(f"B/{name}"), "SWAP", "B", wait, count=False, room=room,
+                                              owner=(task.id, STATE))
         # counted once the whole state is in (an abandoned prefetch moved nothing the plan counts)
         buffers = [t for n, t in state.items() if self.layers.state[n].kind != "parameter"]
         for tensor, group in (("B", buffers), ("W", list(copies.values()))):

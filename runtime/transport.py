@@ -34,6 +34,7 @@ from harmony.runtime.admission import on_compute_thread
 from harmony.runtime.channels import (Counters, Mailbox, Slabs, shared_copy, state_bytes, state_tensor, tensor_bytes,
                                       wait_until)
 from harmony.runtime.device import Device
+from harmony.runtime.ledger import Ledger
 from harmony.runtime.p2p import DistTransport, Received
 from harmony.runtime.routes import Routes
 from harmony.runtime.streams import Stream
@@ -62,6 +63,7 @@ class Transport:
     slabs: Slabs | None
     dist: DistTransport | None
     counters: Counters
+    ledger: Ledger
     swap_in: Stream
     swap_out: Stream
     p2p_in: Stream
@@ -109,6 +111,8 @@ class Transport:
         """Hand microbatch ``mb`` of a boundary to the program's edges out of it, each cut to its
         piece of the consumer's microbatch."""
         mb_start, mb_size = ranges(task)[mb]
+        if edges:
+            self.ledger.hold(values, (task.id, mb))  # the unit's until it ends, then beside its successors
         for e in edges:
             part = values
             if (e.start, e.stop) != (mb_start, mb_start + mb_size):
@@ -179,7 +183,7 @@ class Transport:
         if edges[0].producer is None:  # the minibatch, in host memory
             values = [self._slice(v, start, size) for v in self.batch.inputs]
             self._moved("swap-in", "RECV", (task.id, stream, start), tensor_bytes(values))
-            values = self._values_to_device(values, "SWAP", "X")
+            values = self._values_to_device(values, "SWAP", "X", owner=(task.id, mb))
             return values, rng.seeded(self.device.torch_device, rng.microbatch_seed(self.batch.seed, self.iteration, start))
         parts, state = [], None
         for e in edges:
@@ -198,12 +202,14 @@ class Transport:
                     values = self._adopt(host)
                     self.counters.add(label, "in", tensor, tensor_bytes(host))
                 else:
-                    values = self._values_to_device(host, label, tensor)
+                    values = self._values_to_device(host, label, tensor, owner=(task.id, mb))
                 del host
             self._moved(IN_STREAM[channel], "RECV", key[1:], tensor_bytes(values))
             state = piece_state if state is None else state
             parts.append(values)
-        return self._joined(parts, edges[0].layer), state
+        values = self._joined(parts, edges[0].layer)
+        self.ledger.hold(values, (task.id, mb))  # the unit's now, however it came (LOCAL, received)
+        return values, state
 
     def _take_local(self, key: tuple, what: str) -> tuple[Values, torch.Tensor | None]:
         """A LOCAL piece (kept on the device by a task of this worker), once its producer left it."""
@@ -252,6 +258,7 @@ class Transport:
 
         start = time.perf_counter()
         buffers = self._with_room(nbytes, make, lambda: self._awaits(src))
+        self.ledger.hold(buffers)  # nobody's until its consumer fetches it
         waited = time.perf_counter() - start
         if waited > 0.001:
             log.debug("dev%d: a P2P message of %d bytes from dev%d waited %.3f s for room", self.rank, nbytes, src, waited)

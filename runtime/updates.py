@@ -26,6 +26,7 @@ from harmony.decomposer.layer_graph import LayerGraph
 from harmony.runtime.channels import Counters, tensor_bytes
 from harmony.runtime.device import Device
 from harmony.runtime.hoststore import HostStore
+from harmony.runtime.ledger import STATE, Ledger
 from harmony.runtime.routes import Routes
 from harmony.runtime.streams import Stream
 from harmony.scheduler.tasks import Channel, Task
@@ -43,6 +44,7 @@ class Updates:
     store: HostStore
     shared: Shared
     counters: Counters
+    ledger: Ledger
     swap_out: Stream
     build_optimizer: Callable
     iteration: int
@@ -54,6 +56,8 @@ class Updates:
         slots for an update elsewhere, or stepped here at once (jit-update); then its weights evicted
         (the baselines) and its gradients let go."""
         self._unit_starts(len(task.microbatches))  # the plan's update unit (a step here or none)
+        # the gradients are the task's until it ends, then leaving (deposited) or kept for its update
+        self.ledger.hold([p.grad for p in params.values() if p.grad is not None], (task.id, STATE))
         deposits = self.routes.deposits.get(task.id, [])
         if deposits:
             grads = {name: params[name].grad for name in deposits if params[name].grad is not None}
@@ -71,6 +75,8 @@ class Updates:
         writes the master after every replica has read it."""
         local = next((t for t in task.inputs if t.tensor == "W" and t.channel == Channel.LOCAL), None)
         state = self.resident.pop(local.task) if local is not None else None
+        if state is not None:  # kept for this task by the one before: now this task's state
+            self.ledger.hold(list(state.values()), (task.id, STATE))
         owned = self.routes.updates.get(task.id, [])
         params = {}
         for name in owned:
@@ -88,7 +94,8 @@ class Updates:
     def _gradient(self, name: str, own: torch.Tensor | None) -> torch.Tensor | None:
         """The full gradient of a parameter: this task's own (on the device) plus every host slot
         written this iteration, summed on the host and copied in once."""
-        host = self.store.gradient_sum(name, self.iteration)
+        with self.device.host_side():  # the sum is host memory, not the device's
+            host = self.store.gradient_sum(name, self.iteration)
         if host is None:
             return own
         g = self._to_device(host, "SWAP", "dW")

@@ -30,7 +30,8 @@ from harmony.profiling.profiles import Profile
 from .tasks import HOST, Channel, Kind, MemoryPlan, Task, Transfer
 
 __all__ = ["TaskMemory", "covers", "fused_update", "input_unit", "memory_plan", "reserve", "resident_bytes",
-           "running_gradient_input", "stash_layers", "stashes_every_layer", "task_key", "task_memory"]
+           "running_gradient_input", "stash_layers", "stashes_every_layer", "task_key", "task_memory",
+           "unit_holds"]
 
 # what the work of a unit counts among the task's inputs, by unit kind
 _FIRST_COVERS = frozenset(("W", "B"))
@@ -161,11 +162,11 @@ def resident_bytes(task: Task, profile: Profile) -> int:
     return sum(layer.w_bytes + layer.b_bytes for layer in profile.layers[task.first:task.last + 1])
 
 
-def reserve(task: Task, profile: Profile, stashes: tuple[int, ...] = (), by_id: Mapping[int, Task] | None = None) -> int:
-    """The most a running task holds at once: its state, its largest unit's work and the inputs its
-    work does not count (an update's weights, gradients and optimizer state). The runtime lets a
-    copy ahead of need in beside the running task only if what the task has not allocated yet of
-    this stays free."""
+def unit_holds(task: Task, profile: Profile, stashes: tuple[int, ...] = (),
+               by_id: Mapping[int, Task] | None = None) -> tuple[int, ...]:
+    """What a running task holds while each of its units computes: its state, the unit's work and
+    the inputs no unit's work counts (an update's weights, gradients and optimizer state). The
+    runtime's ledger (``runtime/ledger.py``) reserves it for the unit."""
     held = task_memory(task, profile, stashes)
     units = len(held.work)
     by_id = by_id or {}
@@ -173,7 +174,14 @@ def reserve(task: Task, profile: Profile, stashes: tuple[int, ...] = (), by_id: 
                     if not covers(task, input_unit(task, t.tensor, t.microbatch, units), units, t.tensor,
                                   running_gradient_input(task, t, by_id))
                     and t.channel not in (Channel.SHM, Channel.LOCAL))
-    return held.peak + uncovered
+    return tuple(held.state + work + uncovered for work in held.work)
+
+
+def reserve(task: Task, profile: Profile, stashes: tuple[int, ...] = (), by_id: Mapping[int, Task] | None = None) -> int:
+    """The most a running task holds at once (its largest unit's ``unit_holds``). The runtime lets a
+    copy ahead of need in beside the running task only if what the task has not allocated yet of
+    this stays free."""
+    return max(unit_holds(task, profile, stashes, by_id))
 
 
 def memory_plan(graph, device_peaks: dict[int, int], task_peaks: dict[int, int], prefetched: dict[int, int],
@@ -183,7 +191,8 @@ def memory_plan(graph, device_peaks: dict[int, int], task_peaks: dict[int, int],
     the estimate loads while the task before them computes, with the unit of that task it loads
     during."""
     consumers = {t.id: t for t in graph.tasks}
-    reserves = {t.id: reserve(t, profile, stash_layers(t, consumers), consumers) for t in graph.tasks
-                if t.device != HOST}
-    return MemoryPlan(devices=dict(device_peaks), tasks=dict(task_peaks), reserves=reserves,
-                      prefetch=dict(prefetched))
+    units = {t.id: unit_holds(t, profile, stash_layers(t, consumers), consumers) for t in graph.tasks
+             if t.device != HOST}
+    return MemoryPlan(devices=dict(device_peaks), tasks=dict(task_peaks),
+                      reserves={task: max(held) for task, held in units.items()}, prefetch=dict(prefetched),
+                      units=units)

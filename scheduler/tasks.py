@@ -157,15 +157,30 @@ class MemoryPlan:
     reserves: dict[int, int]
     # task -> the unit of the task before it on its device at whose start its state loads
     prefetch: dict[int, int] = field(default_factory=dict)
+    # task -> per unit, what the task holds while that unit computes (its reserve is the largest);
+    # empty in plans made before it was recorded
+    units: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     _MAPS = ("devices", "tasks", "reserves", "prefetch")
 
+    def unit_bytes(self, task: int, unit: int) -> int:
+        """What ``task`` holds while its unit ``unit`` computes (its reserve where the plan does not
+        say)."""
+        held = self.units.get(task)
+        if held is None or not 0 <= unit < len(held):
+            return self.reserves.get(task, 0)
+        return held[unit]
+
     def to_dict(self) -> dict:
-        return {name: {str(k): int(v) for k, v in getattr(self, name).items()} for name in self._MAPS}
+        body = {name: {str(k): int(v) for k, v in getattr(self, name).items()} for name in self._MAPS}
+        body["units"] = {str(k): [int(b) for b in v] for k, v in self.units.items()}
+        return body
 
     @classmethod
     def from_dict(cls, body: dict) -> "MemoryPlan":
-        return cls(**{name: {int(k): int(v) for k, v in body.get(name, {}).items()} for name in cls._MAPS})
+        units = {int(k): tuple(int(b) for b in v) for k, v in body.get("units", {}).items()}
+        return cls(**{name: {int(k): int(v) for k, v in body.get(name, {}).items()} for name in cls._MAPS},
+                   units=units)
 
 
 @dataclass
