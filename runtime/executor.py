@@ -205,8 +205,7 @@ class Executor(Admission, PackState, Transport, Compute, Updates):
         if self.slabs is not None:
             self.slabs.reset()
         self.device.reset_peak()
-        self.ledger.reset_peak()
-        self.ledger.shortfall = 0
+        self.ledger.reset()
         loss = 0.0
         task_seconds: dict[int, float] = {}
         task_peaks: dict[int, int] = {}
@@ -221,7 +220,7 @@ class Executor(Admission, PackState, Transport, Compute, Updates):
                 self._headroom = self._reserve(task)
                 self.device.reset_peak()
                 self._next = self.tasks[i + 1] if self.prefetch and i + 1 < len(self.tasks) else None
-                self._ledger_unit(task.id, 0)
+                self._ledger_unit(task.id, 0)  # before its state loads, so that the state counts inside it
                 loss += self._run_task(task)
                 self.ledger.idle()
                 self._next = None

@@ -100,9 +100,11 @@ class Ledger:
     def peak(self) -> int:
         return self._peak
 
-    def reset_peak(self) -> None:
+    def reset(self) -> None:
+        """Start a new iteration's figures: the peak from what is held now, no shortfall."""
         with self._lock:
             self._peak = self._current()
+            self.shortfall = 0
 
     def compare(self, real: int) -> None:
         """Record by how much ``real`` bytes in use exceed the ledger now (nothing if they do not)."""
@@ -110,8 +112,12 @@ class Ledger:
             self.shortfall = max(self.shortfall, real - self._current())
 
     def _current(self) -> int:
-        inside = sum(n for o, n in self._by_owner.items() if o in self._running)
-        outside = sum(n for o, n in self._by_owner.items() if o not in self._running)
+        inside = outside = 0
+        for owner, n in self._by_owner.items():
+            if owner in self._running:
+                inside += n
+            else:
+                outside += n
         return outside + max(self._planned, inside)
 
     def _note_peak(self) -> None:
