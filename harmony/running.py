@@ -50,6 +50,8 @@ def run_report(plan: Plan, history: list[StepResult], warmup: int = 1, first: in
             "bytes_by_channel": counted,
             "planned_bytes_by_channel": _device_bytes(plan, rank),
             "peak_memory": max(step.workers[rank].peak for step in history),
+            # False: emulated devices that did not check their memory (the peak is the plan's reservations')
+            "peak_memory_measured": all(step.workers[rank].peak_measured for step in history),
             "estimated_peak_memory": (est.get("peak_memory") or {}).get(str(rank)),
             "capacity": plan.options.get("device_memory"),
             "busy_seconds": statistics.fmean(sum(step.workers[rank].task_seconds.values()) for step in steady),

@@ -16,6 +16,12 @@ The trainer owns the worker processes; ``close()`` (or leaving the ``with`` bloc
 ``p2p`` picks how activations and gradients travel between devices: "shm" (through shared host
 memory), "dist" (torch.distributed: NCCL between GPUs, gloo between emulated devices) or "auto"
 (torch.distributed on GPUs, shared memory on emulated devices).
+
+``check_memory`` makes emulated devices count every op against their capacity (a dispatch mode,
+``runtime/memory.py``): out-of-memory is then raised where it happens, and each step reports the
+measured peak per device. Off (the default, unless ``HARMONY_CHECK_MEMORY=1``; the test suite sets
+it), a run keeps to the plan's reservations alone (``runtime/ledger.py``), about a fifth faster on
+small models, and reports the ledger's peak. GPUs always measure: their allocator counts.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ class Trainer:
 
     def __init__(self, plan: Plan, optimizer: Callable | None = None, loss_fn: Callable | None = None,
                  state_dict: dict[str, torch.Tensor] | None = None, seed: int = 0, timeout: float = 600.0,
-                 prefetch: bool = True, p2p: str = "auto") -> None:
+                 prefetch: bool = True, p2p: str = "auto", check_memory: bool | None = None) -> None:
         self.plan = plan
         self.loss_fn = loss_fn or plan.loss_fn
         if self.loss_fn is None:
@@ -64,7 +70,7 @@ class Trainer:
         capacity = plan.worker_capacity()
         self.launcher = Launcher(graph, plan.tasks, self.store, self.loss_fn, self.build_optimizer,
                                  device_type=device_type, capacity=capacity, seed=seed, timeout=timeout,
-                                 prefetch=prefetch, p2p=p2p)
+                                 prefetch=prefetch, p2p=p2p, check_memory=check_memory)
 
     # ------------------------------------------------------------ training
     def step(self, inputs: Any, target: Any) -> float:

@@ -1,15 +1,17 @@
 """Admission: whether a copy or an allocation may take device memory now (docs/architecture.md,
 "The memory model", how the runtime keeps the plan's promise).
 
-- A copy made ahead of need (a state prefetch, the next microbatch's inputs, a P2P receive buffer)
-  may take the device only up to the plan's peak for it (``_prefetch_limit``), and must leave free
-  what the running task has yet to allocate: its ``_headroom``, the plan's reserve for it
-  (``_reserve``) until its state is in (``packstate.py`` lowers it then).
+- A copy made ahead of need (a state prefetch, the next microbatch's inputs, a P2P receive buffer,
+  a join of pieces) may take the device only up to the plan's peak for it (``_prefetch_limit``),
+  counted by the ledger (``ledger.py``: the running unit's planned bytes, the buffers beside it,
+  outputs still leaving), and must leave free what the running task's later units may still grow
+  to: its ``_headroom``, the plan's reserve for it less the running unit's planned bytes.
 - A copy the compute thread is blocked on is *urgent*: it may use the margin, and fails with
   ``DeviceOutOfMemoryError`` only once it has found no room for a second (``_with_room``).
-- On emulated devices the memory tracker calls back here: past the plan's peak for the device
-  (``_let_outputs_leave``) and before it refuses an allocation of the compute thread
-  (``_reclaim``), outputs still leaving the device go first, since the plan counts them as gone.
+- On emulated devices checking their memory the tracker calls back here: past the plan's peak
+  for the device (``_let_outputs_leave``) and before it refuses an allocation of the compute
+  thread (``_reclaim``), outputs still leaving the device go first, since the plan counts them as
+  gone.
 
 Part of ``Executor`` (``executor.py``), mixed in: ``self`` is the executor.
 """
@@ -19,7 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Hashable
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator
 
 import torch
 
@@ -65,6 +67,8 @@ class Admission:
     _waiting: bool  # the compute thread is blocked on a stream's job
     _task: int | None  # the task the compute thread runs
     _gave_up_waiting: int | None  # the task whose outputs would not leave in time
+    local: dict[Any, Any]  # LOCAL outputs waiting on the device for their consumer (transport.py)
+    resident: dict[int, dict[str, torch.Tensor]]  # pack states kept for a later task (packstate.py)
 
     def _to_device(self, t: torch.Tensor, channel: str, tensor: str, wait: bool = True, count: bool = True,
                    room: int | None = None, owner: Hashable = None) -> torch.Tensor:
@@ -76,8 +80,8 @@ class Admission:
         ``owner``: whose it is in the ledger (default: the running task's state)."""
         nbytes = t.numel() * t.element_size()
         urgent = self._compute_blocked if wait else on_compute_thread
-        out = self._with_room(nbytes, lambda: self.device.to_device(t), urgent, wait, room)
-        self.ledger.hold(out, (self._task, STATE) if owner is None else owner)
+        owner = (self._task, STATE) if owner is None else owner
+        out = self._with_room(nbytes, lambda: self.device.to_device(t), urgent, wait, room, owner)
         if count:
             self.counters.add(channel, "in", tensor, nbytes)
         return out
@@ -92,20 +96,36 @@ class Admission:
         """Unit ``unit`` of ``task`` starts: the ledger reserves what the plan says the task holds
         while it computes. Where the device counts every op (an emulated one), the real memory is
         compared with the ledger's count here, where the unit before has let go of its work."""
-        self.ledger.run(((task, STATE), (task, unit)), self._memory.unit_bytes(task, unit))
+        planned = self._memory.unit_bytes(task, unit)
+        self.ledger.run(((task, STATE), (task, unit)), planned, self._kept)
+        self._headroom = max(0, self._reserves.get(task, 0) - planned)
         if getattr(self.device, "tracker", None) is not None:
-            self.ledger.compare(self.device.allocated())
+            self.ledger.compare(self.device.allocated)
+
+    def _kept(self) -> Iterator[Any]:
+        """What stays on the device for a later task once its unit ends (not leaving): LOCAL
+        outputs and states kept resident."""
+        for values, _state in self.local.values():
+            yield from values
+        for state in self.resident.values():
+            yield from state.values()
+
+    def _in_use(self) -> int:
+        """Bytes in use, for messages: measured where the device measures, else the ledger's."""
+        return self.device.allocated() if self.device.measures_memory else self.ledger.occupied
 
     def _compute_blocked(self) -> bool:
         """Whether the copy being made is one the compute thread waits for (or makes itself)."""
         return self._waiting or on_compute_thread()
 
     def _with_room(self, nbytes: int, make: Callable[[], Any], urgent: Callable[[], bool], wait: bool = True,
-                   room: int | None = None) -> Any:
-        """``make()`` (an allocation of ``nbytes`` on the device) once there is room: while it is not
-        ``urgent`` it leaves ``room`` (default: what the running task still allocates) and waits while
-        memory is short; once urgent (the compute thread waits for it) it takes what there is, and
-        gives up (out of memory) when nothing was freed for a second.
+                   room: int | None = None, owner: Hashable = None) -> Any:
+        """``make()`` (an allocation of ``nbytes`` on the device, held in the ledger under ``owner``)
+        once there is room: while it is not ``urgent`` it leaves ``room`` (default: what the running
+        task still allocates) and waits while memory is short; once urgent (the compute thread waits
+        for it) it takes what there is, and gives up (out of memory) when nothing was freed for a
+        second. The ledger counts the copy from its admission (``Ledger.admit``), so that a copy
+        being made on another thread is never missing from what admission and the check read.
 
         Not ``channels.wait_until``: each try is the allocation itself (the allocator, or on an
         emulated device the tracker, says whether it fits), and a copy may become urgent between
@@ -113,10 +133,16 @@ class Admission:
         stalled_since = None  # when an urgent try first failed (reset while the copy is not urgent)
         while True:
             try:
-                if not urgent() and not self._fits_ahead(nbytes, room):
+                if not self.ledger.admit(nbytes, None if urgent() else self._ahead_limit(room)):
                     # a copy made ahead of need that would take the plan's room waits as if refused
-                    raise DeviceOutOfMemoryError(self.device.name, nbytes, self.device.allocated(), self.device.capacity)
-                return make()
+                    raise DeviceOutOfMemoryError(self.device.name, nbytes, self._in_use(), self.device.capacity)
+                try:
+                    out = make()
+                except BaseException:
+                    self.ledger.made(nbytes)
+                    raise
+                self.ledger.made(nbytes, out, owner)
+                return out
             except (DeviceOutOfMemoryError, torch.cuda.OutOfMemoryError) as exc:
                 if not wait:
                     raise NoRoom from None
@@ -128,17 +154,17 @@ class Admission:
                     if now - stalled_since > URGENT_STALL:
                         if isinstance(exc, DeviceOutOfMemoryError):
                             raise
-                        raise DeviceOutOfMemoryError(self.device.name, nbytes, self.device.allocated(),
+                        raise DeviceOutOfMemoryError(self.device.name, nbytes, self._in_use(),
                                                      self.device.capacity) from exc
                 else:
                     stalled_since = None
                 time.sleep(RETRY)
 
-    def _fits_ahead(self, nbytes: int, room: int | None) -> bool:
-        """Whether a copy of ``nbytes`` made ahead of need stays within the prefetch limit and leaves
-        ``room`` free (default: the running task's headroom)."""
-        free = self._headroom if room is None else room
-        return self.device.allocated() + nbytes + free <= self._prefetch_limit()
+    def _ahead_limit(self, room: int | None) -> int:
+        """What the ledger's count (the running unit's planned bytes, the buffers beside it, outputs
+        still leaving, copies being made) may reach with a copy made ahead of need: the prefetch
+        limit, less ``room`` left free (default: the running task's headroom)."""
+        return self._prefetch_limit() - (self._headroom if room is None else room)
 
     def _prefetch_limit(self) -> int:
         """Bytes a copy made ahead of need may take the device to: the plan's peak for it (the rest
@@ -147,11 +173,6 @@ class Admission:
         if self._budget is None:
             return self.device.capacity
         return min(self._budget, self.device.capacity)
-
-    def _reserve(self, task: Task) -> int:
-        """Room the running task needs before its state is in: the plan's reserve (the most it
-        holds at once)."""
-        return self._reserves.get(task.id, 0)
 
     def _let_outputs_leave(self) -> None:
         """An allocation would take the device past the plan's peak for it: the plan does not count

@@ -29,8 +29,10 @@ from .memory import MemoryTracker
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Device", "CpuDevice", "CudaDevice", "Timer", "check_gpus", "cuda_device", "gpus_shared", "make_devices",
-           "parse_bytes"]
+__all__ = ["Device", "CpuDevice", "CudaDevice", "Timer", "UncheckedCpuDevice", "check_gpus", "memory_checked",
+           "cpu_device", "cuda_device", "gpus_shared", "make_devices", "parse_bytes"]
+
+CHECK_MEMORY_ENV = "HARMONY_CHECK_MEMORY"  # "1": check every run's memory op by op (the test suite sets it)
 
 
 class Timer(ABC):
@@ -94,6 +96,7 @@ class Device(ABC):
     name: str
     kind: str  # "cpu" | "cuda"
     capacity: int  # bytes
+    measures_memory = True  # whether ``allocated`` and ``peak`` are measured (not on an unchecked emulated device)
     torch_device: torch.device  # where its tensors live
 
     @abstractmethod
@@ -237,6 +240,57 @@ class CpuDevice(Device):
         """Ops in this block touch host memory only (copies into the host store or a message
         slab): not counted, and run without the tracker's Python dispatch."""
         return self.tracker.paused()
+
+
+class UncheckedCpuDevice(CpuDevice):
+    """An emulated device that does not watch its ops: what a run of a plan needs when its memory is
+    not being checked (``check_memory=False``, the default outside tests). The plan's reservations
+    (the executor's ledger, ``ledger.py``) then say what is on it; nothing counts allocations or
+    refuses one, so the tracker's Python dispatch on every op (about a fifth of a small model's
+    time, ``bench/tracker.py``) is gone. It measures no peak."""
+
+    measures_memory = False
+
+    def __init__(self, name: str, capacity: int | None = None) -> None:
+        self.name = name
+        self.capacity = _host_memory_bytes() if capacity is None else int(capacity)
+        self.torch_device = torch.device("cpu")
+        self.tracker = None
+
+    def memory_scope(self) -> AbstractContextManager:
+        return nullcontext()
+
+    def allocated(self) -> int:
+        return 0
+
+    def peak(self) -> int:
+        return 0
+
+    def reset_peak(self) -> None:
+        """Nothing is measured."""
+
+    def to_device(self, t: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        """A real copy (``clone``): the device's memory is host memory."""
+        return t.clone(memory_format=torch.contiguous_format)
+
+    def to_host(self, t: torch.Tensor, pinned: bool = False) -> torch.Tensor:
+        return t.clone(memory_format=torch.contiguous_format)
+
+    def host_side(self) -> AbstractContextManager:
+        return nullcontext()
+
+
+def memory_checked(asked: bool | None) -> bool:
+    """Whether a run checks its emulated devices' memory op by op: as asked, else as the
+    environment says (``HARMONY_CHECK_MEMORY=1``), else not."""
+    if asked is not None:
+        return asked
+    return os.environ.get(CHECK_MEMORY_ENV, "0").lower() in ("1", "true", "yes", "on")
+
+
+def cpu_device(name: str, capacity: int | None, check_memory: bool) -> CpuDevice:
+    """An emulated device that checks every op against its capacity, or one that does not."""
+    return CpuDevice(name, capacity) if check_memory else UncheckedCpuDevice(name, capacity)
 
 
 # per GPU, the workspace bytes a first ``CudaDevice.warm_up`` in this process saw allocated

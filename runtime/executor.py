@@ -15,8 +15,9 @@ a stream's job (``_wait``), on other workers' tasks (``_wait_done``), published 
 
 - ``admission.py``: whether a copy may take device memory now (the plan's peak for the device, the
   running task's headroom, urgent copies, outputs let go first when memory is short);
-- ``ledger.py``: the device's memory as the plan counts it, once per buffer (kept beside the
-  per-op tracker and compared with it at every unit's start; admission does not read it yet);
+- ``ledger.py``: the device's memory as the plan counts it, once per buffer, which admission reads
+  (where the device checks its memory op by op, compared with the real count at every unit's
+  start);
 - ``packstate.py``: a pack's state (W, B) loaded, prefetched, kept resident, written back or
   evicted; gradients in from and out to host slots (dW);
 - ``transport.py``: activations and gradients along the lowered program's edges (send, route,
@@ -77,7 +78,7 @@ class Batch:
 class IterationResult:
     loss: float  # this worker's share of the minibatch's mean loss (sum over workers = the loss)
     seconds: float
-    peak: int
+    peak: int  # device bytes at most: measured, or where the device measures nothing the ledger's peak
     bytes_by_channel: dict[str, int] = field(default_factory=dict)
     bytes_by_tensor: dict[str, int] = field(default_factory=dict)
     task_seconds: dict[int, float] = field(default_factory=dict)
@@ -94,6 +95,7 @@ class IterationResult:
     # every op, an emulated one)
     ledger_peak: int = 0
     ledger_shortfall: int = 0
+    peak_measured: bool = True  # False: an emulated device not checking its memory; ``peak`` is the ledger's
 
 
 class Executor(Admission, PackState, Transport, Compute, Updates):
@@ -133,7 +135,9 @@ class Executor(Admission, PackState, Transport, Compute, Updates):
         plan = routes.graph.memory
         self._budget = plan.devices.get(rank)  # None: a device the plan gives no task
         self._memory = plan
-        self.ledger = Ledger()
+        # leaving outputs counted as the estimator counts them; where the device counts every op,
+        # the ledger follows its tracker's releases
+        self.ledger = Ledger(count_leaving=device.kind == "cuda", tracker=getattr(device, "tracker", None))
         self._reserves = plan.reserves
         self._headroom = 0  # bytes the running task may still allocate (planned): prefetches leave them free
         self._gave_up_waiting: int | None = None  # the task whose outputs would not leave in time
@@ -216,18 +220,19 @@ class Executor(Admission, PackState, Transport, Compute, Updates):
                 t0 = time.perf_counter()
                 self.shared.set_current(self.rank, task.id)
                 self._task = task.id
-                # the task's room is reserved before the next task's state may be prefetched beside it
-                self._headroom = self._reserve(task)
                 self.device.reset_peak()
                 self._next = self.tasks[i + 1] if self.prefetch and i + 1 < len(self.tasks) else None
-                self._ledger_unit(task.id, 0)  # before its state loads, so that the state counts inside it
+                # the task's first unit is reserved before its state loads (the state counts inside it)
+                # and before the next task's state may be prefetched beside it
+                self._ledger_unit(task.id, 0)
                 loss += self._run_task(task)
-                self.ledger.idle()
+                self.ledger.idle(self._kept)
                 self._next = None
                 self._headroom = 0
                 t1 = time.perf_counter()
                 task_seconds[task.id] = t1 - t0
-                task_peaks[task.id] = self.device.peak()
+                if self.device.measures_memory:
+                    task_peaks[task.id] = self.device.peak()
                 events.append(("compute", task.id, str(task), t0, t1))
             self.shared.set_current(self.rank, None)
             with self._waiting_for("the last swap-outs and messages of the iteration to leave"):
@@ -239,7 +244,8 @@ class Executor(Admission, PackState, Transport, Compute, Updates):
         if leftover:
             raise RuntimeError(f"dev{self.rank}: LOCAL values nobody read: {leftover[:3]}")
         self.resident.clear()
-        peak = max([self.device.peak(), *task_peaks.values()])
+        measured = self.device.measures_memory
+        peak = max([self.device.peak(), *task_peaks.values()]) if measured else self.ledger.peak
         events += self._waits
         self._waits = []
         for stream in (self.swap_in, self.swap_out, self.p2p_in, self.p2p_out):
@@ -248,7 +254,7 @@ class Executor(Admission, PackState, Transport, Compute, Updates):
         return IterationResult(loss=loss, seconds=seconds, peak=peak, bytes_by_channel=by_channel,
                                bytes_by_tensor=by_tensor, task_seconds=task_seconds, task_peaks=task_peaks,
                                events=events, transfers=self._transfers, ledger_peak=self.ledger.peak,
-                               ledger_shortfall=self.ledger.shortfall)
+                               ledger_shortfall=self.ledger.shortfall, peak_measured=measured)
 
     def _run_task(self, task: Task) -> float:
         """Run one task on the compute thread; returns its share of the loss (0 but for a loss task)."""

@@ -52,7 +52,7 @@ from harmony.errors import DeviceOutOfMemoryError, HarmonyError
 from harmony.runtime import p2p as p2p_transport
 from harmony.runtime.channels import Aborted, Mailbox, Slabs
 from harmony.runtime import processes
-from harmony.runtime.device import CpuDevice, Device, cuda_device
+from harmony.runtime.device import Device, cpu_device, cuda_device, memory_checked
 from harmony.runtime.executor import Batch, Executor, IterationResult, describe
 from harmony.runtime.flags import Shared
 from harmony.runtime.hoststore import HostStore
@@ -117,6 +117,7 @@ class _WorkerContext:
     build_optimizer: Callable
     slabs: Slabs
     prefetch: bool
+    check_memory: bool  # emulated devices count every op against their capacity (device.memory_checked)
     p2p_store: str | None = None  # the rendezvous FileStore's path when P2P goes over torch.distributed
     p2p_pairs: list[tuple[int, int]] = field(default_factory=list)
 
@@ -172,7 +173,7 @@ def _by_value(fn: Callable, what: str) -> _ByValue:
 def _make_device(ctx: _WorkerContext) -> Device:
     if ctx.device_type == "cuda":
         return cuda_device(ctx.rank, len(ctx.inboxes), ctx.capacity)
-    return CpuDevice(f"cpu{ctx.rank}", ctx.capacity)
+    return cpu_device(f"cpu{ctx.rank}", ctx.capacity, ctx.check_memory)
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -273,7 +274,7 @@ class Launcher:
     def __init__(self, graph: LayerGraph, tasks: TaskGraph, store: HostStore, loss_fn: Callable,
                  build_optimizer: Callable, device_type: str = "cpu", capacity: int | None = None,
                  seed: int = 0, timeout: float = 600.0, threads: int | None = None,
-                 prefetch: bool = True, p2p: str = "auto") -> None:
+                 prefetch: bool = True, p2p: str = "auto", check_memory: bool | None = None) -> None:
         if tasks.memory is None:
             raise HarmonyError(NO_PROMISE)
         method = processes.start_method(device_type)
@@ -312,7 +313,7 @@ class Launcher:
                 graph_data=graph_data, graph=graph if method == "fork" else None, tasks=tasks, store=store,
                 shared=self.shared, inboxes=self.inboxes, commands=self.commands[rank], results=self.results,
                 loss_fn=loss_fn, build_optimizer=build_optimizer,
-                slabs=self.slabs, prefetch=prefetch, p2p_pairs=pairs,
+                slabs=self.slabs, prefetch=prefetch, check_memory=memory_checked(check_memory), p2p_pairs=pairs,
                 p2p_store=os.path.join(self._rendezvous, "store") if self._rendezvous is not None else None,
             )
             process = mpctx.Process(target=_worker_main, args=(ctx,), name=f"harmony-dev{rank}", daemon=True)

@@ -153,6 +153,9 @@ class MemoryTracker:
         self._current = 0
         self._peak = 0
         self._local = threading.local()  # per thread: stack of entered modes, pause depth
+        # called (without the lock) with a counted storage's key once it is freed and no longer
+        # counted: the ledger follows the tracker's releases, never ahead of them (ledger.py)
+        self.on_release: Callable[[int], None] | None = None
         # called (without the lock) when an allocation does not fit: returns True after waiting for
         # memory that other threads were about to free, so the allocation is tried once more
         self.reclaim: Callable[[], bool] | None = None
@@ -302,9 +305,16 @@ class MemoryTracker:
     def _release(self, key: int, entry: _Entry, _ref: weakref.ref | None = None) -> None:
         """Callback of a counted storage's weak reference: it was freed."""
         with self._lock:
-            if self._entries.get(key) is entry:
-                del self._entries[key]
-                self._current -= entry.nbytes
+            if self._entries.get(key) is not entry:
+                return
+            del self._entries[key]
+            self._current -= entry.nbytes
+        if self.on_release is not None:
+            self.on_release(key)
+
+    def counts(self, key: int) -> bool:
+        """Whether the storage at ``key`` (``UntypedStorage._cdata``) is counted now."""
+        return key in self._entries
 
     def __repr__(self) -> str:
         cap = "unlimited" if self.capacity is None else f"{self.capacity}"

@@ -121,6 +121,18 @@ def loopback_interface() -> str | None:
     return next((name for name in ("lo", "lo0") if name in names), None)
 
 
+def start_default_group(timeout: float, **rendezvous: Any) -> None:
+    """Start this process's default process group (gloo) with ``init_process_group(**rendezvous)``,
+    after importing ``torch.distributed.nn``: its functions take ``group=group.WORLD`` as a default
+    argument, so importing it once the group exists (torch._dynamo does, and loading a plan imports
+    torch._dynamo) keeps the group alive past ``destroy_process_group``. The group's gloo threads
+    then drop tensors while the interpreter shuts down, and the process aborts at exit ("terminate
+    called without an active exception", SIGABRT), about one run in fifty under load."""
+    import torch.distributed.nn  # noqa: F401  (before the group exists; see above)
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout), **rendezvous)
+
+
 def init_local(rank: int, world: int, path: str, device_type: str, pairs: list[tuple[int, int]],
                timeout: float) -> dict[tuple[int, int], Any]:
     """In a worker of the launcher (all on one host): meet the others at the ``FileStore`` at
@@ -133,7 +145,7 @@ def init_local(rank: int, world: int, path: str, device_type: str, pairs: list[t
     wait = timedelta(seconds=timeout)
     store = dist.FileStore(path, world)
     store.set_timeout(wait)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=wait)
+    start_default_group(timeout, store=store, rank=rank, world_size=world)
     return pair_groups(pairs, backend_for(device_type), timeout)
 
 

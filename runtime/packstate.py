@@ -53,8 +53,6 @@ class PackState:
     resident: dict[int, dict[str, torch.Tensor]]  # task -> pack state kept for a later task
     _prefetched: dict[int, Future]  # task -> its state, prefetched
     _prefetches: dict[int, int]  # per task loaded ahead, the unit of the task before that it loads at
-    _reserves: dict[int, int]
-    _headroom: int
     _next: Task | None  # the next task, while its state may still be prefetched
 
     def _state_names(self, task: Task) -> list[str]:
@@ -133,15 +131,11 @@ class PackState:
         return state
 
     def _pack_state(self, task: Task) -> dict[str, torch.Tensor]:
-        """The running task's state on the device: the prefetched copy if one came, else loaded now.
-        Once it is in, the task's headroom is what its reserve has yet to allocate."""
+        """The running task's state on the device: the prefetched copy if one came, else loaded now."""
         future = self._prefetched.pop(task.id, None)
         state = self._wait(future, "state") if future is not None else None
         if state is None:
             state = self._load_state(task)
-        if task.id in self._reserves:  # the state is in: the task's room is what it has yet to allocate
-            loaded = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in state.values()}
-            self._headroom = max(0, self._reserves[task.id] - sum(loaded.values()))
         if task.id in self.routes.kept_resident:
             self.resident[task.id] = state
         return state

@@ -41,7 +41,6 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Callable
 
 import msgpack
@@ -52,12 +51,12 @@ from harmony import checkpoint
 from harmony.decomposer.layer_graph import dtype_from_str
 from harmony.errors import HarmonyError
 from harmony.runtime.channels import Aborted, Slabs
-from harmony.runtime.device import CpuDevice, cuda_device
+from harmony.runtime.device import cpu_device, cuda_device, memory_checked
 from harmony.runtime.executor import Batch, Executor, IterationResult
 from harmony.runtime.flags import Shared
 from harmony.runtime.hoststore import HostStore, Layout
 from harmony.runtime.launcher import NO_PROMISE, StepResult, WorkerError, slab_sizes
-from harmony.runtime.p2p import DistTransport, backend_for, p2p_pairs, pair_groups, resolve
+from harmony.runtime.p2p import DistTransport, backend_for, p2p_pairs, pair_groups, resolve, start_default_group
 from harmony.runtime.replication import PeerWatch, ReplicatedShared, Replicator, task_writes
 from harmony.runtime.routes import build_routes
 from harmony.runtime.updates import host_update
@@ -205,17 +204,17 @@ def run_spmd(plan, loss_fn: Callable, build_optimizer: Callable, get_batch: Call
              iterations: int, seed: int = 0, timeout: float = 600.0,
              on_step: Callable[[int, float, float], None] = lambda step, loss, seconds: None,
              p2p: str = "auto", resume: str | os.PathLike | None = None, saves: frozenset[int] = frozenset(),
-             save: Callable[[RunState], None] | None = None) -> list[StepResult]:
+             save: Callable[[RunState], None] | None = None, check_memory: bool | None = None) -> list[StepResult]:
     """Train up to ``iterations`` minibatches in all as one rank of a torchrun job; returns, on
     rank 0, every iteration's results with every rank's measurements (other ranks get their own
-    only). ``p2p``: "shm", "dist" or "auto", as for ``Launcher``.
+    only). ``p2p``: "shm", "dist" or "auto", and ``check_memory``, as for ``Launcher``.
 
     ``resume``: a checkpoint every host can read, loaded into each node's host store; training
     goes on from its step with its seed. ``saves``: the steps (iterations done) after which rank 0
     calls ``save`` with the run's state while every rank waits, so that nothing changes the host
     store under the save."""
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=timeout))
+        start_default_group(timeout, init_method="env://")
     rank, world = dist.get_rank(), dist.get_world_size()
     if plan.tasks.memory is None:
         raise HarmonyError(NO_PROMISE)
@@ -245,7 +244,8 @@ def run_spmd(plan, loss_fn: Callable, build_optimizer: Callable, get_batch: Call
         checkpoints = _Checkpoints(saves, save if rank == 0 else None, RunState(plan, host, seed, start))
         try:
             history = _train(topo, plan, routes, host, shared, slabs, store, replicator, loss_fn, build_optimizer,
-                             get_batch, range(start, iterations), seed, timeout, on_step, p2p, checkpoints)
+                             get_batch, range(start, iterations), seed, timeout, on_step, p2p, checkpoints,
+                             memory_checked(check_memory))
         finally:
             if replicator is not None:  # also on failure: a thread left in a store call aborts the exit
                 replicator.close()
@@ -372,14 +372,15 @@ def _remove(files: list[str]) -> None:
 
 
 def _train(topo: Topology, plan, routes, host, shared, slabs, store, replicator, loss_fn, build_optimizer, get_batch,
-           steps: range, seed, timeout, on_step, p2p: str, checkpoints: _Checkpoints) -> list[StepResult]:
+           steps: range, seed, timeout, on_step, p2p: str, checkpoints: _Checkpoints,
+           check_memory: bool) -> list[StepResult]:
     rank, world = topo.rank, sum(len(ranks) for ranks in topo.nodes)
     tasks = plan.tasks
     capacity = plan.worker_capacity()
     torch.set_num_threads(1)  # as the profile measured an emulated device
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     device = (cuda_device(local_rank, local_world, capacity) if plan.options.get("device_type") == "cuda"
-              else CpuDevice(f"cpu{rank}", capacity))
+              else cpu_device(f"cpu{rank}", capacity, check_memory))
     device.warm_up(within_capacity=False)  # this thread computes; the plan keeps all of its capacity
     mailbox = StoreMailbox(store, shared.aborted)
     peers = [StorePeer(store)] * world

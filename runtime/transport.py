@@ -23,7 +23,7 @@ import math
 import threading
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Hashable, Iterator
 
 import torch
 
@@ -91,7 +91,7 @@ class Transport:
     def _join(self, parts: list[Values], boundary: int) -> Values:
         return batching.join(parts, self._batch_dims.get(boundary, []))
 
-    def _joined(self, parts: list[Values], boundary: int) -> Values:
+    def _joined(self, parts: list[Values], boundary: int, owner: Hashable) -> Values:
         """A microbatch's pieces joined on the device. The join is a copy the plan does not count
         (it counts the microbatch's input once): while it is made, the pieces and their join are
         both live. Made ahead of need (a prefetch on an inbound stream), it waits for room like
@@ -102,7 +102,7 @@ class Transport:
         dims = self._batch_dims.get(boundary, [])
         nbytes = sum(tensor_bytes([p[i] for p in parts]) for i, d in enumerate(dims)
                      if d is not None and isinstance(parts[0][i], torch.Tensor))
-        return self._with_room(nbytes, lambda: self._join(parts, boundary), self._compute_blocked, room=0)
+        return self._with_room(nbytes, lambda: self._join(parts, boundary), self._compute_blocked, room=0, owner=owner)
 
     def _key(self, consumer: int, stream: str, start: int) -> tuple:
         return (self.iteration, consumer, stream, start)
@@ -207,7 +207,7 @@ class Transport:
             self._moved(IN_STREAM[channel], "RECV", key[1:], tensor_bytes(values))
             state = piece_state if state is None else state
             parts.append(values)
-        values = self._joined(parts, edges[0].layer)
+        values = self._joined(parts, edges[0].layer, (task.id, mb))
         self.ledger.hold(values, (task.id, mb))  # the unit's now, however it came (LOCAL, received)
         return values, state
 
@@ -257,8 +257,7 @@ class Transport:
             return [torch.empty(shape, dtype=dtype, device=where) for shape, dtype in specs]
 
         start = time.perf_counter()
-        buffers = self._with_room(nbytes, make, lambda: self._awaits(src))
-        self.ledger.hold(buffers)  # nobody's until its consumer fetches it
+        buffers = self._with_room(nbytes, make, lambda: self._awaits(src))  # nobody's until its consumer fetches it
         waited = time.perf_counter() - start
         if waited > 0.001:
             log.debug("dev%d: a P2P message of %d bytes from dev%d waited %.3f s for room", self.rank, nbytes, src, waited)

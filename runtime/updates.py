@@ -130,6 +130,8 @@ class Updates:
                 self._wait_replicas(replicas)
         opt.step()
         new_state = {name: dict(opt.state[leaf]) for name, leaf in leaves.items()}
+        # a first step makes its optimizer state itself (the zero slots that came in are not it)
+        self.ledger.hold([v for values in new_state.values() for v in values.values()], (task.id, STATE))
         weights = {name: leaf.detach() for name, leaf in leaves.items()}
         for leaf in leaves.values():
             leaf.grad = None

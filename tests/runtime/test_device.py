@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from harmony.errors import DeviceOutOfMemoryError
-from harmony.runtime.device import CpuDevice, CudaDevice, Device, make_devices, parse_bytes
+from harmony.runtime.device import (CHECK_MEMORY_ENV, CpuDevice, CudaDevice, Device, UncheckedCpuDevice, cpu_device,
+                                   make_devices, memory_checked, parse_bytes)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -111,6 +112,28 @@ def test_cpu_training_step_left_clean_after_oom():
     with dev.memory_scope():
         model(x[:8]).sum().backward()
     assert dev.allocated() == sum(p.numel() * 4 for p in model.parameters())
+
+
+def test_an_unchecked_emulated_device_copies_but_counts_and_refuses_nothing():
+    dev = cpu_device("cpu0", 100, check_memory=False)
+    assert isinstance(dev, UncheckedCpuDevice) and not dev.measures_memory
+    host = torch.ones(1000)  # 4,000 bytes on a 100-byte device: nobody counts
+    with dev.memory_scope():
+        copy = dev.to_device(host)
+        doubled = copy * 2
+    assert copy.data_ptr() != host.data_ptr() and torch.equal(doubled, host * 2)
+    assert dev.allocated() == dev.peak() == 0
+    assert isinstance(cpu_device("cpu0", 100, check_memory=True), CpuDevice)
+    assert CpuDevice("cpu0", 100).measures_memory
+
+
+def test_the_memory_check_is_asked_for_or_read_from_the_environment(monkeypatch):
+    monkeypatch.setenv(CHECK_MEMORY_ENV, "1")
+    assert memory_checked(None) and not memory_checked(False)
+    monkeypatch.setenv(CHECK_MEMORY_ENV, "0")
+    assert not memory_checked(None) and memory_checked(True)
+    monkeypatch.delenv(CHECK_MEMORY_ENV)
+    assert not memory_checked(None)
 
 
 def test_make_devices():

@@ -90,3 +90,42 @@ def test_messages_between_torchrun_processes_round_trip_as_msgpack():
     got, state, src = _unpack(data)
     assert got[:2] == items[:2] and (state, src) == (b"rng", 1)
     assert got[2][0] == "tensor" and torch.equal(got[2][1], tensor)
+
+
+GROUP_AFTER_DESTROY = """
+import os, sys
+import torch.distributed as dist
+from harmony.runtime.p2p import start_default_group
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+before = threads()
+if sys.argv[1] == "harmony":
+    start_default_group(60, store=dist.HashStore(), rank=0, world_size=1)
+else:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+during = threads()
+import torch._dynamo  # what loading a plan imports, after the group exists
+dist.destroy_process_group()
+print(before, during, threads())
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
+def test_the_default_group_harmony_starts_is_gone_after_destroy_even_when_dynamo_is_imported_later():
+    """torch.distributed.nn binds ``group.WORLD`` as a default argument when first imported; after
+    ``init_process_group`` that keeps the group and its gloo threads alive past
+    ``destroy_process_group``, and a torchrun rank then aborted at exit (SIGABRT) about once in fifty
+    runs. Harmony imports it before starting the group, so destroying the group ends its threads."""
+    def counts(how: str) -> list[int]:
+        done = subprocess.run([sys.executable, "-c", GROUP_AFTER_DESTROY, how], capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return [int(n) for n in done.stdout.split()]
+
+    before, during, after = counts("harmony")
+    assert during > before, "the group started no threads: nothing is being checked"
+    assert after == before, f"{after - before} of the group's threads outlived destroy_process_group"
+    plain = counts("plain")
+    assert plain[2] > plain[0], "torch no longer keeps the group alive: start_default_group's import can go"

@@ -3,7 +3,8 @@
 A consumer microbatch made of several producers' pieces holds the pieces and their join at once
 while the join is made. Prefetched on an inbound stream, that moment fell on the running unit's
 peak and took the device past its planned peak (issue 14, seed 27 of the generated models: 8,768
-bytes over in 2 runs of 8). The join is a copy made ahead of need and waits for room like one.
+bytes over in 2 runs of 8). The join is a copy made ahead of need and waits for room like one,
+by the ledger's count (``runtime/ledger.py``): the running unit's planned bytes and the pieces.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from harmony.runtime.admission import Admission
 from harmony.runtime.device import CpuDevice
+from harmony.runtime.ledger import STATE, Ledger
 from harmony.runtime.transport import Transport
 
 PIECE = 40  # float64 elements in each piece: 320 bytes
@@ -33,6 +35,9 @@ class _Joiner(Admission, Transport):
         self._budget = budget
         self._headroom = 0
         self._waiting = False
+        self.ledger = Ledger()
+        self.local: dict = {}
+        self.resident: dict = {}
         self._batch_dims = {0: [0, None]}
         self.shared = _Aborted()
 
@@ -49,41 +54,44 @@ def _warm_up(device: CpuDevice) -> None:
     thread.join()
 
 
-def _pieces(device: CpuDevice) -> list[list]:
-    return [[device.to_device(torch.full((PIECE,), float(i), dtype=torch.float64)), "whole"] for i in range(2)]
+def _pieces(device: CpuDevice, joiner: _Joiner) -> list[list]:
+    """Two pieces of microbatch 1 of task 1, received while its microbatch 0 computes."""
+    parts = [[device.to_device(torch.full((PIECE,), float(i), dtype=torch.float64)), "whole"] for i in range(2)]
+    joiner.ledger.hold([p[0] for p in parts], (1, 1))
+    return parts
 
 
 def test_a_prefetched_join_waits_until_pieces_and_join_fit_under_the_planned_peak():
     device = CpuDevice("dev0", capacity=100_000)
     joiner = _Joiner(device, budget=1_400)
-    parts = _pieces(device)
-    work = device.to_device(torch.zeros(50, dtype=torch.float64))  # the running unit's 400 bytes
+    parts = _pieces(device, joiner)
+    joiner.ledger.run([(1, STATE), (1, 0)], planned=400)  # the running unit's 400 bytes
     result: list = []
     _warm_up(device)
 
     def prefetch() -> None:
         with device.memory_scope():
-            result.append(joiner._joined(parts, 0))
+            result.append(joiner._joined(parts, 0, (1, 1)))
 
     stream = threading.Thread(target=prefetch, name="harmony-dev0-p2p-in")  # a stream thread, not the compute thread
     stream.start()
     time.sleep(0.5)
     assert not result, "the join was made while pieces, join and the running unit exceed the planned peak"
-    del work  # the running unit ends: pieces and their join fit under the peak
+    joiner.ledger.idle()  # the running unit ends: pieces and their join fit under the peak
     stream.join(timeout=5)
     joined, whole = result[0]
     assert whole == "whole"
     assert torch.equal(joined, torch.cat([torch.zeros(PIECE), torch.ones(PIECE)]).double())
-    assert device.peak() == 4 * PIECE * 8  # pieces and join; the unit's 400 bytes were gone by then
+    assert device.peak() == 4 * PIECE * 8  # pieces and join
 
 
 def test_a_join_the_compute_thread_waits_for_is_made_at_once_past_the_planned_peak():
     device = CpuDevice("dev0", capacity=100_000)
     joiner = _Joiner(device, budget=700)
-    parts = _pieces(device)
+    parts = _pieces(device, joiner)
     joiner._waiting = True  # the compute thread is blocked on this join
     with device.memory_scope():
-        joined, _ = joiner._joined(parts, 0)
+        joined, _ = joiner._joined(parts, 0, (1, 1))
     assert joined.shape == (2 * PIECE,)
     assert device.peak() == 4 * PIECE * 8
 
@@ -91,5 +99,5 @@ def test_a_join_the_compute_thread_waits_for_is_made_at_once_past_the_planned_pe
 def test_a_single_piece_is_its_own_join_and_copies_nothing():
     device = CpuDevice("dev0", capacity=100_000)
     joiner = _Joiner(device, budget=0)
-    parts = _pieces(device)[:1]
-    assert joiner._joined(parts, 0) is parts[0]
+    parts = _pieces(device, joiner)[:1]
+    assert joiner._joined(parts, 0, (1, 1)) is parts[0]
