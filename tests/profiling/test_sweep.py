@@ -196,3 +196,12 @@ def test_a_packs_optimizer_step_is_measured_whole_for_a_plan_and_replaces_the_co
     assert sample.u == 0 and sample.upd_bytes == sum(update_scratch(params, adam, CpuDevice("emu", None)))
     profile.add_packs([sample])
     assert profile.pack_update_memory(0, 2) == sample.upd_bytes
+
+
+def test_a_fit_extrapolates_noisy_falling_timings_flat_rather_than_to_zero():
+    """Two noisy timings of a small layer that fall (0.38 ms at u=2, 0.27 ms at u=3) must not
+    extrapolate to no time at u=8: nothing profiled shrinks as the microbatch grows."""
+    fit = fit_samples([1, 2, 3], [0.258e-3, 0.38e-3, 0.273e-3])
+    assert fit(8) == pytest.approx((0.38e-3 + 0.273e-3) / 2)
+    rising = fit_samples([1, 2, 3, 4], [1.0, 2.0, 3.0, 4.0])
+    assert rising(8) == pytest.approx(8.0)
