@@ -88,10 +88,14 @@ class Run:
         return dict(self.__dict__)
 
 
-def train(plan: Plan, iterations: int = 4, prefetch: bool = True, timeout: float = 120.0) -> Run:
-    """Train ``plan`` for ``iterations`` minibatches on its emulated devices."""
+def train(plan: Plan, iterations: int = 4, prefetch: bool = True, timeout: float = 120.0,
+          check_memory: bool = False) -> Run:
+    """Train ``plan`` for ``iterations`` minibatches on its emulated devices; as a user's run, not
+    checking memory op by op unless ``check_memory`` (then out-of-memory is raised where it happens
+    and peaks are measured; else they are the plan's reservations)."""
     minibatch = plan.tasks.minibatch
-    with harmony.Trainer(plan, optimizer=plan.build_optimizer, timeout=timeout, prefetch=prefetch) as trainer:
+    with harmony.Trainer(plan, optimizer=plan.build_optimizer, timeout=timeout, prefetch=prefetch,
+                         check_memory=check_memory) as trainer:
         for step in range(iterations):
             trainer.step(*plan.get_batch(minibatch, step))
         history = list(trainer.history)

@@ -386,7 +386,7 @@ def main() -> None:
                 "contention": pair / plan.cpu_alone, "load_average": os.getloadavg()[0],
                 "machine": {name: getattr(machine, name) for name in (
                     "h2d", "d2h", "d2d", "latency", "p2p_latency", "task_overhead", "microbatch_overhead",
-                    "update_overhead", "cpu_cores")},
+                    "update_overhead", "cpu_cores", "compute_scale", "compute_interference")},
             })
             if ns.breakdown:
                 row["breakdown"] = breakdown(plan, est, steady)

@@ -280,7 +280,7 @@ def run_case(name: str, fraction: float, mode: str, steps: int = 2, devices: int
     batches = [m.get_batch(m.minibatch, step) for step in range(steps)]
     start = copy.deepcopy(model)
     try:
-        with harmony.Trainer(plan, optimizer=m.build_optimizer, timeout=60) as trainer:
+        with harmony.Trainer(plan, optimizer=m.build_optimizer, timeout=60, check_memory=True) as trainer:
             for inputs, target in batches:
                 case.losses.append(trainer.step(inputs, target))
             for step in trainer.history:

@@ -7,16 +7,16 @@ process; pipelining runs ``ScheduleGPipe`` and ``Schedule1F1B`` (one stage per p
 ``ScheduleLoopedBFS`` (two stages per process) over gloo, with 4 microbatches; Harmony runs its
 searched configuration, and a second time with the same 4 microbatches.
 
-Memory: Harmony reports the peak of the device memory its memory manager tracks per worker (the
-emulated device's enforced capacity: weights, gradients, optimizer state and activations resident
-on the device; the master copy lives in host memory). A pipelining process has no such tracker:
+Memory: Harmony reports the peak of the device memory its ledger reserves per worker (the plan's
+reservations, ``runtime/ledger.py``: weights, gradients, optimizer state and activations resident
+on the device; the master copy lives in host memory; the tests hold measured peaks within them). A pipelining process has no such tracker:
 its figure is the growth of the process's peak resident set (``ru_maxrss``) from just before its
 stages are materialized, which also holds allocator slack and gloo buffers. Like with like would
 be tensor bytes on both sides; the RSS figure over-states pipelining's tensors somewhat.
 
 Largest model under one per-process budget: GPT-2 depth is doubled until a system fails. Harmony:
-compile with ``device_memory`` = budget and train 2 steps (fails when no configuration fits or a
-worker runs out of memory). Pipelining: train 2 steps and compare the peak RSS growth with the
+compile with ``device_memory`` = budget and train 2 steps checking memory op by op (fails when no
+configuration fits or a worker runs out of memory). Pipelining: train 2 steps and compare the peak RSS growth with the
 budget. Depths are bounded so that the search ends in time; ">= N" means it never failed.
 
     python -m bench.peers [--quick]
@@ -269,7 +269,7 @@ def run_pipelining(jobs: list[Job], timeout: float = 900) -> list[PipeRun]:
 def _harmony_row(label: str, plan, runs: list) -> dict[str, Any]:
     return {"system": label, "samples_per_second": statistics.median(r.samples_per_second for r in runs),
             "peak_per_process": [max(p) for p in zip(*(r.peak for r in runs))],
-            "memory_kind": "peak tracked device bytes", "configuration": str(plan.tasks.config)}
+            "memory_kind": "peak reserved device bytes (ledger)", "configuration": str(plan.tasks.config)}
 
 
 def _pipelining_row(name: str, runs: list[PipeRun]) -> dict[str, Any]:
@@ -285,7 +285,7 @@ def harmony_fits(depth: int, budget: int) -> tuple[bool, str]:
     """Whether Harmony compiles and trains 2 steps of the model under ``budget`` bytes per device."""
     try:
         plan = compiled(peer_model(depth), MINIBATCH, devices=2, device_memory=budget, samples=2)
-        train(plan, iterations=2)
+        train(plan, iterations=2, check_memory=True)  # a device past its capacity fails the run
         return True, str(plan.tasks.config)
     except (HarmonyError, RuntimeError, TimeoutError) as exc:
         return False, f"{type(exc).__name__}: {exc}"[:300]

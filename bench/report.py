@@ -167,8 +167,9 @@ def _section_peers(r: dict[str, Any]) -> list[str]:
         peaks = ", ".join(_mib(p) for p in row.get("peak_per_process", [])) or row.get("error") or "-"
         lines.append(f"| {row['system']} | {_fmt(row['samples_per_second'], '.1f')} | {peaks} | {row['memory_kind']} | "
                      f"{row['configuration']} |")
-    lines += ["", "Memory caveat: Harmony's figure is the device memory its memory manager tracks (the emulated "
-              "device's enforced capacity; master weights stay in host memory); pipelining has no tracker, so its "
+    lines += ["", "Memory caveat: Harmony's figure is the device memory its ledger reserves (the plan's reservations, "
+              "which the test suite holds measured peaks within; master weights stay in host memory); pipelining has "
+              "no such count, so its "
               "figure is the growth of the process's peak RSS while it trains, allocator slack and gloo buffers "
               "included.", "",
               f"Largest GPT-2 depth (width 128) trained under {_mib(r['budget'])} MiB per process, depths tried "
