@@ -41,7 +41,8 @@ def _peers(quick: bool) -> dict[str, Any]:
 
 
 BENCHMARKS: dict[str, Callable[[bool], Any]] = {
-    "overhead": lambda quick: overhead.measure(steps=6 if quick else 10),
+    "overhead": lambda quick: overhead.measure_all(steps=6 if quick else 10,
+                                                   models=overhead.MODELS[:1] if quick else overhead.MODELS),
     "search": lambda quick: search_time.search_times(("GPT-2 1.5B",) if quick else None),
     "throughput": _throughput,
     "accuracy": _accuracy,
@@ -77,7 +78,7 @@ def summary_table(results: dict[str, Any]) -> Table:
     for col in ("benchmark", "seconds", "figure"):
         table.add_column(col)
     figures = {
-        "overhead": lambda r: f"throughput ratio {r['throughput_ratio']:.3f} (goal ≥ 0.90)",
+        "overhead": lambda r: f"throughput ratio {r.get('worst_ratio', r['throughput_ratio']):.3f} at worst (goal ≥ 0.95)",
         "peers": lambda r: f"Harmony / best pipelining schedule {r['ratio_to_best_peer']:.2f} (goal ≥ 1)",
         "search": lambda r: "speed-up over Table 1: " + ", ".join(f"{x['model']} {x['speedup']:.1f}x" for x in r),
         "throughput": lambda r: f"{len(r['estimated'])} estimated and {len(r['measured'])} measured rows",

@@ -176,7 +176,9 @@ def _search(profile, machine, mode, devices, minibatch, capacity, extra_packs, s
                 for p_f in _packings(profile, u_f, capacity, "fwd", p_b[-1], extra_packs, doublings):
                     config = Configuration(u_f=u_f, packs_f=p_f, u_b=u_b, packs_b=p_b)
                     pending.append((quick_bound(mode, profile, config, devices, minibatch, machine), len(pending), config))
-    pending.sort(key=lambda c: (c[0], c[1]))
+    # equal bounds, U_F = U_B first: where the forward is one pack (the loss task's, run at U_B) U_F
+    # changes nothing, and the first of equal estimates is kept; the plan then says U_F = U_B
+    pending.sort(key=lambda c: (c[0], c[2].u_f != c[2].u_b, c[1]))
     best: tuple[float, Configuration, TaskGraph, Estimate] | None = None
     closest: tuple[int, TaskGraph] | None = None  # the lowest peak that did not fit
     explored = built = 0

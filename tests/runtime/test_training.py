@@ -252,3 +252,33 @@ def test_a_function_that_cannot_be_pickled_at_all_is_refused_naming_it_before_an
     plan.loss_fn = locked_loss
     with pytest.raises(HarmonyError, match="cannot send the loss function .*locked_loss.* to the workers.*lock"):
         harmony.Trainer(plan, optimizer=adam, timeout=20)
+
+
+def test_host_updates_run_on_the_one_thread_the_profile_timed_them_with():
+    """The profiler times a host update on one thread beside emulated devices; the launcher's
+    updates must run so (with the process's default, every core, a BERT's Adam took half as long
+    again and contended with the workers), and leave the process's thread count as it was."""
+    import os
+
+    model, get_batch, plan = plan_for("gpt2", "pp", 2)
+    machine = _nominal_machine(CompileOptions(minibatch=MINIBATCH, devices=2), plan.profile.capacity)
+    plan.tasks = search(plan.profile, machine, "pp", 2, MINIBATCH, capacity=plan.options["planned_memory"],
+                        same_u=bool(plan.options["same_u"]), update="host").graph
+    launcher_pid, seen, stepping = os.getpid(), [], [False]
+
+    def recording_adam(params):
+        if stepping[0] and os.getpid() == launcher_pid:  # a host update (the workers are other processes)
+            seen.append(torch.get_num_threads())
+        return adam(params)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with harmony.Trainer(plan, optimizer=recording_adam, loss_fn=plan.loss_fn) as trainer:
+            stepping[0] = True
+            trainer.step(*get_batch(MINIBATCH, 0))
+            stepping[0] = False
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert seen and set(seen) == {1}

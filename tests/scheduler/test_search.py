@@ -108,3 +108,13 @@ def test_compile_turns_the_bytes_that_fit_into_device_memory_with_the_margin():
     text = _memory_that_fits(info.value, 0.1)
     assert f"--device-memory {-(-needed * 10 // 9):,} bytes" in text
     assert _memory_that_fits(NoFeasibleConfiguration("nothing estimated"), 0.1) == ""
+
+
+def test_where_the_forward_is_one_pack_the_search_says_u_f_equals_u_b():
+    """With one device and room for the whole model, the forward is the loss task's pack, run at
+    U_B: every U_F estimates the same, and the plan should not read U_F=1 (it once did, for a BERT
+    whose forward then looked like sixteen one-sample tasks)."""
+    profile = skewed_profile(capacity=1 << 30)
+    found = search(profile, Machine.from_spec("1080ti", 1), "pp", 1, 8, keep_candidates=True)
+    assert found.config.packs_f == [(0, len(profile.layers) - 1)]
+    assert found.config.u_f == found.config.u_b
