@@ -1,11 +1,15 @@
-"""Harmony ``pp`` vs ``torch.distributed.pipelining`` on 2 CPU processes (issue 7, item 2).
+"""Harmony ``pp`` vs ``torch.distributed.pipelining`` on 2 CPU processes (issue 7, item 2; issue 16).
 
 The model is a GPT-2 whose LM head is not tied to the embedding (a tied weight cannot be split
 across pipelining's stages) and without dropout, written as a list of layers (embedding, blocks,
 head) so that both systems cut it at the same places. Both train with Adam, one thread per
-process; pipelining runs ``ScheduleGPipe`` and ``Schedule1F1B`` (one stage per process) and
-``ScheduleLoopedBFS`` (two stages per process) over gloo, with 4 microbatches; Harmony runs its
-searched configuration, and a second time with the same 4 microbatches.
+process, minibatch 32; pipelining runs ``ScheduleGPipe`` and ``Schedule1F1B`` (one stage per
+process), ``ScheduleLoopedBFS``, ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``
+(two stages per process, looped) and ``ScheduleZBVZeroBubble`` (two per process, V-shaped) over
+gloo, with 4 microbatches; Harmony runs its searched configuration, and a second time with the
+same 4 microbatches. The plain eager loop on one thread gives the two cores' limit (twice its
+rate). Goals (issue 16): Harmony's best at least 1.2 times the best schedule's, and at least 0.9 of
+the two cores' limit.
 
 Memory: Harmony reports the peak of the device memory its ledger reserves per worker (the plan's
 reservations, ``runtime/ledger.py``: weights, gradients, optimizer state and activations resident
@@ -48,9 +52,13 @@ from harmony.models import gpt2
 from harmony.models.common import token_sequences
 from harmony.models.gpt2 import Block, GPTConfig
 
-SCHEDULES = ("ScheduleGPipe", "Schedule1F1B", "ScheduleLoopedBFS")
+# every schedule of torch.distributed.pipelining that runs on gloo with one or two stages per process
+SCHEDULES = ("ScheduleGPipe", "Schedule1F1B", "ScheduleLoopedBFS", "ScheduleInterleaved1F1B",
+             "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble")
+TWO_STAGES = {"ScheduleLoopedBFS", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"}
+V_SHAPED = {"ScheduleZBVZeroBubble"}  # rank r holds stages r and 2W-1-r (the others: stages s with s % W == r)
 MICROBATCHES = 4
-MINIBATCH = 16
+MINIBATCH = 32
 AMPLE = 1 << 30
 
 
@@ -148,11 +156,14 @@ def _run_job(rank: int, world: int, job: Job) -> tuple[list[float], int, int]:
     from torch.distributed import pipelining
 
     model = peer_model(job.depth)
-    per_rank = 2 if job.schedule == "ScheduleLoopedBFS" else 1
+    per_rank = 2 if job.schedule in TWO_STAGES else 1
     stages_total = world * per_rank
     with torch.device("meta"):
         layers = list(model.build().layers)
-    mine = [s for s in range(stages_total) if s % world == rank]
+    if job.schedule in V_SHAPED:
+        mine = [rank, stages_total - 1 - rank]
+    else:
+        mine = [s for s in range(stages_total) if s % world == rank]
     base = _reset_peak()
     torch.manual_seed(rank)
     stages, params = [], []
@@ -281,6 +292,28 @@ def _pipelining_row(name: str, runs: list[PipeRun]) -> dict[str, Any]:
             "memory_kind": "peak RSS growth", "configuration": f"{MICROBATCHES} microbatches"}
 
 
+def eager_rate(model: Model, steps: int) -> float:
+    """Samples per second of the plain eager loop on one thread (first step left out): twice it is
+    what two cores can do at best."""
+    torch.manual_seed(0)
+    module = model.build().train()
+    opt = model.build_optimizer(module.parameters())
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        times = []
+        for step in range(steps):
+            x, y = model.get_batch(MINIBATCH, step)
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            model.loss_fn(module(x), y).backward()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
+    return MINIBATCH / statistics.median(times[1:])
+
+
 def harmony_fits(depth: int, budget: int) -> tuple[bool, str]:
     """Whether Harmony compiles and trains 2 steps of the model under ``budget`` bytes per device."""
     try:
@@ -302,7 +335,9 @@ def compare(depth: int, steps: int, rounds: int, budget: int, depths: tuple[int,
     pipe_runs: dict[str, list[PipeRun]] = {name: [] for name in SCHEDULES}
     limit_jobs = [Job(name, d, 2, group=name, budget=budget) for name in SCHEDULES for d in depths]
     limits: list[PipeRun] = []
+    eager: list[float] = []
     for r in range(rounds):
+        eager.append(eager_rate(model, steps))
         harmony_runs["harmony pp (searched)"].append(train(base, iterations=steps))
         harmony_runs[f"harmony pp ({MICROBATCHES} microbatches)"].append(train(same_mb, iterations=steps))
         jobs = [Job(name, depth, steps) for name in SCHEDULES] + (limit_jobs if r == rounds - 1 else [])
@@ -332,8 +367,10 @@ def compare(depth: int, steps: int, rounds: int, budget: int, depths: tuple[int,
             break
         fit = d
     largest["harmony pp"] = {"largest": fit, "beyond_range": fit == depths[-1], "notes": notes}
+    two_cores = 2 * statistics.median(eager)
     return {"model": model.name, "minibatch": MINIBATCH, "rows": rows,
             "ratio_to_best_peer": best / max(peers) if peers else math.nan,
+            "eager_one_thread": statistics.median(eager), "ratio_to_two_cores": best / two_cores,
             "budget": budget, "depths": list(depths), "largest": largest}
 
 
