@@ -29,6 +29,7 @@ from harmony.scheduler.estimator import chrome_trace, estimate, promise
 from harmony.scheduler.machine import Machine
 from harmony.scheduler.memory import fused_update, memory_plan
 from harmony.profiling.profiles import PackSample, Profile, TiedWeight
+from harmony.scheduler.comparison import compare_modes, row
 from harmony.scheduler.search import NoFeasibleConfiguration, SearchResult, search
 from harmony.scheduler.taskgraph import MODES
 from harmony.scheduler.tasks import HOST, Kind
@@ -53,6 +54,7 @@ class CompileOptions:
     # an upper bound of the run's on its own (scheduler/memory.py, the estimator), and the runtime
     # lets nothing optional (prefetches) past it; the margin does not hide the estimate's errors
     memory_margin: float = 0.1
+    search_workers: int | None = None  # processes comparing the other modes (None: one per core; scheduler/comparison.py)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -106,34 +108,27 @@ def compile_plan(
     profile, machine = profile_graph(graph, get_batch, build_optimizer, options, on_progress, loss_fn)
     capacity = profile.capacity
     _check_smallest_layer(profile, capacity)
-    results = {}
-    infeasible: list[str] = []
     planned = int(capacity * (1 - options.memory_margin))
     same_u = batch_coupled(graph, _two_samples(graph, get_batch, options.minibatch))
     if same_u:
         log.info("U_F = U_B: %s", same_u)
-    for mode in (MODES if options.compare else (options.mode,)):
-        on_progress(f"searching {mode}")
-        try:
-            results[mode] = search(profile, machine, mode, options.devices, options.minibatch, capacity=planned,
-                                   same_u=bool(same_u))
-        except NoFeasibleConfiguration as exc:
-            if mode == options.mode:
-                raise HarmonyError(str(exc) + _memory_that_fits(exc, options.memory_margin)) from exc
-            log.info("%s", exc)
-            infeasible.append(mode)
+    on_progress(f"searching {options.mode}")
+    try:
+        result = search(profile, machine, options.mode, options.devices, options.minibatch, capacity=planned,
+                        same_u=bool(same_u))
+    except NoFeasibleConfiguration as exc:
+        raise HarmonyError(str(exc) + _memory_that_fits(exc, options.memory_margin)) from exc
+    comparison = [row(options.mode, result)]
+    if options.compare:
+        others = [m for m in MODES if m != options.mode]
+        comparison += compare_modes(others, profile, machine, options.devices, options.minibatch, planned,
+                                    bool(same_u), workers=options.search_workers,
+                                    on_done=lambda done, total: on_progress(f"comparing modes: {done} of {total}"))
+        comparison.sort(key=lambda r: (r["iteration_time"] is None, MODES.index(r["mode"])))
     on_progress("measuring the plan's packs")
     measure = pack_measurer(graph, get_batch, build_optimizer, loss_fn, options, capacity)
-    chosen = finish_plan(results[options.mode], profile, machine, options, planned, bool(same_u), measure)
+    chosen = finish_plan(result, profile, machine, options, planned, bool(same_u), measure)
     est = chosen.estimate
-    comparison = [
-        {
-            "mode": mode, "iteration_time": r.estimate.iteration_time, "swap_bytes": r.graph.swap_bytes(),
-            "peak_memory": max(r.estimate.peak_memory.values(), default=0), "config": str(r.config),
-            "explored": r.explored, "search_seconds": r.seconds,
-        }
-        for mode, r in results.items()
-    ] + [{"mode": mode, "iteration_time": None, "config": "does not fit"} for mode in infeasible]
     plan = Plan(
         graph=graph, profile=profile, tasks=chosen.graph,
         estimate={

@@ -1,0 +1,74 @@
+"""The comparison of modes a compile prints: every mode searched on the same profile, for the table
+beside the chosen plan (``harmony compile`` without ``--no-compare``).
+
+The searches are independent, and those of the per-GPU-swap baselines are nearly all of a
+compile's time (GPT-2 1.5B on four modelled 1080 Ti: 0.07 s for pp, 8-12 s for each baseline, whose
+task graphs hold hundreds of tasks), so they run in worker processes, one per core. Each worker
+answers the table's row, not the search's task graph and estimate. Workers are forked (Linux):
+a spawned one would re-run a user's script that calls ``harmony.compile`` without a main guard.
+Elsewhere, or with one core, or ``workers=1``, the modes are searched one after the other.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import multiprocessing
+import os
+import sys
+from typing import Any, Callable
+
+from harmony.profiling.profiles import Profile
+from harmony.scheduler.machine import Machine
+from harmony.scheduler.search import NoFeasibleConfiguration, SearchResult, search
+
+log = logging.getLogger(__name__)
+
+__all__ = ["compare_modes", "row", "usable_cores"]
+
+DOES_NOT_FIT = "does not fit"
+
+
+def row(mode: str, result: SearchResult) -> dict[str, Any]:
+    """The comparison table's row of one mode's search."""
+    return {"mode": mode, "iteration_time": result.estimate.iteration_time, "swap_bytes": result.graph.swap_bytes(),
+            "peak_memory": max(result.estimate.peak_memory.values(), default=0), "config": str(result.config),
+            "explored": result.explored, "search_seconds": result.seconds}
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity where the platform tells it)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _search_row(mode: str, profile: Profile, machine: Machine, devices: int, minibatch: int, capacity: int,
+                same_u: bool) -> dict[str, Any]:
+    try:
+        return row(mode, search(profile, machine, mode, devices, minibatch, capacity=capacity, same_u=same_u))
+    except NoFeasibleConfiguration as exc:
+        log.info("%s", exc)
+        return {"mode": mode, "iteration_time": None, "config": DOES_NOT_FIT}
+
+
+def compare_modes(modes: list[str], profile: Profile, machine: Machine, devices: int, minibatch: int, capacity: int,
+                  same_u: bool, workers: int | None = None,
+                  on_done: Callable[[int, int], None] = lambda done, total: None) -> list[dict[str, Any]]:
+    """One row per mode, in ``modes``' order, the modes that fit nothing last. ``workers``: processes
+    to search in (None: one per usable core, at most one per mode); ``on_done(done, total)`` after each."""
+    args = (profile, machine, devices, minibatch, capacity, same_u)
+    workers = min(len(modes), usable_cores() if workers is None else max(1, workers))
+    rows: dict[str, dict[str, Any]] = {}
+    if workers <= 1 or sys.platform != "linux":
+        for mode in modes:
+            rows[mode] = _search_row(mode, *args)
+            on_done(len(rows), len(modes))
+    else:
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+            futures = {pool.submit(_search_row, mode, *args): mode for mode in modes}
+            for future in concurrent.futures.as_completed(futures):
+                rows[futures[future]] = future.result()
+                on_done(len(rows), len(modes))
+    ordered = [rows[m] for m in modes]
+    return [r for r in ordered if r["config"] != DOES_NOT_FIT] + [r for r in ordered if r["config"] == DOES_NOT_FIT]

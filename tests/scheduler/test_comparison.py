@@ -1,0 +1,43 @@
+"""The comparison of modes (``scheduler/comparison.py``): the same table searched in worker
+processes as one after the other, and modes that fit nothing last."""
+
+from __future__ import annotations
+
+import pytest
+
+from harmony.scheduler.comparison import DOES_NOT_FIT, compare_modes
+from harmony.scheduler.machine import Machine
+from harmony.scheduler.taskgraph import MODES
+
+from test_search import skewed_profile
+
+MODES_COMPARED = ["dp", "dp-swap", "gpipe-swap", "1f1b-swap"]
+
+
+def test_modes_compared_in_worker_processes_give_the_table_of_one_process():
+    profile = skewed_profile(capacity=12_000_000)
+    machine = Machine.from_spec("1080ti", 2)
+    serial = compare_modes(MODES_COMPARED, profile, machine, 2, 6, profile.capacity, False, workers=1)
+    progress = []
+    parallel = compare_modes(MODES_COMPARED, profile, machine, 2, 6, profile.capacity, False, workers=2,
+                             on_done=lambda done, total: progress.append((done, total)))
+
+    def table(rows):
+        return [{k: v for k, v in r.items() if k != "search_seconds"} for r in rows]
+
+    assert table(parallel) == table(serial)
+    assert [r["mode"] for r in serial] == MODES_COMPARED
+    assert all(r["iteration_time"] > 0 and r["config"] != DOES_NOT_FIT for r in serial)
+    assert progress == [(i, len(MODES_COMPARED)) for i in range(1, len(MODES_COMPARED) + 1)]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_mode_that_fits_nothing_is_a_row_saying_so_after_the_others(workers):
+    profile = skewed_profile(capacity=6_000_000)  # room for most modes; gpipe-swap's microbatches do not fit
+    machine = Machine.from_spec("1080ti", 2)
+    rows = compare_modes(list(MODES), profile, machine, 2, 6, profile.capacity, False, workers=workers)
+    assert sorted(r["mode"] for r in rows) == sorted(MODES)
+    fitting = [r for r in rows if r["config"] != DOES_NOT_FIT]
+    refused = [r for r in rows if r["config"] == DOES_NOT_FIT]
+    assert fitting and refused and rows == fitting + refused
+    assert all(r["iteration_time"] is None for r in refused)
