@@ -6,7 +6,8 @@ compile's time (GPT-2 1.5B on four modelled 1080 Ti: 0.07 s for pp, 8-12 s for e
 task graphs hold hundreds of tasks), so they run in worker processes, one per core. Each worker
 answers the table's row, not the search's task graph and estimate. Workers are forked (Linux):
 a spawned one would re-run a user's script that calls ``harmony.compile`` without a main guard.
-Elsewhere, or with one core, or ``workers=1``, the modes are searched one after the other.
+Elsewhere, with one core, in a daemonic process (which may not start children) or with
+``workers=1``, the modes are searched one after the other.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def compare_modes(modes: list[str], profile: Profile, machine: Machine, devices:
     args = (profile, machine, devices, minibatch, capacity, same_u)
     workers = min(len(modes), usable_cores() if workers is None else max(1, workers))
     rows: dict[str, dict[str, Any]] = {}
-    if workers <= 1 or sys.platform != "linux":
+    if workers <= 1 or sys.platform != "linux" or multiprocessing.current_process().daemon:  # a daemon has no children
         for mode in modes:
             rows[mode] = _search_row(mode, *args)
             on_done(len(rows), len(modes))

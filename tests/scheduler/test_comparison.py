@@ -41,3 +41,23 @@ def test_a_mode_that_fits_nothing_is_a_row_saying_so_after_the_others(workers):
     refused = [r for r in rows if r["config"] == DOES_NOT_FIT]
     assert fitting and refused and rows == fitting + refused
     assert all(r["iteration_time"] is None for r in refused)
+
+
+def _compare_in_a_daemon(out) -> None:
+    profile = skewed_profile(capacity=12_000_000)
+    rows = compare_modes(["dp", "dp-swap"], profile, Machine.from_spec("1080ti", 2), 2, 6, profile.capacity, False,
+                         workers=2)
+    out.put([r["mode"] for r in rows])
+
+
+def test_a_daemonic_process_compares_the_modes_itself():
+    """A daemonic process may not start children (a compile inside another tool's worker)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    worker = ctx.Process(target=_compare_in_a_daemon, args=(out,), daemon=True)
+    worker.start()
+    assert out.get(timeout=60) == ["dp", "dp-swap"]
+    worker.join(timeout=10)
+    assert worker.exitcode == 0
