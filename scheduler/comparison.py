@@ -6,6 +6,7 @@ compile's time (GPT-2 1.5B on four modelled 1080 Ti: 0.07 s for pp, 8-12 s for e
 task graphs hold hundreds of tasks), so they run in worker processes, one per core. Each worker
 answers the table's row, not the search's task graph and estimate. Workers are forked (Linux):
 a spawned one would re-run a user's script that calls ``harmony.compile`` without a main guard.
+They log nothing (``_quiet``); the compiling process logs what they found.
 Elsewhere, with one core, in a daemonic process (which may not start children) or with
 ``workers=1``, the modes are searched one after the other.
 """
@@ -45,12 +46,18 @@ def usable_cores() -> int:
 
 
 def _search_row(mode: str, profile: Profile, machine: Machine, devices: int, minibatch: int, capacity: int,
-                same_u: bool) -> dict[str, Any]:
+                same_u: bool) -> tuple[dict[str, Any], str | None]:
+    """The mode's row, and why it fits nothing (None where it fits)."""
     try:
-        return row(mode, search(profile, machine, mode, devices, minibatch, capacity=capacity, same_u=same_u))
+        return row(mode, search(profile, machine, mode, devices, minibatch, capacity=capacity, same_u=same_u)), None
     except NoFeasibleConfiguration as exc:
-        log.info("%s", exc)
-        return {"mode": mode, "iteration_time": None, "config": DOES_NOT_FIT}
+        return {"mode": mode, "iteration_time": None, "config": DOES_NOT_FIT}, str(exc)
+
+
+def _quiet() -> None:
+    """A forked worker logs nothing: a handler writing to a console (rich's) may have been locked
+    by another thread of the parent at the fork, and would stay locked in the child for good."""
+    logging.disable(logging.CRITICAL)
 
 
 def compare_modes(modes: list[str], profile: Profile, machine: Machine, devices: int, minibatch: int, capacity: int,
@@ -61,15 +68,21 @@ def compare_modes(modes: list[str], profile: Profile, machine: Machine, devices:
     args = (profile, machine, devices, minibatch, capacity, same_u)
     workers = min(len(modes), usable_cores() if workers is None else max(1, workers))
     rows: dict[str, dict[str, Any]] = {}
+
+    def done(mode: str, answer: tuple[dict[str, Any], str | None]) -> None:
+        rows[mode], refusal = answer
+        if refusal is not None:
+            log.info("%s", refusal)
+        on_done(len(rows), len(modes))
+
     if workers <= 1 or sys.platform != "linux" or multiprocessing.current_process().daemon:  # a daemon has no children
         for mode in modes:
-            rows[mode] = _search_row(mode, *args)
-            on_done(len(rows), len(modes))
+            done(mode, _search_row(mode, *args))
     else:
-        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+                                                    initializer=_quiet) as pool:
             futures = {pool.submit(_search_row, mode, *args): mode for mode in modes}
             for future in concurrent.futures.as_completed(futures):
-                rows[futures[future]] = future.result()
-                on_done(len(rows), len(modes))
+                done(futures[future], future.result())
     ordered = [rows[m] for m in modes]
     return [r for r in ordered if r["config"] != DOES_NOT_FIT] + [r for r in ordered if r["config"] == DOES_NOT_FIT]

@@ -3,6 +3,8 @@ processes as one after the other, and modes that fit nothing last."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from harmony.scheduler.comparison import DOES_NOT_FIT, compare_modes
@@ -32,15 +34,18 @@ def test_modes_compared_in_worker_processes_give_the_table_of_one_process():
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_a_mode_that_fits_nothing_is_a_row_saying_so_after_the_others(workers):
+def test_a_mode_that_fits_nothing_is_a_row_saying_so_after_the_others(workers, caplog):
     profile = skewed_profile(capacity=6_000_000)  # room for most modes; gpipe-swap's microbatches do not fit
     machine = Machine.from_spec("1080ti", 2)
-    rows = compare_modes(list(MODES), profile, machine, 2, 6, profile.capacity, False, workers=workers)
+    with caplog.at_level(logging.INFO, logger="harmony.scheduler.comparison"):
+        rows = compare_modes(list(MODES), profile, machine, 2, 6, profile.capacity, False, workers=workers)
     assert sorted(r["mode"] for r in rows) == sorted(MODES)
     fitting = [r for r in rows if r["config"] != DOES_NOT_FIT]
     refused = [r for r in rows if r["config"] == DOES_NOT_FIT]
     assert fitting and refused and rows == fitting + refused
     assert all(r["iteration_time"] is None for r in refused)
+    # why, logged by this process (a forked worker logs nothing: see the module docs)
+    assert all(any(f"no {r['mode']} configuration fits" in m for m in caplog.messages) for r in refused)
 
 
 def _compare_in_a_daemon(out) -> None:
