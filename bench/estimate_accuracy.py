@@ -53,7 +53,6 @@ import harmony
 from bench.common import Model
 from harmony.errors import HarmonyError
 from harmony.models import gpt2, resnet, vgg
-from harmony.models.common import token_sequences
 from harmony.models.gpt2 import GPT, GPTConfig
 from harmony.plan import Plan
 from harmony.scheduler.estimator import Estimate, estimate, task_compute_seconds
@@ -69,11 +68,6 @@ BASELINE = "dp-swap"  # the per-device-swap data parallelism the paper compares 
 SMALL_GPT = GPTConfig(n_layer=4, n_head=4, n_embd=128, vocab_size=512, block_size=64)
 
 
-def _small_gpt_batch(batch_size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = token_sequences(batch_size, SMALL_GPT.block_size + 1, SMALL_GPT.vocab_size, step)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-
 @dataclass(frozen=True)
 class Case(Model):
     """A model (``bench.common.Model``) and its minibatch size."""
@@ -84,7 +78,7 @@ class Case(Model):
 CASES = {
     "gpt2-tiny": Case("gpt2-tiny", functools.partial(gpt2.build_model, "tiny"), gpt2.loss_fn,
                       functools.partial(gpt2.get_batch, preset="tiny"), gpt2.build_optimizer, 8),
-    "gpt2-small": Case("gpt2-small", functools.partial(GPT, SMALL_GPT), gpt2.loss_fn, _small_gpt_batch,
+    "gpt2-small": Case("gpt2-small", functools.partial(GPT, SMALL_GPT), gpt2.loss_fn, functools.partial(gpt2.batch_of, SMALL_GPT),
                        gpt2.build_optimizer, 16),
     "vgg-tiny": Case("vgg-tiny", functools.partial(vgg.build_model, "tiny"), vgg.loss_fn,
                      functools.partial(vgg.get_batch, preset="tiny"), vgg.build_optimizer, 16),

@@ -30,7 +30,6 @@ import harmony
 from bench.common import Model, compiled
 from harmony.models import bert, gpt2
 from harmony.models.bert import BertConfig
-from harmony.models.common import token_sequences
 from harmony.models.gpt2 import GPT, GPTConfig
 from harmony.profiling.measure import torch_threads
 
@@ -39,37 +38,23 @@ SMALL_GPT = GPTConfig(n_layer=4, n_head=4, n_embd=128, vocab_size=512, block_siz
 AMPLE = 1 << 30  # bytes per emulated device: far more than the model's training footprint
 
 
-def small_gpt_batch(batch_size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = token_sequences(batch_size, SMALL_GPT.block_size + 1, SMALL_GPT.vocab_size, step)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-
-SMALL = Model("gpt2-small", functools.partial(GPT, SMALL_GPT), gpt2.loss_fn, small_gpt_batch, gpt2.build_optimizer)
+SMALL = Model("gpt2-small", functools.partial(GPT, SMALL_GPT), gpt2.loss_fn,
+              functools.partial(gpt2.batch_of, SMALL_GPT), gpt2.build_optimizer)
 
 # the same compute in fewer, wider blocks over shorter sequences: fewer, larger ops per step
 WIDE_GPT = GPTConfig(n_layer=2, n_head=8, n_embd=256, vocab_size=1024, block_size=32)
 
 
-def wide_gpt_batch(batch_size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = token_sequences(batch_size, WIDE_GPT.block_size + 1, WIDE_GPT.vocab_size, step)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-
-WIDE = Model("gpt2-wide", functools.partial(GPT, WIDE_GPT), gpt2.loss_fn, wide_gpt_batch, gpt2.build_optimizer)
+WIDE = Model("gpt2-wide", functools.partial(GPT, WIDE_GPT), gpt2.loss_fn,
+             functools.partial(gpt2.batch_of, WIDE_GPT), gpt2.build_optimizer)
 
 # an encoder with a masked-LM head (no dropout: the step is deterministic for both)
 SMALL_BERT = BertConfig(num_layers=4, hidden=128, num_heads=4, intermediate=512, vocab_size=512, max_position=64,
                         dropout=0.0)
 
 
-def small_bert_batch(batch_size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    target = token_sequences(batch_size, SMALL_BERT.max_position, SMALL_BERT.vocab_size, step, low=1)
-    masked = torch.rand(target.shape, generator=torch.Generator().manual_seed(2 * step + 1)) < bert.MASK_PROB
-    return target.masked_fill(masked, bert.MASK_ID), target
-
-
-BERT = Model("bert-small", functools.partial(bert.BertForMaskedLM, SMALL_BERT), bert.loss_fn, small_bert_batch,
-             bert.build_optimizer)
+BERT = Model("bert-small", functools.partial(bert.BertForMaskedLM, SMALL_BERT), bert.loss_fn,
+             functools.partial(bert.batch_of, SMALL_BERT), bert.build_optimizer)
 MODELS = (SMALL, WIDE, BERT)
 GOAL = 0.95  # Harmony's throughput over eager's, every model
 

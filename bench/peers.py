@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import gc
 import math
 import os
@@ -49,8 +50,8 @@ from torch import nn
 from bench.common import Model, compiled, searched, train
 from harmony.errors import HarmonyError
 from harmony.models import gpt2
-from harmony.models.common import token_sequences
 from harmony.models.gpt2 import Block, GPTConfig
+from harmony.profiling.measure import torch_threads
 
 # every schedule of torch.distributed.pipelining that runs on gloo with one or two stages per process
 SCHEDULES = ("ScheduleGPipe", "Schedule1F1B", "ScheduleLoopedBFS", "ScheduleInterleaved1F1B",
@@ -103,12 +104,8 @@ class PeerGPT(nn.Module):
 
 def peer_model(depth: int) -> Model:
     c = config(depth)
-
-    def get_batch(batch_size: int, step: int):
-        tokens = token_sequences(batch_size, c.block_size + 1, c.vocab_size, step)
-        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-    return Model(f"gpt2-{depth}x128", lambda: PeerGPT(c), gpt2.loss_fn, get_batch, gpt2.build_optimizer)
+    return Model(f"gpt2-{depth}x128", lambda: PeerGPT(c), gpt2.loss_fn, functools.partial(gpt2.batch_of, c),
+                 gpt2.build_optimizer)
 
 
 # ------------------------------------------------------------------ pipelining
@@ -298,10 +295,8 @@ def eager_rate(model: Model, steps: int) -> float:
     torch.manual_seed(0)
     module = model.build().train()
     opt = model.build_optimizer(module.parameters())
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        times = []
+    times = []
+    with torch_threads(1):
         for step in range(steps):
             x, y = model.get_batch(MINIBATCH, step)
             t0 = time.perf_counter()
@@ -309,8 +304,6 @@ def eager_rate(model: Model, steps: int) -> float:
             model.loss_fn(module(x), y).backward()
             opt.step()
             times.append(time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(before)
     return MINIBATCH / statistics.median(times[1:])
 
 

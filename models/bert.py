@@ -186,7 +186,11 @@ def get_batch(batch_size: int, step: int, preset: str = "tiny", dtype: str = "fl
     Tokens are drawn from [1, vocab) so that MASK_ID never appears as a real token. Depends
     only on (batch_size, step, preset); ``dtype`` is accepted for a uniform interface.
     """
-    config = resolve_preset(PRESETS, preset, "BERT")
+    return batch_of(resolve_preset(PRESETS, preset, "BERT"), batch_size, step)
+
+
+def batch_of(config: BertConfig, batch_size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``get_batch`` for a model of any shape, not only a preset's."""
     target = token_sequences(batch_size, config.max_position, config.vocab_size, step, low=1)
     g = torch.Generator(device="cpu")
     g.manual_seed(2 * int(step) + 1)

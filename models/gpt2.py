@@ -183,7 +183,11 @@ def get_batch(batch_size: int, step: int, preset: str = "tiny", dtype: str = "fl
 
     ``dtype`` is accepted for a uniform interface: token ids are always int64.
     """
-    config = resolve_preset(PRESETS, preset, "GPT-2")
+    return batch_of(resolve_preset(PRESETS, preset, "GPT-2"), batch_size, step)
+
+
+def batch_of(config: GPTConfig, batch_size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``get_batch`` for a model of any shape, not only a preset's."""
     tokens = token_sequences(batch_size, config.block_size + 1, config.vocab_size, step)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import statistics
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -20,7 +19,7 @@ import torch
 from torch.func import functional_call
 
 from harmony.errors import DeviceOutOfMemoryError
-from harmony.runtime.device import Device
+from harmony.runtime.device import Device, torch_threads  # noqa: F401  (measured runs use it)
 
 log = logging.getLogger(__name__)
 
@@ -50,25 +49,6 @@ class Measurement:
 
 MIN_TIMED_SECONDS = 0.02  # keep repeating a short task until this much was timed ...
 MAX_TRIAL_FACTOR = 10  # ... but at most this many times the asked-for trials
-
-
-@contextmanager
-def torch_threads(n: int | None):
-    """Run with ``n`` torch intra-op threads (None: leave as is), restoring the count afterwards.
-
-    N emulated devices share the host's cores, each worker with its share; measuring one device
-    with all the cores would time a device faster than the runtime will have, and on a shared
-    machine two threads contending also make timings several times noisier.
-    """
-    if n is None:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(max(1, n))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _trial_indices(trials: int, timed: list[float]):

@@ -30,9 +30,28 @@ from .memory import MemoryTracker
 log = logging.getLogger(__name__)
 
 __all__ = ["Device", "CpuDevice", "CudaDevice", "Timer", "UncheckedCpuDevice", "check_gpus", "memory_checked",
-           "cpu_device", "cuda_device", "gpus_shared", "make_devices", "parse_bytes"]
+           "cpu_device", "cuda_device", "gpus_shared", "make_devices", "parse_bytes", "torch_threads"]
 
 CHECK_MEMORY_ENV = "HARMONY_CHECK_MEMORY"  # "1": check every run's memory op by op (the test suite sets it)
+
+
+@contextmanager
+def torch_threads(n: int | None):
+    """Run with ``n`` torch intra-op threads (None: leave as is), restoring the count afterwards.
+
+    N emulated devices share the host's cores, each worker with its share; measuring one device
+    with all the cores would time a device faster than the runtime will have, and on a shared
+    machine two threads contending also make timings several times noisier.
+    """
+    if n is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, n))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class Timer(ABC):

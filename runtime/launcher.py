@@ -52,7 +52,7 @@ from harmony.errors import DeviceOutOfMemoryError, HarmonyError
 from harmony.runtime import p2p as p2p_transport
 from harmony.runtime.channels import Aborted, Mailbox, Slabs
 from harmony.runtime import processes
-from harmony.runtime.device import Device, cpu_device, cuda_device, memory_checked
+from harmony.runtime.device import Device, cpu_device, cuda_device, memory_checked, torch_threads
 from harmony.runtime.executor import Batch, Executor, IterationResult, describe
 from harmony.runtime.flags import Shared
 from harmony.runtime.hoststore import HostStore
@@ -174,19 +174,6 @@ def _make_device(ctx: _WorkerContext) -> Device:
     if ctx.device_type == "cuda":
         return cuda_device(ctx.rank, len(ctx.inboxes), ctx.capacity)
     return cpu_device(f"cpu{ctx.rank}", ctx.capacity, ctx.check_memory)
-
-
-@contextlib.contextmanager
-def _torch_threads(n: int | None):
-    """Torch's intra-op threads at ``n`` (None: as they are) for the block, then as they were."""
-    before = torch.get_num_threads()
-    if n is not None:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        if n is not None:
-            torch.set_num_threads(before)
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -355,7 +342,7 @@ class Launcher:
         host_error: list[BaseException] = []
         host_events: list[tuple[int, str, float, float]] = []
         host = threading.Thread(target=self._host_tasks, args=(iteration, host_error, host_events), daemon=True)
-        with _torch_threads(self._host_threads):  # process-wide: this thread only waits meanwhile
+        with torch_threads(self._host_threads):  # process-wide: this thread only waits meanwhile
             host.start()
             try:
                 results = self._collect("done", timeout=self.timeout)
