@@ -13,13 +13,14 @@ import hashlib
 import importlib.util
 import inspect
 import sys
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from harmony.errors import ModelFileError
+from harmony.errors import HarmonyError, ModelFileError
 
 REQUIRED = ("build_model", "loss_fn", "get_batch")
 OPTIONAL = ("build_optimizer",)
@@ -55,6 +56,12 @@ def _declares(fn: Callable, name: str) -> bool:
     return any(p.name == name or (p.kind is p.VAR_KEYWORD and not p.name.startswith("_")) for p in params)
 
 
+def _where(exc: BaseException, path: Path) -> str:
+    """" (line N)" of the deepest frame of ``exc``'s traceback in the model file, if any."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename) == path]
+    return f" (line {frames[-1].lineno})" if frames else ""
+
+
 def default_optimizer(params) -> torch.optim.Optimizer:
     """SGD at lr 0.01, where no optimizer is given (a module-level function: spawned workers
     receive it pickled)."""
@@ -76,9 +83,21 @@ class ModelFile:
         return (load_model_file, (str(self.path), dict(self.options)))
 
     def _call(self, name: str, *args):
+        """``name`` of the model file with its options; an exception it raises becomes a
+        ``ModelFileError`` naming the function, the options and the line of the file it came from
+        (a bad ``--arg`` value is the usual cause), the original kept as its ``__cause__``."""
         fn = getattr(self.module, name)
         kwargs = {k: v for k, v in self.options.items() if _accepts(fn, k)}
-        return fn(*args, **kwargs)
+        try:
+            return fn(*args, **kwargs)
+        except HarmonyError:
+            raise
+        except Exception as exc:
+            options = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+            raise ModelFileError(
+                f"{self.path}: {name}({options}) raised {type(exc).__name__}: {exc}"
+                f"{_where(exc, self.path)}; check the --arg options and the file"
+            ) from exc
 
     def build_model(self) -> torch.nn.Module:
         model = self._call("build_model")

@@ -76,3 +76,13 @@ def test_get_batch_must_return_a_pair(tmp_path):
     path = _write(tmp_path, GOOD.replace("return torch.randn(batch_size, width, generator=g), torch.randint(0, 2, (batch_size,), generator=g)", "return 1"))
     with pytest.raises(ModelFileError, match="pair"):
         load_model_file(path).get_batch(2, 0)
+
+
+def test_a_function_that_rejects_its_option_value_is_named_with_the_value_and_line(tmp_path):
+    path = _write(tmp_path, GOOD.replace("    return torch.nn.Linear(width, 2)",
+                                         "    if width > 8:\n        raise ValueError('too wide')\n"
+                                         "    return torch.nn.Linear(width, 2)"))
+    mf = load_model_file(path, {"width": 9})
+    with pytest.raises(ModelFileError, match=r"build_model\(width=9\) raised ValueError: too wide \(line 5\)") as info:
+        mf.build_model()
+    assert isinstance(info.value.__cause__, ValueError)
