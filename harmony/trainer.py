@@ -84,7 +84,7 @@ class Trainer:
         if isinstance(target, torch.Tensor) and (target.dim() == 0 or target.shape[0] != size):
             raise HarmonyError(f"the target has {tuple(target.shape)[:1] or 'no'} samples but the inputs have {size}; "
                                "give the target of the same minibatch, batch first")
-        batch = Batch(inputs=[_shared(x) for x in inputs], target=_shared(target), size=size, seed=self.seed)
+        batch = Batch(inputs=inputs, target=target, size=size, seed=self.seed)  # the launcher shares it
         result = self.launcher.step(batch)
         self.history.append(result)
         return result.loss
@@ -125,13 +125,4 @@ class Trainer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _shared(x: Any) -> Any:
-    """A copy of a host tensor in shared memory, so every worker reads the one minibatch."""
-    if not isinstance(x, torch.Tensor):
-        return x
-    out = torch.empty(x.shape, dtype=x.dtype).share_memory_()
-    out.copy_(x.detach().cpu())
-    return out
 

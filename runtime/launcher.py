@@ -2,7 +2,8 @@
 
 ``Launcher(plan parts...)`` creates the host store (master weights, buffers, optimizer state and
 gradient slots, once, in shared memory), starts one worker per device and waits until each has
-built its executor. ``step(batch)`` hands every worker the minibatch, runs the plan's host-bound
+built its executor. ``step(batch)`` hands every worker the minibatch (in shared buffers they keep from
+one step to the next, ``batches.py``), runs the plan's host-bound
 tasks (offloaded updates) in this process, and returns when every worker finished the iteration,
 with per-device measurements. Workers on emulated CPU devices are forked (they inherit the layer
 code and the user's loss function) while autograd survives a fork; CUDA workers, and emulated ones
@@ -50,6 +51,7 @@ import torch
 from harmony.decomposer.layer_graph import LayerGraph
 from harmony.errors import DeviceOutOfMemoryError, HarmonyError
 from harmony.runtime import p2p as p2p_transport
+from harmony.runtime.batches import BatchSlots, received
 from harmony.runtime.channels import Aborted, Mailbox, Slabs
 from harmony.runtime import processes
 from harmony.runtime.device import Device, cpu_device, cuda_device, memory_checked, torch_threads
@@ -228,11 +230,13 @@ def _worker_main(ctx: _WorkerContext) -> None:
                             ctx.loss_fn, ctx.build_optimizer, ctx.seed, ctx.timeout, ctx.slabs,
                             prefetch=ctx.prefetch, transport=transport)
         ctx.results.put(("ready", ctx.rank, None))
+        batch = None
         while True:
             command = ctx.commands.get()
             if command is None:
                 break
-            iteration, batch = command
+            iteration, sent = command
+            batch = received(sent, batch)
             result = executor.run_iteration(iteration, batch)
             ctx.results.put(("done", ctx.rank, (iteration, result)))
     except Aborted:
@@ -296,6 +300,7 @@ class Launcher:
         self.planned = dict(tasks.memory.tasks)
         self.iteration = 0
         self._closed = False
+        self._slots = BatchSlots()
         mpctx = processes.context(method)
         self.inboxes = [mpctx.Queue() for _ in range(self.devices)]
         self.commands = [mpctx.Queue() for _ in range(self.devices)]
@@ -337,8 +342,9 @@ class Launcher:
             raise HarmonyError("this launcher was closed; start a new one")
         iteration = self.iteration
         start = time.perf_counter()
+        sent = self._slots.fill(batch)
         for q in self.commands:
-            q.put((iteration, batch))
+            q.put((iteration, sent))
         host_error: list[BaseException] = []
         host_events: list[tuple[int, str, float, float]] = []
         host = threading.Thread(target=self._host_tasks, args=(iteration, host_error, host_events), daemon=True)
