@@ -3,10 +3,7 @@
 A layer is measured as the runtime will run it: its weights and buffers copied to the device,
 its input swapped in, forward without autograd (a FWD task stashes only its input), then the
 backward task (recompute with autograd from the stashed input, then backward with an output
-gradient). Times are medians of trials; memory is the device's peak over each task. Memory comes
-from an untimed trial the device watches; the timed trials run unwatched (``Device.unwatched``), as
-a run that does not check its memory runs them, so the emulated device's per-op accounting is in
-neither the profile nor the run it plans (``--check-memory`` runs pay it on top). The model's
+gradient). Times are medians of trials; memory is the device's peak over each task. The model's
 own tensors are never touched (work happens on device copies) and the RNG is restored afterwards,
 so profiling does not change training.
 """
@@ -15,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import statistics
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -139,21 +135,21 @@ def measure_pack(
         fwd_times, fwd_peak, x_bytes, y_bytes = [], 0, 0, 0
         layer_peaks: list[int] = []
         outputs: tuple = ()
-        for trial in _trial_indices(trials, fwd_times):  # the warm-up is watched, not timed, and feeds the next layer
+        for trial in _trial_indices(trials, fwd_times):  # the warm-up is not timed and feeds the next layer
             xs = _on_device(device, inputs, grad=False)
-            peaks: list[int] | None = None if trial else []  # the peak per layer, from the watched run
+            peaks: list[int] | None = None if trial else []  # the peak per layer, from the untimed run
             device.reset_peak()
-            with device.unwatched() if trial else nullcontext():
-                timer = device.timer()
-                timer.start()
-                with torch.no_grad():
-                    ys = _run_pack(modules, states, xs, peaks, device)
-                elapsed = timer.stop()
+            timer = device.timer()
+            timer.start()
+            with torch.no_grad():
+                ys = _run_pack(modules, states, xs, peaks, device)
+            elapsed = timer.stop()
+            fwd_peak = max(fwd_peak, *(peaks or (device.peak(),)))
             x_bytes, y_bytes = _nbytes(xs), _nbytes(ys)
             if trial:
                 fwd_times.append(elapsed)
             else:
-                fwd_peak, layer_peaks = max(peaks or (device.peak(),)), peaks
+                layer_peaks = peaks
                 outputs = tuple(device.to_host(y) if isinstance(y, torch.Tensor) else y for y in ys)
             del xs, ys
         m = Measurement(fwd_time=_median(fwd_times), fwd_peak=fwd_peak, x_bytes=x_bytes, y_bytes=y_bytes,
@@ -176,10 +172,10 @@ def _measure_backward(modules, states, inputs: tuple, device: Device, trials: in
     for p in params:  # the gradient buffer, resident across the group's microbatches
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    # the later ones: each gradient is made, then added to the buffer; the first of them is watched
+    # the later ones: each gradient is made, then added to the buffer
     rec_times, bwd_times = [], []
     for trial in _trial_indices(trials, bwd_times):
-        recompute, backward = _backward_once(modules, states, params, inputs, device, m, loss, watched=not trial)
+        recompute, backward = _backward_once(modules, states, params, inputs, device, m, loss)
         if trial:
             rec_times.append(recompute)
             bwd_times.append(backward)
@@ -190,38 +186,33 @@ def _measure_backward(modules, states, inputs: tuple, device: Device, trials: in
 
 
 def _backward_once(modules, states, params, inputs: tuple, device: Device, m: Measurement,
-                   loss: Callable[[tuple, Device], tuple[torch.Tensor, Any]] | None = None,
-                   watched: bool = True) -> tuple[float, float]:
+                   loss: Callable[[tuple, Device], tuple[torch.Tensor, Any]] | None = None) -> tuple[float, float]:
     """One BWD task; in a function of its own so that every tensor it made is gone when it returns
-    (a tensor surviving into the next trial would inflate that trial's peak). A watched task records
-    its memory in ``m``; an unwatched one is only timed (``Device.unwatched``)."""
+    (a tensor surviving into the next trial would inflate that trial's peak)."""
     xs = _on_device(device, inputs, grad=True)
     device.reset_peak()
     before = device.allocated()
-    with nullcontext() if watched else device.unwatched():
-        timer = device.timer()
-        timer.start()
-        ys = _run_pack(modules, states, xs)
-        recompute = timer.stop()
-        act_bytes = device.allocated() - before
-        outs = [y for y in ys if isinstance(y, torch.Tensor) and y.requires_grad]
-        held = ys  # a BWD task holds all of its pack's outputs (masks relayed beside activations too)
-        if loss is not None and outs:  # the loss task drops its outputs once the loss is computed
-            value, held = loss(ys, device)
-            outs = [value]
-        del ys
-        timer = device.timer()
-        timer.start()
-        if outs:
-            wanted = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad] + params
-            grads = None if loss is not None else [torch.ones_like(y) for y in outs]
-            torch.autograd.backward(outs, grads, inputs=wanted)
-        del held
-        backward = timer.stop()
-    if watched:
-        m.act_bytes = act_bytes
-        m.bwd_peak = max(m.bwd_peak, device.peak())
-        m.dx_bytes = _nbytes([x.grad for x in xs if isinstance(x, torch.Tensor) and x.grad is not None])
+    timer = device.timer()
+    timer.start()
+    ys = _run_pack(modules, states, xs)
+    recompute = timer.stop()
+    m.act_bytes = device.allocated() - before
+    outs = [y for y in ys if isinstance(y, torch.Tensor) and y.requires_grad]
+    held = ys  # a BWD task holds all of its pack's outputs (masks relayed beside activations too)
+    if loss is not None and outs:  # the loss task drops its outputs once the loss is computed
+        value, held = loss(ys, device)
+        outs = [value]
+    del ys
+    timer = device.timer()
+    timer.start()
+    if outs:
+        wanted = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad] + params
+        grads = None if loss is not None else [torch.ones_like(y) for y in outs]
+        torch.autograd.backward(outs, grads, inputs=wanted)
+    del held
+    backward = timer.stop()
+    m.bwd_peak = max(m.bwd_peak, device.peak())
+    m.dx_bytes = _nbytes([x.grad for x in xs if isinstance(x, torch.Tensor) and x.grad is not None])
     return recompute, backward
 
 
@@ -268,12 +259,11 @@ def measure_update(
             c.grad = torch.zeros_like(c)
         opt = build_optimizer(copies)
         times = []
-        for trial in _trial_indices(trials, times):  # the first step, watched, makes the state in place
-            with device.unwatched() if trial else nullcontext():
-                timer = device.timer()
-                timer.start()
-                opt.step()
-                elapsed = timer.stop()
+        for trial in _trial_indices(trials, times):
+            timer = device.timer()
+            timer.start()
+            opt.step()
+            elapsed = timer.stop()
             if trial:
                 times.append(elapsed)
         k_bytes = sum(

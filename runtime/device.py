@@ -165,13 +165,6 @@ class Device(ABC):
         nothing to count on a GPU, whose allocator sees device memory only."""
         return nullcontext()
 
-    def unwatched(self) -> AbstractContextManager:
-        """A block whose ops run as a run that does not check its memory runs them: the profiler
-        times its trials in it (their memory is read from an untimed, watched trial), so a layer's
-        time is what an unchecked run pays, not that plus the emulated device's per-op accounting.
-        Nothing watches a GPU's ops."""
-        return nullcontext()
-
     def warm_up(self, within_capacity: bool) -> int:
         """Have the libraries allocate what they keep for the process's life now; the bytes kept
         (none on an emulated device). ``CudaDevice.warm_up`` says more."""
@@ -267,11 +260,6 @@ class CpuDevice(Device):
         slab): not counted, and run without the tracker's Python dispatch."""
         return self.tracker.paused()
 
-    def unwatched(self) -> AbstractContextManager:
-        """Ops skip the tracker's Python dispatch and are not counted (``MemoryTracker.paused``):
-        what they allocate must be gone, or be in place, before the next watched measurement."""
-        return self.tracker.paused()
-
 
 class UncheckedCpuDevice(CpuDevice):
     """An emulated device that does not watch its ops: what a run of a plan needs when its memory is
@@ -308,9 +296,6 @@ class UncheckedCpuDevice(CpuDevice):
         return t.clone(memory_format=torch.contiguous_format)
 
     def host_side(self) -> AbstractContextManager:
-        return nullcontext()
-
-    def unwatched(self) -> AbstractContextManager:
         return nullcontext()
 
 
