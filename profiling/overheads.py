@@ -46,6 +46,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -82,6 +83,7 @@ class Overheads:
     update: float
     message: float  # s, one p2p message on the runtime's path (the pipeline's calibration)
     tasks: int
+    iteration: float = 0.0  # s, per iteration: the minibatch to the workers, their results back
 
 
 def _optimizer(params):
@@ -160,29 +162,39 @@ def _promised(tasks: TaskGraph, profile: Profile, machine: Machine) -> TaskGraph
     return tasks
 
 
+class Spans(NamedTuple):
+    """What the real launcher measured over a few iterations (after one warm-up)."""
+
+    tasks: dict[int, float]  # median span of every device task
+    slowest: float  # median iteration time of the slowest worker
+    launch: list[float]  # per iteration, the launcher's step time minus its slowest worker's
+
+
 def _spans(graph, tasks: TaskGraph, iterations: int, timeout: float,
-           shape: tuple[int, ...] = (WIDTH,)) -> tuple[dict[int, float], float]:
-    """Median measured span of every device task over ``iterations`` (after one warm-up), and the
-    median iteration time of the slowest worker; ``shape``: one sample's input (and target)."""
+           shape: tuple[int, ...] = (WIDTH,)) -> Spans:
+    """Run ``tasks`` on the real launcher for ``iterations`` (after one warm-up); ``shape``: one
+    sample's input (and target)."""
     model = graph.state_dict()
     store = HostStore.create(graph, tasks.devices, _optimizer, model)
     launcher = Launcher(graph, tasks, store, _loss, _optimizer, device_type="cpu", timeout=timeout)
     try:
         per_task: dict[int, list[float]] = {}
         slowest: list[float] = []
+        launch: list[float] = []
         for step in range(iterations + 1):
             gen = torch.Generator().manual_seed(step)
             size = tasks.minibatch
-            batch = Batch(inputs=[torch.randn(size, *shape, generator=gen).share_memory_()],
-                          target=torch.randn(size, *shape, generator=gen).share_memory_(), size=size, seed=0)
+            batch = Batch(inputs=[torch.randn(size, *shape, generator=gen)],
+                          target=torch.randn(size, *shape, generator=gen), size=size, seed=0)
             result = launcher.step(batch)
             if step == 0:
                 continue
             slowest.append(max(w.seconds for w in result.workers))
+            launch.append(result.seconds - slowest[-1])
             for worker in result.workers:
                 for task_id, seconds in worker.task_seconds.items():
                     per_task.setdefault(task_id, []).append(seconds)
-        return {t: statistics.median(v) for t, v in per_task.items()}, statistics.median(slowest)
+        return Spans({t: statistics.median(v) for t, v in per_task.items()}, statistics.median(slowest), launch)
     finally:
         launcher.close()
 
@@ -211,15 +223,19 @@ def measure_overheads(machine: Machine, iterations: int = 4, timeout: float = 60
     ``machine`` gives the probed links (its overheads are ignored); at least two devices are used."""
     devices = max(2, machine.devices)
     base = dataclasses.replace(machine, devices=devices, task_overhead=0.0, microbatch_overhead=0.0,
-                               update_overhead=0.0, cpu_cores=None)
+                               update_overhead=0.0, iteration_overhead=0.0, cpu_cores=None)
     graph, profile = _profiled(_model(), (WIDTH,))
     packs = [(i, i) for i in range(len(profile.layers))]
     config = Configuration(u_f=1, packs_f=packs, u_b=1, packs_b=packs)
     residuals: dict[int, list[float]] = {}
     updates: list[float] = []
+    launch: list[float] = []
     for mode in ("dp", "dp-swap"):
         tasks = _promised(generate(mode, profile, config, devices, MINIBATCH * devices), profile, base)
-        measured, _ = _spans(graph, tasks, iterations, timeout)
+        spans = _spans(graph, tasks, iterations, timeout)
+        measured = spans.tasks
+        if mode == "dp-swap":  # no host tasks: the launcher's step beyond its workers is its own cost
+            launch = spans.launch
         modelled = _estimated_spans(tasks, profile, base)
         for task in tasks.tasks:
             if task.id not in measured or task.id not in modelled:
@@ -238,11 +254,14 @@ def measure_overheads(machine: Machine, iterations: int = 4, timeout: float = 60
     with_overheads = dataclasses.replace(base, task_overhead=task, microbatch_overhead=microbatch,
                                          update_overhead=update)
     pipeline = _promised(generate("pp", profile, config, devices, MINIBATCH * devices), profile, base)
-    _, seconds = _spans(graph, pipeline, iterations, timeout)
+    seconds = _spans(graph, pipeline, iterations, timeout).slowest
     message = _message_cost(pipeline, profile, with_overheads, seconds)
+    iteration = max(_lower_quartile(launch), 0.0)
     log.info("runtime overheads: %.3f ms per task, %.3f ms per microbatch, %.3f ms per update (%d tasks), "
-             "%.3f ms per p2p message", task * 1e3, microbatch * 1e3, update * 1e3, counted, message * 1e3)
-    return Overheads(task=task, microbatch=microbatch, update=update, message=message, tasks=counted)
+             "%.3f ms per p2p message, %.3f ms per iteration", task * 1e3, microbatch * 1e3, update * 1e3, counted,
+             message * 1e3, iteration * 1e3)
+    return Overheads(task=task, microbatch=microbatch, update=update, message=message, tasks=counted,
+                     iteration=iteration)
 
 
 def measure_compute_scaling(machine: Machine, iterations: int = 5, rounds: int = 2,
@@ -268,7 +287,7 @@ def measure_compute_scaling(machine: Machine, iterations: int = 5, rounds: int =
     ratios: dict[int, list[float]] = {count: [] for count in runs}
     for _ in range(rounds):
         for count, (tasks, modelled) in runs.items():
-            measured, _ = _spans(graph, tasks, iterations, timeout, shape)
+            measured = _spans(graph, tasks, iterations, timeout, shape).tasks
             ratios[count].append(statistics.median(
                 measured[t.id] / modelled[t.id] for t in tasks.tasks
                 if t.kind != Kind.UPD and t.id in measured and modelled.get(t.id, 0) > 0))

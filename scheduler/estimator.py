@@ -36,8 +36,9 @@ What is simulated (the runtime's semantics, which this module must keep in step 
   ``machine.compute_scale`` (the runtime's compute over the profiler's, measured; 1 where nobody
   did) plus the machine's measured
   overheads (``Machine.task_overhead`` on a task's first unit, ``microbatch_overhead`` on each
-  microbatch, ``update_overhead`` on each optimizer step, fused or not, device or host); zero on a
-  machine nobody measured.
+  microbatch, ``update_overhead`` on each optimizer step, fused or not, device or host), and
+  ``iteration_overhead`` once on the iteration (the launcher handing out the minibatch and taking
+  the results back, outside every task); zero on a machine nobody measured.
 - **Shared cores.** With ``machine.cpu_cores`` set (emulated devices computing on the host's
   cores), the units computing at one moment on all devices and the host share that many cores:
   each progresses at ``min(1, cpu_cores / k)`` for the k units computing at the moment, rates
@@ -1200,7 +1201,7 @@ class _Simulation:
             events.sort(key=lambda e: (e.start, e.end))
         by_id = self.by_id
         return Estimate(
-            iteration_time=math.inf if deadlock else self.end_time,
+            iteration_time=math.inf if deadlock else self.end_time + self.machine.iteration_overhead,
             fits=fits,
             peak_memory=peak_memory,
             bytes_by_channel=self.bytes_by_channel,

@@ -83,6 +83,15 @@ def test_single_device_chain_is_compute_plus_the_first_swap_in(profile):
     assert est.bytes_by_device[0]["SWAP in"] == 3 * W
 
 
+def test_the_launchers_iteration_overhead_is_paid_once_per_iteration(profile):
+    tasks = [fwd(0, 0, 0, [swap_w()], [Transfer("Y", Channel.LOCAL, 4000, task=1)]),
+             fwd(1, 0, 1, [swap_w(), Transfer("X", Channel.LOCAL, 4000, task=0)])]
+    plain = estimate(graph(tasks), profile, machine())
+    launched = estimate(graph(tasks), profile, machine(iteration_overhead=3 * MS))
+    assert launched.iteration_time == pytest.approx(plain.iteration_time + 3 * MS)
+    assert launched.busy == plain.busy
+
+
 def test_prefetch_overlaps_the_next_swap_in_with_compute(profile):
     # swaps of 4 ms, computes of 2 ms: the next task's weights come in while this one computes
     tasks = [fwd(i, 0, i, [swap_w(4 * W)]) for i in range(3)]

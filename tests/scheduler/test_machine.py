@@ -148,10 +148,10 @@ def test_runtime_costs_round_trip_and_default_to_unmeasured(tmp_path):
 
 
 def test_a_version_1_file_is_read_with_the_runtime_costs_unmeasured(tmp_path):
-    assert VERSION == 3
+    assert VERSION == 4
     body = make().to_dict()
     for name in ("task_overhead", "microbatch_overhead", "update_overhead", "cpu_cores", "compute_scale",
-                 "compute_interference"):
+                 "compute_interference", "iteration_overhead"):
         del body[name]
     serialization.save(tmp_path / "old", KIND, 1, body)
     old = Machine.load(tmp_path / "old")
@@ -166,6 +166,13 @@ def test_a_version_2_file_is_read_with_the_compute_as_profiled(tmp_path):
     old = Machine.load(tmp_path / "v2")
     assert old == make(task_overhead=1e-3, cpu_cores=2.0)
     assert (old.compute_scale, old.compute_interference) == (1.0, 0.0)
+
+
+def test_a_version_3_file_is_read_without_an_iteration_overhead(tmp_path):
+    body = make(task_overhead=1e-3, compute_scale=1.2).to_dict()
+    del body["iteration_overhead"]
+    serialization.save(tmp_path / "v3", KIND, 3, body)
+    assert Machine.load(tmp_path / "v3").iteration_overhead == 0.0
 
 
 @pytest.mark.parametrize(
