@@ -16,6 +16,7 @@ good checkpoint in place and named.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import os
 import random
@@ -28,6 +29,8 @@ import torch
 
 from harmony import serialization
 from harmony.errors import FormatError, HarmonyError
+
+log = logging.getLogger(__name__)
 
 VERSION = 2
 LATEST = "latest.json"
@@ -130,21 +133,27 @@ def _digest(f, length: int) -> str:
 
 
 # ------------------------------------------------------------------ a run's state
-def snapshot(plan, store, iteration: int, seed: int) -> dict[str, Any]:
+def snapshot(plan, store, iteration: int, seed: int, schedule=None) -> dict[str, Any]:
     """The body of a checkpoint of a run of ``plan`` whose host store ``store`` holds the state
     after ``iteration`` steps: weights and buffers under the model's names, optimizer state, the
-    step, the seed and this process's global generators."""
-    return {
+    step, the seed, this process's global generators and, for a scheduled run, the learning-rate
+    schedule (``runtime/schedule.Schedule``; the key is absent otherwise)."""
+    body = {
         "version": VERSION, "graph": plan.graph.fingerprint(), "model_sha256": plan.model_sha256 or "",
         "iteration": iteration, "seed": seed, "model": store.state_dict(plan.graph),
         "optimizer": store.optimizer_state(), "rng": capture_rng(),
     }
+    if schedule is not None:
+        body["lr_scheduler"] = schedule.state_dict()
+    return body
 
 
-def restore(path: str | Path, plan, store, restore_rng_state: bool = True) -> tuple[int, int]:
-    """Load the checkpoint at ``path`` into ``store`` (the host store of a run of ``plan``);
-    returns its (step, seed). A file that is damaged or was saved for another model, model file
-    or decomposition is refused before anything changes."""
+def restore(path: str | Path, plan, store, restore_rng_state: bool = True, schedule=None) -> tuple[int, int]:
+    """Load the checkpoint at ``path`` into ``store`` (the host store of a run of ``plan``) and,
+    for a scheduled run, its learning-rate ``schedule`` (one saved without a schedule: the schedule
+    is stepped to the checkpoint's step, as if it had run from the start); returns its (step, seed).
+    A file that is damaged or was saved for another model, model file or decomposition is refused
+    before anything changes."""
     body = read(path)
     fingerprint = plan.graph.fingerprint()
     if body["graph"] != fingerprint:
@@ -158,11 +167,27 @@ def restore(path: str | Path, plan, store, restore_rng_state: bool = True) -> tu
     problem = _misfit(body, plan.graph, store)
     if problem:
         raise CheckpointError(f"{path} does not fit this model: {problem}")
+    if schedule is not None:
+        _restore_schedule(path, body, schedule)
     store.load_tensors(plan.graph, body["model"])
     store.load_optimizer_state(body["optimizer"])
     if restore_rng_state:
         restore_rng(body["rng"], str(path))
     return body["iteration"], body["seed"]
+
+
+def _restore_schedule(path: str | Path, body: dict[str, Any], schedule) -> None:
+    saved = body.get("lr_scheduler")
+    if saved is None:
+        log.warning("%s was saved without a learning-rate schedule; the schedule starts at its step %d",
+                    path, body["iteration"])
+        schedule.catch_up(body["iteration"])
+        return
+    try:
+        schedule.load_state_dict(saved)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path} holds a learning-rate schedule this run's scheduler cannot load ({exc}); "
+                              "resume with the scheduler it was saved with") from exc
 
 
 def _misfit(body: dict[str, Any], graph, store) -> str:

@@ -220,7 +220,8 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     saver = ns.checkpointer = Checkpointer(ns.checkpoint_dir, ns.checkpoint_every,
                                            shield=guard.held_back if guard is not None else contextlib.nullcontext)
     with Trainer(plan, optimizer=mf.build_optimizer, loss_fn=mf.loss_fn, state_dict=model.state_dict(),
-                 seed=ns.seed, timeout=ns.timeout, p2p=ns.p2p, check_memory=ns.check_memory) as trainer:
+                 seed=ns.seed, timeout=ns.timeout, p2p=ns.p2p, check_memory=ns.check_memory,
+                 lr_scheduler=mf.lr_scheduler) as trainer:
         del model
         if ns.resume is not None:
             path = checkpoint.latest(ns.resume or ns.checkpoint_dir)
@@ -290,6 +291,9 @@ def _cmd_run_spmd(ns: argparse.Namespace) -> int:
         if rank != 0:
             with contextlib.redirect_stdout(None):
                 plan, mf = _plan_for_run(ns)
+        if mf.lr_scheduler is not None:
+            raise HarmonyError(f"{mf.path} defines build_lr_scheduler, which a torchrun run does not follow yet; "
+                               "run it without torchrun (one host), or drop the schedule")
 
         def on_step(step: int, loss: float, seconds: float) -> None:
             if rank == 0:

@@ -1,7 +1,8 @@
 """Loading a user's model file: the four functions Harmony needs and the `--arg` options.
 
 A model file is ordinary Python defining ``build_model``, ``loss_fn``, ``get_batch`` and,
-optionally, ``build_optimizer``. Options given on the command line as ``--arg key=value`` are
+optionally, ``build_optimizer`` and ``build_lr_scheduler(optimizer)`` (a ``torch.optim.lr_scheduler``
+scheduler, stepped once per minibatch). Options given on the command line as ``--arg key=value`` are
 passed as keyword arguments to whichever of these functions declare them (or take ``**kwargs``),
 so one file can offer presets without any Harmony-specific API.
 """
@@ -23,7 +24,7 @@ import torch
 from harmony.errors import HarmonyError, ModelFileError
 
 REQUIRED = ("build_model", "loss_fn", "get_batch")
-OPTIONAL = ("build_optimizer",)
+OPTIONAL = ("build_optimizer", "build_lr_scheduler")
 
 
 def parse_options(pairs: list[str] | None) -> dict[str, Any]:
@@ -122,6 +123,14 @@ class ModelFile:
         if hasattr(self.module, "build_optimizer"):
             return self._call("build_optimizer", params)
         return default_optimizer(params)
+
+    @property
+    def lr_scheduler(self) -> Callable | None:
+        """The file's learning-rate scheduler builder with its options, or None if it has none."""
+        return self._build_lr_scheduler if hasattr(self.module, "build_lr_scheduler") else None
+
+    def _build_lr_scheduler(self, optimizer):
+        return self._call("build_lr_scheduler", optimizer)
 
 
 def source_hash(path: Path) -> str:

@@ -22,6 +22,11 @@ memory), "dist" (torch.distributed: NCCL between GPUs, gloo between emulated dev
 measured peak per device. Off (the default, unless ``HARMONY_CHECK_MEMORY=1``; the test suite sets
 it), a run keeps to the plan's reservations alone (``runtime/ledger.py``), about a fifth faster on
 small models, and reports the ledger's peak. GPUs always measure: their allocator counts.
+
+``lr_scheduler`` takes a builder of any ``torch.optim.lr_scheduler`` scheduler from an optimizer
+(``lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)``): the scheduler is
+stepped once per minibatch, after it, and every update of the minibatch, on a device or on the
+host, runs at the rate it gives (``runtime/schedule.py``); checkpoints save and restore it.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from harmony.runtime.executor import Batch
 from harmony.runtime.hoststore import HostStore
 from harmony.modelfile import default_optimizer
 from harmony.runtime.launcher import Launcher, StepResult
+from harmony.runtime.schedule import Schedule
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +54,8 @@ class Trainer:
 
     def __init__(self, plan: Plan, optimizer: Callable | None = None, loss_fn: Callable | None = None,
                  state_dict: dict[str, torch.Tensor] | None = None, seed: int = 0, timeout: float = 600.0,
-                 prefetch: bool = True, p2p: str = "auto", check_memory: bool | None = None) -> None:
+                 prefetch: bool = True, p2p: str = "auto", check_memory: bool | None = None,
+                 lr_scheduler: Callable | None = None) -> None:
         self.plan = plan
         self.loss_fn = loss_fn or plan.loss_fn
         if self.loss_fn is None:
@@ -66,6 +73,8 @@ class Trainer:
 
             promise_memory(plan)
         self.store = HostStore.create(graph, plan.tasks.devices, self.build_optimizer, state_dict)
+        self.schedule = None if lr_scheduler is None else Schedule(
+            _trainable_shapes(graph), self.build_optimizer, lr_scheduler)
         device_type = plan.options.get("device_type", "cpu")
         capacity = plan.worker_capacity()
         self.launcher = Launcher(graph, plan.tasks, self.store, self.loss_fn, self.build_optimizer,
@@ -85,9 +94,16 @@ class Trainer:
             raise HarmonyError(f"the target has {tuple(target.shape)[:1] or 'no'} samples but the inputs have {size}; "
                                "give the target of the same minibatch, batch first")
         batch = Batch(inputs=inputs, target=target, size=size, seed=self.seed)  # the launcher shares it
-        result = self.launcher.step(batch)
+        result = self.launcher.step(batch, self.schedule.rates() if self.schedule is not None else None)
         self.history.append(result)
+        if self.schedule is not None:
+            self.schedule.step(result.loss)
         return result.loss
+
+    @property
+    def lr_scheduler(self) -> Any:
+        """The run's learning-rate scheduler (``get_last_lr()`` is the next minibatch's rate), or None."""
+        return self.schedule.scheduler if self.schedule is not None else None
 
     @property
     def iteration(self) -> int:
@@ -105,14 +121,15 @@ class Trainer:
         """Weights, buffers, optimizer state, the step, the seed and the global random generators'
         states, written atomically and sealed with a checksum (``harmony.checkpoint``): the file
         appears complete or not at all. ``torch.load(path)["model"]`` loads into the original model."""
-        return checkpoint.write(path, checkpoint.snapshot(self.plan, self.store, self.iteration, self.seed))
+        return checkpoint.write(path, checkpoint.snapshot(self.plan, self.store, self.iteration, self.seed,
+                                                          self.schedule))
 
     def load_checkpoint(self, path: str | Path, restore_rng: bool = True) -> int:
         """Continue from a checkpoint of this model: its weights, optimizer state and step (the
         runtime's dropout masks follow from the seed and the step) and, with ``restore_rng``, the
         global random generators. A file that is damaged or was saved for another model or
         decomposition is refused before anything changes. Returns the step."""
-        iteration, self.seed = checkpoint.restore(path, self.plan, self.store, restore_rng)
+        iteration, self.seed = checkpoint.restore(path, self.plan, self.store, restore_rng, self.schedule)
         self.launcher.iteration = iteration
         return iteration
 
@@ -126,3 +143,11 @@ class Trainer:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+
+def _trainable_shapes(graph) -> dict[str, tuple[int, ...]]:
+    """Canonical name -> shape of every trainable parameter (a tied one once)."""
+    shapes = {}
+    for name, spec in graph.state.items():
+        if spec.kind == "parameter" and spec.requires_grad:
+            shapes.setdefault(graph.canonical(name), tuple(spec.shape))
+    return shapes

@@ -56,6 +56,7 @@ from harmony.runtime.ledger import Ledger
 from harmony.runtime.p2p import DistTransport
 from harmony.runtime.packstate import PackState
 from harmony.runtime.routes import Routes
+from harmony.runtime.schedule import Rates
 from harmony.runtime.streams import Stream
 from harmony.runtime.transport import Transport
 from harmony.runtime.updates import Updates
@@ -119,6 +120,7 @@ class Executor(Admission, PackState, Transport, Compute, Updates):
         self.peers = peers
         self.loss_fn = loss_fn
         self.build_optimizer = build_optimizer
+        self.rates: Rates | None = None
         self.seed = seed
         self.timeout = timeout
         self.tasks = [t for t in routes.graph.tasks if t.device == rank]
@@ -200,10 +202,12 @@ class Executor(Admission, PackState, Transport, Compute, Updates):
                 self.shared.set_status(self.rank, "; ".join(self._activity.values()))
 
     # ================================================================ iteration
-    def run_iteration(self, iteration: int, batch: Batch) -> IterationResult:
-        """This device's tasks of one iteration, in plan order, until their outputs have left."""
+    def run_iteration(self, iteration: int, batch: Batch, rates: Rates | None = None) -> IterationResult:
+        """This device's tasks of one iteration, in plan order, until their outputs have left;
+        updates at the learning-rate schedule's ``rates`` when there is one (``schedule.py``)."""
         self.iteration = iteration
         self.batch = batch
+        self.rates = rates
         self.counters.reset()
         self._transfers = {}
         if self.slabs is not None:

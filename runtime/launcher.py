@@ -59,6 +59,7 @@ from harmony.runtime.executor import Batch, Executor, IterationResult, describe
 from harmony.runtime.flags import Shared
 from harmony.runtime.hoststore import HostStore
 from harmony.runtime.routes import Routes, build_routes
+from harmony.runtime.schedule import Rates
 from harmony.runtime.streams import SWITCH_INTERVAL
 from harmony.runtime.updates import host_update
 from harmony.scheduler.tasks import HOST, Channel, TaskGraph
@@ -235,9 +236,9 @@ def _worker_main(ctx: _WorkerContext) -> None:
             command = ctx.commands.get()
             if command is None:
                 break
-            iteration, sent = command
+            iteration, sent, rates = command
             batch = received(sent, batch)
-            result = executor.run_iteration(iteration, batch)
+            result = executor.run_iteration(iteration, batch, rates)
             ctx.results.put(("done", ctx.rank, (iteration, result)))
     except Aborted:
         if transport is not None and transport.failure is not None:  # this worker's own P2P failed
@@ -336,18 +337,20 @@ class Launcher:
             raise
 
     # ------------------------------------------------------------ running
-    def step(self, batch: Batch) -> StepResult:
-        """One iteration over ``batch`` on every worker; raises ``WorkerError`` if one fails."""
+    def step(self, batch: Batch, rates: Rates | None = None) -> StepResult:
+        """One iteration over ``batch`` on every worker, updating at the learning-rate schedule's
+        ``rates`` if any (``schedule.py``); raises ``WorkerError`` if one fails."""
         if self._closed:
             raise HarmonyError("this launcher was closed; start a new one")
         iteration = self.iteration
         start = time.perf_counter()
         sent = self._slots.fill(batch)
         for q in self.commands:
-            q.put((iteration, sent))
+            q.put((iteration, sent, rates))
         host_error: list[BaseException] = []
         host_events: list[tuple[int, str, float, float]] = []
-        host = threading.Thread(target=self._host_tasks, args=(iteration, host_error, host_events), daemon=True)
+        host = threading.Thread(target=self._host_tasks, args=(iteration, host_error, host_events, rates),
+                                daemon=True)
         with torch_threads(self._host_threads):  # process-wide: this thread only waits meanwhile
             host.start()
             try:
@@ -366,12 +369,12 @@ class Launcher:
         return StepResult(loss=sum(r.loss for r in ordered), seconds=time.perf_counter() - start, workers=ordered,
                           host_events=host_events)
 
-    def _host_tasks(self, iteration: int, errors: list, events: list) -> None:
+    def _host_tasks(self, iteration: int, errors: list, events: list, rates: Rates | None) -> None:
         try:
             for task in self.tasks.tasks:
                 if task.device == HOST:
                     began = host_update(task, self.graph, self.routes, self.store, self.shared, self.build_optimizer,
-                                        iteration, self.timeout)
+                                        iteration, self.timeout, rates)
                     events.append((task.id, str(task), began, time.perf_counter()))
         except Aborted:
             pass

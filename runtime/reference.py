@@ -34,10 +34,13 @@ def _slice(x: Any, start: int, size: int) -> Any:
 
 
 def reference_train(model: torch.nn.Module, loss_fn: Callable, build_optimizer: Callable,
-                    batches: list[tuple[Any, Any]], microbatches: list[tuple[int, int]], seed: int = 0) -> list[float]:
-    """Train ``model`` in place on ``batches`` ((inputs, target) pairs), one optimizer step each;
-    returns the mean loss of every minibatch."""
+                    batches: list[tuple[Any, Any]], microbatches: list[tuple[int, int]], seed: int = 0,
+                    lr_scheduler: Callable | None = None) -> list[float]:
+    """Train ``model`` in place on ``batches`` ((inputs, target) pairs), one optimizer step each,
+    then one step of the scheduler ``lr_scheduler`` builds, if any (``ReduceLROnPlateau`` with the
+    minibatch's loss); returns the mean loss of every minibatch."""
     opt = build_optimizer(model.parameters())
+    scheduler = lr_scheduler(opt) if lr_scheduler is not None else None
     losses = []
     for iteration, (inputs, target) in enumerate(batches):
         inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
@@ -51,5 +54,9 @@ def reference_train(model: torch.nn.Module, loss_fn: Callable, build_optimizer: 
             loss.backward()
             loss_sum += float(loss.detach())
         opt.step()
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            scheduler.step(loss_sum)
+        elif scheduler is not None:
+            scheduler.step()
         losses.append(loss_sum)
     return losses

@@ -28,6 +28,8 @@ from harmony.runtime.device import Device
 from harmony.runtime.hoststore import HostStore
 from harmony.runtime.ledger import STATE, Ledger
 from harmony.runtime.routes import Routes
+from harmony.runtime.schedule import Rates
+from harmony.runtime.schedule import apply as apply_rates
 from harmony.runtime.streams import Stream
 from harmony.scheduler.tasks import Channel, Task
 
@@ -48,6 +50,7 @@ class Updates:
     swap_out: Stream
     build_optimizer: Callable
     iteration: int
+    rates: Rates | None  # this iteration's learning-rate schedule (schedule.py), None without one
     resident: dict[int, dict[str, torch.Tensor]]
 
     def _after_backward(self, task: Task, state: dict[str, torch.Tensor], params: dict[str, torch.Tensor],
@@ -116,6 +119,7 @@ class Updates:
             leaf.grad = self._gradient(name, p.grad)
             leaves[name] = leaf
         opt = self.build_optimizer(list(leaves.values()))
+        apply_rates(opt, leaves, self.rates)
         for name, leaf in leaves.items():
             if self.store.state_initialized(name):
                 opt.state[leaf] = {k: (self._to_device(v, "SWAP", "K") if v.dim() > 0 else v.clone())
@@ -166,10 +170,11 @@ class Updates:
 
 
 def host_update(task: Task, layers: LayerGraph, routes: Routes, store: HostStore, shared: Shared,
-                build_optimizer: Callable, iteration: int, timeout: float) -> float:
+                build_optimizer: Callable, iteration: int, timeout: float, rates: Rates | None = None) -> float:
     """A UPD task bound to the host (an offloaded update): the optimizer steps the master weights
-    in shared memory in place, with the gradients the devices left in their slots. Returns when
-    (``time.perf_counter``) its gradients were all there and the update began."""
+    in shared memory in place, with the gradients the devices left in their slots, at the
+    iteration's scheduled ``rates`` if any. Returns when (``time.perf_counter``) its gradients were
+    all there and the update began."""
     owned = routes.updates.get(task.id, [])
     shared.wait_done(sorted({s for name in owned for s in routes.sources.get(name, [])}), iteration,
                      f"the host update of task {task.id}", timeout)
@@ -184,6 +189,7 @@ def host_update(task: Task, layers: LayerGraph, routes: Routes, store: HostStore
         leaves[name] = leaf
     if leaves:
         opt = build_optimizer(list(leaves.values()))
+        apply_rates(opt, leaves, rates)
         for name, leaf in leaves.items():
             if store.state_initialized(name):
                 opt.state[leaf] = dict(store.state(name))  # in place: the state lives in the slots

@@ -86,3 +86,17 @@ def test_a_function_that_rejects_its_option_value_is_named_with_the_value_and_li
     with pytest.raises(ModelFileError, match=r"build_model\(width=9\) raised ValueError: too wide \(line 5\)") as info:
         mf.build_model()
     assert isinstance(info.value.__cause__, ValueError)
+
+
+def test_a_learning_rate_scheduler_builder_is_optional_and_gets_its_options(tmp_path):
+    assert load_model_file(_write(tmp_path, GOOD)).lr_scheduler is None
+    path = _write(tmp_path, GOOD + """
+def build_lr_scheduler(optimizer, gamma=0.5):
+    return torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=gamma)
+""")
+    mf = load_model_file(path, {"gamma": 0.25})
+    opt = mf.build_optimizer(mf.build_model().parameters())
+    scheduler = mf.lr_scheduler(opt)
+    opt.step()
+    scheduler.step()
+    assert scheduler.get_last_lr() == [0.01 * 0.25]
