@@ -94,7 +94,10 @@ class Sleeping:
     def __call__(self, output, target):
         self.calls += 1
         if self.calls > 1:
-            self.marker.write_text(str(os.getpid()))
+            # written whole, then named: a reader polling for the marker never sees it empty
+            partial = self.marker.with_name(f"{self.marker.name}.{os.getpid()}.partial")
+            partial.write_text(str(os.getpid()))
+            partial.replace(self.marker)
             time.sleep(self.seconds)
         return gpt2.loss_fn(output, target)
 
