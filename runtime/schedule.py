@@ -21,6 +21,8 @@ from typing import Any, Callable
 
 import torch
 
+from harmony.errors import HarmonyError
+
 log = logging.getLogger(__name__)
 
 __all__ = ["SCHEDULED", "Rates", "Schedule", "apply"]
@@ -35,11 +37,18 @@ class Schedule:
     def __init__(self, shapes: dict[str, tuple[int, ...]], build_optimizer: Callable, build_scheduler: Callable) -> None:
         self.names = list(shapes)
         self.stand_ins = [torch.nn.Parameter(torch.empty(shape, device="meta")) for shape in shapes.values()]
-        self.optimizer = build_optimizer(self.stand_ins)
-        self.scheduler = build_scheduler(self.optimizer)
-        if not hasattr(self.scheduler, "step"):
-            raise TypeError(f"the learning-rate scheduler builder returned {type(self.scheduler).__name__}, "
-                            "not a torch.optim.lr_scheduler scheduler")
+        try:
+            self.optimizer = build_optimizer(self.stand_ins)
+            self.scheduler = build_scheduler(self.optimizer)
+        except HarmonyError:
+            raise
+        except Exception as exc:
+            raise HarmonyError(f"building the learning-rate schedule over stand-ins of the parameters failed: "
+                               f"{type(exc).__name__}: {exc}") from exc
+        if not isinstance(self.scheduler, (torch.optim.lr_scheduler.LRScheduler,
+                                           torch.optim.lr_scheduler.ReduceLROnPlateau)):
+            raise HarmonyError(f"the learning-rate scheduler builder returned {type(self.scheduler).__name__}, "
+                               "not a torch.optim.lr_scheduler scheduler")
         self._group_of = {}
         for index, group in enumerate(self.optimizer.param_groups):
             for p in group["params"]:
@@ -53,13 +62,14 @@ class Schedule:
             out[name] = {key: _plain(group[key]) for key in SCHEDULED if key in group}
         return out
 
-    def step(self, loss: float) -> None:
-        """After a minibatch: the next rate. The stand-ins have no gradients, so the optimizer's
-        step changes nothing; it is taken because a scheduler stepped before any optimizer step
-        warns that the first rate was skipped."""
+    def step(self, loss: float | None) -> None:
+        """After a minibatch: the next rate (``ReduceLROnPlateau`` only with a ``loss``). The
+        stand-ins have no gradients, so the optimizer's step changes nothing; it is taken because a
+        scheduler stepped before any optimizer step warns that the first rate was skipped."""
         self.optimizer.step()
         if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            self.scheduler.step(loss)
+            if loss is not None:
+                self.scheduler.step(loss)
         else:
             self.scheduler.step()
 
@@ -81,9 +91,7 @@ class Schedule:
         """Step the schedule ``steps`` times without losses: a run resumed from a checkpoint saved
         without a schedule continues where a scheduled run from the start would be."""
         for _ in range(steps):
-            self.optimizer.step()
-            if not isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-                self.scheduler.step()
+            self.step(None)
 
 
 def apply(optimizer: torch.optim.Optimizer, leaves: dict[str, torch.Tensor], rates: Rates | None) -> None:

@@ -130,3 +130,10 @@ def test_apply_gives_each_group_the_rate_of_its_parameters():
     lrs = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
     assert lrs[id(a)] == pytest.approx(2e-3 * 0.7) and lrs[id(b)] == pytest.approx(5e-4 * 0.7)
     assert rates["a"]["lr"] == lrs[id(a)]
+
+
+def test_a_scheduler_builder_that_returns_no_scheduler_is_a_clear_error():
+    with pytest.raises(HarmonyError, match="returned Adam, not a torch.optim.lr_scheduler"):
+        Schedule({"a": (2, 2)}, two_groups, lambda opt: opt)
+    with pytest.raises(HarmonyError, match="building the learning-rate schedule .* failed: ValueError"):
+        Schedule({"a": (2, 2)}, two_groups, lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[1.0]))
