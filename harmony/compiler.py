@@ -86,6 +86,15 @@ class CompileOptions:
         return value
 
 
+def _check_something_trains(graph: LayerGraph) -> None:
+    """A model whose parameters are all frozen has nothing to train: refuse it before profiling
+    rather than compile a plan whose iterations only run the forward."""
+    params = {graph.canonical(name): spec for name, spec in graph.state.items() if spec.kind == "parameter"}
+    if params and not any(spec.requires_grad for spec in params.values()):
+        raise HarmonyError(f"every parameter of the model ({len(params)}) is frozen (requires_grad=False), so there "
+                           "is nothing to train; unfreeze the ones to fine-tune with p.requires_grad_(True)")
+
+
 def compile_plan(
     model: torch.nn.Module,
     get_batch: Callable[[int, int], tuple],
@@ -105,6 +114,7 @@ def compile_plan(
         inputs, _ = get_batch(min(2, options.minibatch), 0)
         graph = decompose(model, inputs)
     _check_batch_sizes(graph, options.minibatch)
+    _check_something_trains(graph)
     profile, machine = profile_graph(graph, get_batch, build_optimizer, options, on_progress, loss_fn)
     capacity = profile.capacity
     _check_smallest_layer(profile, capacity)

@@ -251,7 +251,7 @@ def _route_updates(tasks: list[Task], groups: list[list[tuple[int, int]]], sz: _
             pack = (task.first, task.last)
             assert stage_of[pack] == task.device
             task.inputs = _update_inputs(sz, *pack, bwd[(pack, m - 1)].id)
-            task.outputs = [Transfer("W", Channel.SWAP, sz.owned_w(*pack)), Transfer("K", Channel.SWAP, sz.owned_k(*pack))]
+            task.outputs = [Transfer("W", Channel.SWAP, sz.stepped_w(*pack)), Transfer("K", Channel.SWAP, sz.owned_k(*pack))]
 
 
 def _interleave(tasks: list[Task], devices: int) -> list[Task]:

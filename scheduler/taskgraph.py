@@ -72,8 +72,20 @@ class _Sizes:
     def k(self, first: int, last: int) -> int:
         return self._dedup("k_bytes", first, last)
 
-    def owned_w(self, first: int, last: int) -> int:
-        return self.w(first, last) - self._foreign("w_bytes", first, last)
+    def stepped_w(self, first: int, last: int) -> int:
+        """The weights an update of the pack changes and writes back: the trainable ones it owns,
+        each the size of its gradient. Frozen weights never change, so they never go back."""
+        return self.owned_dw(first, last)
+
+    def lowest_trainable(self) -> int:
+        """The first layer a gradient must reach: below it every parameter is frozen and the
+        minibatch needs no gradient, so no backward runs there (the whole model when none is
+        trainable)."""
+        return next((layer.index for layer in self.profile.layers if layer.dw_bytes), len(self.profile.layers))
+
+    def trainable(self, first: int, last: int) -> bool:
+        """Whether the pack has anything to update: no UPD task, no optimizer state otherwise."""
+        return self.owned_dw(first, last) > 0
 
     def owned_dw(self, first: int, last: int) -> int:
         return self.dw(first, last) - self._foreign("dw_bytes", first, last)
@@ -141,7 +153,7 @@ def _device_update(sz: _Sizes, task: Task, earlier: list[Task] = ()) -> None:
                 task.inputs.append(Transfer("dW", Channel.SWAP, nbytes, task=other.id))
                 break
     task.inputs.append(Transfer("K", Channel.SWAP, sz.owned_k(first, last)))
-    task.outputs.append(Transfer("W", Channel.SWAP, sz.owned_w(first, last)))
+    task.outputs.append(Transfer("W", Channel.SWAP, sz.stepped_w(first, last)))
     task.outputs.append(Transfer("K", Channel.SWAP, sz.owned_k(first, last)))
     if sz.handed_dw(first, last):
         task.outputs.append(Transfer("dW", Channel.SWAP, sz.handed_dw(first, last)))
@@ -272,9 +284,13 @@ def wrap_around_pipeline(profile: Profile, config: Configuration, devices: int, 
             fwd_of_layer[layer] = tasks
         prev = tasks
 
+    lowest = sz.lowest_trainable()
     for k, (first, last) in enumerate(reversed(config.packs_b)):
         i = len(config.packs_f) - 1 + k
         loss = k == 0
+        if last < lowest and not loss:  # frozen all the way down: nothing to compute a gradient for
+            chain -= 1
+            continue
         tasks = []
         for g, (offset, sizes) in enumerate(b_groups):
             task = b.add(device=i % devices, kind=Kind.BWD, first=first, last=last, microbatches=list(sizes),
@@ -306,7 +322,8 @@ def _leave_gradients(sz: _Sizes, tasks: list[Task]) -> None:
     """dW -> SWAP: the tasks leave their gradients in host memory (where they add up) for an update
     elsewhere."""
     for task in tasks:
-        task.outputs.append(Transfer("dW", Channel.SWAP, sz.dw(task.first, task.last)))
+        if sz.dw(task.first, task.last):
+            task.outputs.append(Transfer("dW", Channel.SWAP, sz.dw(task.first, task.last)))
 
 
 def _tie_sources(tasks: list[Task], earlier: list[Task], sz: _Sizes) -> list[Task]:
@@ -326,6 +343,9 @@ def _finish_update(b: _Builder, sz: _Sizes, tasks: list[Task], update: str) -> N
     """The update of a pack whose backward ran as ``tasks`` (one, or one per microbatch): a
     jit-update fused into the last task, or an offloaded update on the host."""
     first, last = tasks[0].first, tasks[0].last
+    if not sz.trainable(first, last):  # frozen: at most a tied weight's gradient for its owner
+        _leave_gradients(sz, tasks)
+        return
     if update == "device":
         *earlier, final = tasks
         if not earlier:
@@ -338,7 +358,7 @@ def _finish_update(b: _Builder, sz: _Sizes, tasks: list[Task], update: str) -> N
         final.inputs.append(Transfer("dW", Channel.SWAP, sz.owned_dw(first, last)))
         _gradient_dependencies(final, earlier + _tie_sources(tasks, b.tasks, sz))
         final.inputs.append(Transfer("K", Channel.SWAP, sz.owned_k(first, last)))
-        final.outputs.append(Transfer("W", Channel.SWAP, sz.owned_w(first, last)))
+        final.outputs.append(Transfer("W", Channel.SWAP, sz.stepped_w(first, last)))
         final.outputs.append(Transfer("K", Channel.SWAP, sz.owned_k(first, last)))
         if sz.handed_dw(first, last):
             final.outputs.append(Transfer("dW", Channel.SWAP, sz.handed_dw(first, last)))
@@ -356,9 +376,11 @@ def _deferred_update(b: _Builder, sz: _Sizes, tasks: list[Task]) -> None:
     """A UPD task on the device of the pack's backward, after the whole backward pass: weights,
     the gradient summed in host memory and the optimizer state in; weights and state out."""
     first, last = tasks[0].first, tasks[0].last
+    if not sz.trainable(first, last):
+        return
     task = b.add(device=tasks[-1].device, kind=Kind.UPD, first=first, last=last, microbatches=[],
                  inputs=_update_inputs(sz, first, last, tasks[-1].id),
-                 outputs=[Transfer("W", Channel.SWAP, sz.owned_w(first, last)),
+                 outputs=[Transfer("W", Channel.SWAP, sz.stepped_w(first, last)),
                           Transfer("K", Channel.SWAP, sz.owned_k(first, last))])
     _gradient_dependencies(task, tasks[:-1] + _tie_sources(tasks, b.tasks, sz))
 
@@ -398,6 +420,8 @@ def harmony_dp(profile: Profile, config: Configuration, devices: int, minibatch:
             prev = tasks
         for k, (first, last) in enumerate(reversed(config.packs_b)):
             loss = k == 0
+            if last < sz.lowest_trainable() and not loss:  # frozen all the way down
+                break
             tasks = []
             for g, (start, sizes) in enumerate(b_groups):
                 task = b.add(device=d, kind=Kind.BWD, first=first, last=last, microbatches=list(sizes), offset=start,
@@ -412,13 +436,15 @@ def harmony_dp(profile: Profile, config: Configuration, devices: int, minibatch:
                     _connect(stash, task, "Xs", "Xs" if first > 0 else "X", Channel.SWAP, lambda n, f=first: sz.x(f, n))
                     _connect(prev[g], task, "dX", "dY", Channel.SWAP, lambda n, l=last: sz.y(l, n))
                 task.update = update
-                task.outputs.append(Transfer("dW", Channel.SWAP, sz.dw(first, last)))
+                _leave_gradients(sz, [task])
                 bwd_tasks.setdefault((first, last), []).append(task)
                 tasks.append(task)
             prev = tasks
 
     # one update per pack once every device's gradient of it is in host memory
     for first, last in reversed(config.packs_b):
+        if not sz.trainable(first, last):
+            continue
         sources = bwd_tasks[(first, last)]
         if update == "host":
             b.add(device=HOST, kind=Kind.UPD, first=first, last=last, microbatches=[],
@@ -431,7 +457,7 @@ def harmony_dp(profile: Profile, config: Configuration, devices: int, minibatch:
                               Transfer("dW", Channel.SWAP, sz.owned_dw(first, last), task=sources[0].id)]
                       + [Transfer("dW", Channel.SHM, 0, task=s.id) for s in sources[1:]]
                       + [Transfer("K", Channel.SWAP, sz.owned_k(first, last))],
-                      outputs=[Transfer("W", Channel.SWAP, sz.owned_w(first, last)),
+                      outputs=[Transfer("W", Channel.SWAP, sz.stepped_w(first, last)),
                                Transfer("K", Channel.SWAP, sz.owned_k(first, last))])
         else:
             raise ValueError(f"update must be 'device' or 'host', got {update!r}")
@@ -511,23 +537,25 @@ def dp_swap(profile: Profile, config: Configuration, devices: int, minibatch: in
                     # the gradient at the pack's output stays on the device from the previous backward
                     task.inputs.append(Transfer("dY", Channel.LOCAL, 0, task=prev.id, microbatch=0))
                     prev.outputs.append(Transfer("dX", Channel.LOCAL, 0, task=task.id, microbatch=0))
-                if (first, last) in last_bwd:
+                if (first, last) in last_bwd and sz.dw(first, last):
                     task.inputs.append(Transfer("dW", Channel.SWAP, sz.dw(first, last), task=last_bwd[(first, last)].id))
                 task.outputs.append(Transfer("W", Channel.SWAP, sz.w(first, last)))
-                task.outputs.append(Transfer("dW", Channel.SWAP, sz.dw(first, last)))
+                _leave_gradients(sz, [task])
                 last_bwd[(first, last)] = task
                 prev = task
         for first, last in packs:
+            if not sz.trainable(first, last):
+                continue
             b.add(device=d, kind=Kind.UPD, first=first, last=last, microbatches=[],
                   inputs=_update_inputs(sz, first, last, last_bwd[(first, last)].id),
-                  outputs=[Transfer("W", Channel.SWAP, sz.owned_w(first, last)),
+                  outputs=[Transfer("W", Channel.SWAP, sz.stepped_w(first, last)),
                            Transfer("K", Channel.SWAP, sz.owned_k(first, last))])
     return TaskGraph(mode="dp-swap", devices=devices, minibatch=minibatch, config=config, tasks=b.tasks)
 
 
 def _update_inputs(sz: _Sizes, first: int, last: int, gradient_from: int) -> list[Transfer]:
     """A UPD task's inputs: the weights it steps, their summed gradient, their optimizer state."""
-    return [Transfer("W", Channel.SWAP, sz.owned_w(first, last)),
+    return [Transfer("W", Channel.SWAP, sz.stepped_w(first, last)),
             Transfer("dW", Channel.SWAP, sz.owned_dw(first, last), task=gradient_from),
             Transfer("K", Channel.SWAP, sz.owned_k(first, last))]
 
