@@ -55,6 +55,7 @@ class CompileOptions:
     # lets nothing optional (prefetches) past it; the margin does not hide the estimate's errors
     memory_margin: float = 0.1
     search_workers: int | None = None  # processes comparing the other modes (None: one per core; scheduler/comparison.py)
+    clip_grad_norm: float | None = None  # global-norm gradient clipping: every update waits for the norm
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -66,6 +67,9 @@ class CompileOptions:
             raise HarmonyError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
         if not 0 <= self.memory_margin < 1:
             raise HarmonyError(f"the memory margin must be in [0, 1), got {self.memory_margin!r}")
+        if self.clip_grad_norm is not None and not (isinstance(self.clip_grad_norm, (int, float))
+                                                    and self.clip_grad_norm > 0):
+            raise HarmonyError(f"clip_grad_norm must be a positive number, got {self.clip_grad_norm!r}")
         if self.device_type not in ("cpu", "cuda"):
             raise HarmonyError(f"unknown device type {self.device_type!r}; choose cpu or cuda")
         if self.device_type == "cuda" and not self.analytic:
@@ -73,6 +77,10 @@ class CompileOptions:
                 check_gpus(self.devices)
             except ValueError as exc:
                 raise HarmonyError(str(exc)) from None
+
+    def search_options(self) -> dict[str, Any]:
+        """What the task graphs must do beyond the mode's default (clip: ``taskgraph.with_norm``)."""
+        return {"clip": True} if self.clip_grad_norm is not None else {}
 
     def capacity(self) -> int | None:
         if self.device_memory is None:
@@ -125,7 +133,7 @@ def compile_plan(
     on_progress(f"searching {options.mode}")
     try:
         result = search(profile, machine, options.mode, options.devices, options.minibatch, capacity=planned,
-                        same_u=bool(same_u))
+                        same_u=bool(same_u), **options.search_options())
     except NoFeasibleConfiguration as exc:
         raise HarmonyError(str(exc) + _memory_that_fits(exc, options.memory_margin)) from exc
     comparison = [row(options.mode, result)]
@@ -133,7 +141,8 @@ def compile_plan(
         others = [m for m in MODES if m != options.mode]
         comparison += compare_modes(others, profile, machine, options.devices, options.minibatch, planned,
                                     bool(same_u), workers=options.search_workers,
-                                    on_done=lambda done, total: on_progress(f"comparing modes: {done} of {total}"))
+                                    on_done=lambda done, total: on_progress(f"comparing modes: {done} of {total}"),
+                                    clip=options.clip_grad_norm is not None)
         comparison.sort(key=lambda r: (r["iteration_time"] is None, MODES.index(r["mode"])))
     on_progress("measuring the plan's packs")
     measure = pack_measurer(graph, get_batch, build_optimizer, loss_fn, options, capacity)
@@ -151,7 +160,7 @@ def compile_plan(
         options={
             "minibatch": options.minibatch, "devices": options.devices, "mode": options.mode,
             "device_type": options.device_type, "device_memory": capacity, "analytic": options.analytic,
-            "same_u": same_u, "planned_memory": planned, **options.extra,
+            "same_u": same_u, "planned_memory": planned, "clip_grad_norm": options.clip_grad_norm, **options.extra,
         },
         comparison=comparison, model_file=model_file, model_sha256=model_sha256,
         search={"explored": chosen.explored, "pruned": chosen.pruned, "seconds": chosen.seconds},
@@ -207,7 +216,8 @@ def measured_packs_plan(result: SearchResult, profile: Profile, machine: Machine
         log.info("with its packs measured, %s no longer fits: searching again", result.config)
         try:
             graph = result.graph
-            result = search(profile, machine, graph.mode, graph.devices, graph.minibatch, capacity=planned, same_u=same_u)
+            result = search(profile, machine, graph.mode, graph.devices, graph.minibatch, capacity=planned, same_u=same_u,
+                            **options.search_options())
         except NoFeasibleConfiguration as exc:
             raise HarmonyError(str(exc) + _memory_that_fits(exc, options.memory_margin)) from exc
     return result

@@ -40,6 +40,7 @@ import torch
 from harmony import checkpoint
 from harmony.errors import HarmonyError
 from harmony.plan import Plan
+from harmony.runtime.clipping import check_clipping
 from harmony.runtime.executor import Batch
 from harmony.runtime.hoststore import HostStore
 from harmony.modelfile import default_optimizer
@@ -55,8 +56,11 @@ class Trainer:
     def __init__(self, plan: Plan, optimizer: Callable | None = None, loss_fn: Callable | None = None,
                  state_dict: dict[str, torch.Tensor] | None = None, seed: int = 0, timeout: float = 600.0,
                  prefetch: bool = True, p2p: str = "auto", check_memory: bool | None = None,
-                 lr_scheduler: Callable | None = None) -> None:
+                 lr_scheduler: Callable | None = None, clip_grad_norm: float | None = None) -> None:
         self.plan = plan
+        # the plan's own threshold unless given: a plan that clips is compiled for it (its updates wait for the norm)
+        self.clip_grad_norm = clip_grad_norm if clip_grad_norm is not None else plan.options.get("clip_grad_norm")
+        check_clipping(plan.tasks, self.clip_grad_norm)
         self.loss_fn = loss_fn or plan.loss_fn
         if self.loss_fn is None:
             raise HarmonyError("the trainer needs the loss function: pass loss_fn=, or compile the plan with harmony.compile")
@@ -79,7 +83,8 @@ class Trainer:
         capacity = plan.worker_capacity()
         self.launcher = Launcher(graph, plan.tasks, self.store, self.loss_fn, self.build_optimizer,
                                  device_type=device_type, capacity=capacity, seed=seed, timeout=timeout,
-                                 prefetch=prefetch, p2p=p2p, check_memory=check_memory)
+                                 prefetch=prefetch, p2p=p2p, check_memory=check_memory,
+                                 clip_grad_norm=self.clip_grad_norm)
 
     # ------------------------------------------------------------ training
     def step(self, inputs: Any, target: Any) -> float:
@@ -99,6 +104,12 @@ class Trainer:
         if self.schedule is not None:
             self.schedule.step(result.loss)
         return result.loss
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The last minibatch's global gradient norm before clipping (what ``clip_grad_norm_``
+        returns), in a run that clips; None otherwise."""
+        return self.history[-1].grad_norm if self.history else None
 
     @property
     def lr_scheduler(self) -> Any:

@@ -663,11 +663,13 @@ def _sample(c: Cost) -> LayerSample:
 def _update_cost(
     graph: LayerGraph, index: int, module: torch.nn.Module, dtype: torch.dtype | None, owner: dict[str, int],
     n_states: int, flops_per_param: int, spec: DeviceSpec,
-) -> tuple[int, float, float]:
-    """(K bytes, update time on the device, update time on the host) of one layer.
+) -> tuple[int, float, float, float]:
+    """(K bytes, update time on the device, update time on the host, clipping time on the host) of
+    one layer.
 
     Only the parameters this layer owns count (a tied one is updated by its first user); the update
     reads W, dW and K and writes W and K, a roofline over those bytes and the optimizer's FLOPs.
+    Clipping reads each gradient for its norm, then reads and writes it to scale it.
     """
     owned = _owned_parameters(graph, index, module, owner)
     n_params = sum(p.numel() for p in owned)
@@ -677,7 +679,7 @@ def _update_cost(
     upd_flops = n_params * flops_per_param
     device = max(traffic / spec.memory_bandwidth, upd_flops / (spec.flops_for(torch.float32) * spec.efficiency))
     host = max(traffic / spec.host_memory_bandwidth, upd_flops / spec.host_flops)
-    return k, device, host
+    return k, device, host, 3 * w_own / spec.host_memory_bandwidth
 
 
 def _profile_notes(
@@ -738,10 +740,11 @@ def analytic_profile(
     layers = []
     for i, (layer, model, module) in enumerate(zip(graph.layers, models, modules)):
         w, dw, b = _state_bytes(graph, i, module, override)
-        k, upd_device, upd_host = _update_cost(graph, i, module, override, owner, n_states, flops_per_param, spec)
+        k, upd_device, upd_host, norm_host = _update_cost(graph, i, module, override, owner, n_states,
+                                                          flops_per_param, spec)
         layers.append(LayerProfile(
             index=i, name=layer.name, w_bytes=w, dw_bytes=dw, k_bytes=k, b_bytes=b,
-            upd_time_device=upd_device, upd_time_host=upd_host,
+            upd_time_device=upd_device, upd_time_host=upd_host, norm_time_host=norm_host,
             fwd_samples=[_sample(cost(model, u)) for u in fwd_us],
             bwd_samples=[_sample(cost(model, u)) for u in bwd_us],
         ))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -271,3 +272,23 @@ def measure_update(
             for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0
         )
     return _median(times), k_bytes
+
+
+def measure_norm(params: list[torch.Tensor], trials: int = 3) -> float:
+    """Seconds the host takes to clip a layer's gradients (``runtime/clipping.py``): the norm of
+    each, then each scaled, over host copies of the parameters' size."""
+    if not params:
+        return 0.0
+    grads = [torch.ones_like(p.detach(), device="cpu") for p in params]
+    times = []
+    for trial in _trial_indices(trials, times):
+        start = time.perf_counter()
+        norms = [torch.linalg.vector_norm(g, 2.0) for g in grads]
+        total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        coefficient = torch.clamp(total / (total + 1e-6), max=1.0)  # just below 1: the values stay normal
+        for g in grads:
+            g.mul_(coefficient)
+        elapsed = time.perf_counter() - start
+        if trial:
+            times.append(elapsed)
+    return _median(times)

@@ -138,6 +138,7 @@ class LayerProfile:
     bwd_samples: list[LayerSample] = field(default_factory=list)
     upd_bytes: int = 0  # the optimizer's temporaries in a step of this layer on the device
     upd_scalar_bytes: int = 0  # its scalar state on the device (step counters), held through a step
+    norm_time_host: float = 0.0  # s, the norm and the clip of its gradients on the host (clipping's NORM task)
 
     def fit(self, quantity: str) -> Fit:
         """The fit of one quantity, made on first use (the search asks for a few of them only)."""

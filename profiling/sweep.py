@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_unflatten
 from harmony.decomposer.layer_graph import LayerGraph
 from harmony.errors import DeviceOutOfMemoryError, HarmonyError
 from harmony.runtime.device import CpuDevice, Device
-from harmony.profiling.measure import (Measurement, measure_layer, measure_pack, measure_update,
+from harmony.profiling.measure import (Measurement, measure_layer, measure_norm, measure_pack, measure_update,
                                       torch_threads, update_scratch)
 from harmony.profiling.profiles import LayerProfile, LayerSample, LossSample, PackSample, Profile
 
@@ -280,6 +280,7 @@ class Profiler:
         b_bytes = sum(b.numel() * b.element_size() for b in module.buffers())
         self.on_progress(f"update layer {index}")
         upd_host, k_bytes = measure_update(params, self.build_optimizer, CpuDevice("host"), self.trials)
+        norm_host = measure_norm(params, self.trials)
         try:
             upd_device, _ = measure_update(params, self.build_optimizer, self.device, self.trials)
             upd_bytes, upd_scalar_bytes = update_scratch(params, self.build_optimizer, self.device)
@@ -290,7 +291,7 @@ class Profiler:
             index=index, name=self.graph.layers[index].name, w_bytes=w_bytes,
             dw_bytes=sum(p.numel() * p.element_size() for p in params), k_bytes=k_bytes, b_bytes=b_bytes,
             upd_time_device=upd_device, upd_time_host=upd_host, upd_bytes=upd_bytes,
-            upd_scalar_bytes=upd_scalar_bytes,
+            upd_scalar_bytes=upd_scalar_bytes, norm_time_host=norm_host,
         )
 
 

@@ -225,6 +225,19 @@ class HostStore:
                 total = slot.clone() if total is None else total.add_(slot)
         return total
 
+    def merge_slots(self, name: str, iteration: int) -> torch.Tensor | None:
+        """Sum every slot of ``name`` written in ``iteration`` into the first of them, which stays
+        the only one written (a clip scales it in place; ``gradient_sum`` then copies it once);
+        None if none was written."""
+        written = [d for d in range(self.layout.devices) if self.slot_written(d, name, iteration)]
+        if not written:
+            return None
+        total = self.grad_slot(written[0], name)
+        for d in written[1:]:
+            total.add_(self.grad_slot(d, name))
+            self._flags[self._stamp_index(d, name)] = 0
+        return total
+
     def has_grad(self, name: str) -> bool:
         return f"G/0/{name}" in self.layout.entries
 

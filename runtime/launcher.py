@@ -61,8 +61,9 @@ from harmony.runtime.hoststore import HostStore
 from harmony.runtime.routes import Routes, build_routes
 from harmony.runtime.schedule import Rates
 from harmony.runtime.streams import SWITCH_INTERVAL
+from harmony.runtime.clipping import check_clipping, host_norm
 from harmony.runtime.updates import host_update
-from harmony.scheduler.tasks import HOST, Channel, TaskGraph
+from harmony.scheduler.tasks import HOST, Channel, Kind, TaskGraph
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ class StepResult:
     workers: list[IterationResult] = field(default_factory=list)
     # (task, label, start, end) of the host's tasks (offloaded updates), time.perf_counter seconds
     host_events: list[tuple[int, str, float, float]] = field(default_factory=list)
+    grad_norm: float | None = None  # the global gradient norm before clipping, in a plan that clips
 
     def bytes_by_channel(self) -> dict[str, int]:
         """Bytes all workers moved per channel ("SWAP in", "P2P out", ...), as the plan counts them:
@@ -279,9 +281,12 @@ class Launcher:
     def __init__(self, graph: LayerGraph, tasks: TaskGraph, store: HostStore, loss_fn: Callable,
                  build_optimizer: Callable, device_type: str = "cpu", capacity: int | None = None,
                  seed: int = 0, timeout: float = 600.0, threads: int | None = None,
-                 prefetch: bool = True, p2p: str = "auto", check_memory: bool | None = None) -> None:
+                 prefetch: bool = True, p2p: str = "auto", check_memory: bool | None = None,
+                 clip_grad_norm: float | None = None) -> None:
         if tasks.memory is None:
             raise HarmonyError(NO_PROMISE)
+        check_clipping(tasks, clip_grad_norm)
+        self.clip_grad_norm = clip_grad_norm
         method = processes.start_method(device_type)
         if method != "fork":  # before anything is made that would need closing
             loss_fn, build_optimizer = _by_value(loss_fn, "loss function"), _by_value(build_optimizer, "optimizer builder")
@@ -349,7 +354,8 @@ class Launcher:
             q.put((iteration, sent, rates))
         host_error: list[BaseException] = []
         host_events: list[tuple[int, str, float, float]] = []
-        host = threading.Thread(target=self._host_tasks, args=(iteration, host_error, host_events, rates),
+        norm: list[float] = []
+        host = threading.Thread(target=self._host_tasks, args=(iteration, host_error, host_events, rates, norm),
                                 daemon=True)
         with torch_threads(self._host_threads):  # process-wide: this thread only waits meanwhile
             host.start()
@@ -367,15 +373,22 @@ class Launcher:
         self.iteration += 1
         ordered = [results[r][1] for r in range(self.devices)]
         return StepResult(loss=sum(r.loss for r in ordered), seconds=time.perf_counter() - start, workers=ordered,
-                          host_events=host_events)
+                          host_events=host_events, grad_norm=norm[0] if norm else None)
 
-    def _host_tasks(self, iteration: int, errors: list, events: list, rates: Rates | None) -> None:
+    def _host_tasks(self, iteration: int, errors: list, events: list, rates: Rates | None, norm: list) -> None:
+        """The host's tasks in plan order: offloaded updates, and the gradient norm of a plan that clips."""
         try:
             for task in self.tasks.tasks:
-                if task.device == HOST:
+                if task.device != HOST:
+                    continue
+                if task.kind == Kind.NORM:
+                    began = time.perf_counter()
+                    norm.append(host_norm(task, self.routes, self.store, self.shared, self.clip_grad_norm,
+                                          iteration, self.timeout))
+                else:
                     began = host_update(task, self.graph, self.routes, self.store, self.shared, self.build_optimizer,
                                         iteration, self.timeout, rates)
-                    events.append((task.id, str(task), began, time.perf_counter()))
+                events.append((task.id, str(task), began, time.perf_counter()))
         except Aborted:
             pass
         except BaseException as exc:  # handed to step()

@@ -35,10 +35,12 @@ def _slice(x: Any, start: int, size: int) -> Any:
 
 def reference_train(model: torch.nn.Module, loss_fn: Callable, build_optimizer: Callable,
                     batches: list[tuple[Any, Any]], microbatches: list[tuple[int, int]], seed: int = 0,
-                    lr_scheduler: Callable | None = None) -> list[float]:
-    """Train ``model`` in place on ``batches`` ((inputs, target) pairs), one optimizer step each,
-    then one step of the scheduler ``lr_scheduler`` builds, if any (``ReduceLROnPlateau`` with the
-    minibatch's loss); returns the mean loss of every minibatch."""
+                    lr_scheduler: Callable | None = None, clip_grad_norm: float | None = None,
+                    grad_norms: list[float] | None = None) -> list[float]:
+    """Train ``model`` in place on ``batches`` ((inputs, target) pairs), one optimizer step each
+    (after ``torch.nn.utils.clip_grad_norm_`` if ``clip_grad_norm``, its norms appended to
+    ``grad_norms``), then one step of the scheduler ``lr_scheduler`` builds, if any
+    (``ReduceLROnPlateau`` with the minibatch's loss); returns the mean loss of every minibatch."""
     opt = build_optimizer(model.parameters())
     scheduler = lr_scheduler(opt) if lr_scheduler is not None else None
     losses = []
@@ -53,6 +55,10 @@ def reference_train(model: torch.nn.Module, loss_fn: Callable, build_optimizer: 
             loss = loss_fn(out, _slice(target, start, size)) * (size / total)
             loss.backward()
             loss_sum += float(loss.detach())
+        if clip_grad_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+            if grad_norms is not None:
+                grad_norms.append(float(norm))
         opt.step()
         if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             scheduler.step(loss_sum)

@@ -111,7 +111,7 @@ class Updates:
         if not params:
             self._write_state(task, {}, {}, write)
             return
-        sources = sorted({s for name in params for s in self.routes.sources.get(name, []) if s != task.id})
+        sources = sorted(_waits_for(task, params, self.routes))
         self._wait_done(sources, f"updating task {task.id}")
         leaves = {}
         for name, p in params.items():
@@ -176,8 +176,7 @@ def host_update(task: Task, layers: LayerGraph, routes: Routes, store: HostStore
     iteration's scheduled ``rates`` if any. Returns when (``time.perf_counter``) its gradients were
     all there and the update began."""
     owned = routes.updates.get(task.id, [])
-    shared.wait_done(sorted({s for name in owned for s in routes.sources.get(name, [])}), iteration,
-                     f"the host update of task {task.id}", timeout)
+    shared.wait_done(sorted(_waits_for(task, owned, routes)), iteration, f"the host update of task {task.id}", timeout)
     began = time.perf_counter()
     leaves = {}
     for name in owned:
@@ -202,3 +201,11 @@ def host_update(task: Task, layers: LayerGraph, routes: Routes, store: HostStore
             store.mark_state_initialized(name)
     shared.mark_done(task.id, iteration)
     return began
+
+
+def _waits_for(task: Task, params, routes: Routes) -> set[int]:
+    """The tasks an update waits for: those leaving a gradient of ``params`` in host memory, and
+    the ones it depends on through shared memory (the gradient norm of a plan that clips)."""
+    sources = {s for name in params for s in routes.sources.get(name, [])}
+    sources |= {t.task for t in task.inputs if t.channel == Channel.SHM and t.task is not None}
+    return sources - {task.id}

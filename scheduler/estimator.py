@@ -297,6 +297,8 @@ def _task_costs(task: Task, profile: Profile, cache: dict) -> list[float]:
     if task.kind == Kind.UPD:
         q = "upd_time_host" if task.device == HOST else "upd_time_device"
         durs = [float(sum(getattr(layer, q) for layer in layers))]
+    elif task.kind == Kind.NORM:  # a norm and a scale of every gradient on the host
+        durs = [float(sum(layer.norm_time_host for layer in layers))]
     else:
         durs = []
         for size in task.microbatches:
@@ -338,6 +340,8 @@ def unit_overheads(task: Task, machine: Machine, units: int) -> list[float]:
         return extra
     if task.kind == Kind.UPD:
         extra[0] = machine.update_overhead + (0.0 if task.device == HOST else machine.task_overhead)
+        return extra
+    if task.kind == Kind.NORM:
         return extra
     microbatches = len(task.microbatches)
     for j in range(min(microbatches, units)):

@@ -612,8 +612,8 @@ class _Builder:
         ahead = nxt is not None and nxt.kind != Kind.UPD
         self.load(task)
         at = self.prefetch.get(nxt.id) if ahead else None
-        if task.kind == Kind.UPD:
-            self.add(task.device, [Action("compute", "UPD", task.id, 0)])
+        if task.kind in (Kind.UPD, Kind.NORM):
+            self.add(task.device, [Action("compute", task.kind.value, task.id, 0)])
             self.add(task.device, _state_stores(task))
             return
         units = len(task.microbatches)

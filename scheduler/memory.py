@@ -148,7 +148,7 @@ def running_gradient_input(task: Task, t: Transfer, by_id: Mapping[int, Task]) -
 def covers(task: Task, unit: int, units: int, tensor: str, running_gradient: bool = False) -> bool:
     """Whether unit ``unit`` (of ``units``) of ``task`` counts input ``tensor`` in its work; a
     ``running_gradient`` (``running_gradient_input``) is counted by the task's state."""
-    if task.kind == Kind.UPD:
+    if task.kind in (Kind.UPD, Kind.NORM):
         return False
     if running_gradient:
         return True

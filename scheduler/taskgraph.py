@@ -560,8 +560,54 @@ def _update_inputs(sz: _Sizes, first: int, last: int, gradient_from: int) -> lis
             Transfer("K", Channel.SWAP, sz.owned_k(first, last))]
 
 
-def generate(mode: str, profile: Profile, config: Configuration, devices: int, minibatch: int, **options) -> TaskGraph:
-    """The task graph of one iteration of ``config`` in ``mode``."""
+def with_norm(graph: TaskGraph) -> TaskGraph:
+    """``graph`` with global-norm gradient clipping: a NORM task on the host after every backward
+    that leaves a gradient, and every UPD task after it. The norm is known only once the last
+    gradient is, so no update may be fused into a backward (generate the graph with
+    ``jit_update=False`` or host updates); what the updates lose is their overlap with the rest
+    of the backward, which the estimator sees through the new dependencies.
+
+    Tasks are renumbered in their new order (each device's order is kept): the NORM task before
+    the updates it gates, which move behind it."""
+    fused = [t for t in graph.tasks if t.jit_update()]
+    if fused:
+        raise ValueError(f"clipping needs the global gradient norm before any step, but {fused[0]} steps its pack "
+                         "inside its backward")
+    updates = [t for t in graph.tasks if t.kind == Kind.UPD]
+    rest = [t for t in graph.tasks if t.kind != Kind.UPD]
+    for device in {t.device for t in updates}:
+        mine = [t for t in graph.tasks if t.device == device]
+        if any(t.kind != Kind.UPD for t in mine[mine.index(next(u for u in mine if u.kind == Kind.UPD)):]):
+            raise ValueError(f"dev{device} runs other work after an update; the updates cannot wait for the norm")
+    sources = [t for t in rest if t.kind == Kind.BWD and any(o.tensor == "dW" and o.nbytes for o in t.outputs)]
+    norm = Task(id=-1, device=HOST, kind=Kind.NORM, first=0, last=max(t.last for t in graph.tasks), microbatches=[],
+                inputs=[Transfer("dW", Channel.SHM, 0, task=t.id) for t in sources])
+    ordered = rest + [norm] + updates
+    new_id = {t.id: i for i, t in enumerate(ordered)}
+    for task in ordered:
+        for t in task.inputs + task.outputs:
+            if t.task is not None:
+                t.task = new_id[t.task]
+    for upd in updates:
+        upd.inputs.append(Transfer("dW", Channel.SHM, 0, task=new_id[-1]))
+    for i, task in enumerate(ordered):
+        task.id = i
+    return TaskGraph(mode=graph.mode, devices=graph.devices, minibatch=graph.minibatch, config=graph.config,
+                     tasks=ordered)
+
+
+def generate(mode: str, profile: Profile, config: Configuration, devices: int, minibatch: int, clip: bool = False,
+             **options) -> TaskGraph:
+    """The task graph of one iteration of ``config`` in ``mode``; with ``clip``, one whose updates
+    wait for the global gradient norm (``with_norm``)."""
+    if not clip:
+        return _generate(mode, profile, config, devices, minibatch, **options)
+    if mode == "pp" and options.get("update", "device") == "device":
+        options = {**options, "jit_update": False}
+    return with_norm(_generate(mode, profile, config, devices, minibatch, **options))
+
+
+def _generate(mode: str, profile: Profile, config: Configuration, devices: int, minibatch: int, **options) -> TaskGraph:
     if devices < 1 or minibatch < 1:
         raise ValueError(f"need at least one device and one sample, got {devices} devices and minibatch {minibatch}")
     if mode == "pp":

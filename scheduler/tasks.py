@@ -1,11 +1,12 @@
 """The task IR: what each device does in one training iteration, and what moves where (§4.3.2).
 
 A ``Task`` is a FWD, BWD or UPD over one pack of contiguous layers and a group of microbatches,
-bound to one device (or to the host, for an update offloaded to the CPU). Its inputs and outputs
-are ``Transfer``s that name the tensor, the channel that carries it and the task at the other end,
-so that the estimator can simulate the graph and the runtime can execute it without knowing how
-it was made. Each task prints as one compact line, a graph as one line per task, so plans can be
-read, diffed and golden-tested:
+bound to one device (or to the host, for an update offloaded to the CPU); with gradient clipping a
+NORM task on the host sums every gradient, takes the global norm and clips, and every UPD waits
+for it. Its inputs and outputs are ``Transfer``s that name the tensor, the channel that carries it
+and the task at the other end, so that the estimator can simulate the graph and the runtime can
+execute it without knowing how it was made. Each task prints as one compact line, a graph as one
+line per task, so plans can be read, diffed and golden-tested:
 
     dev1 FWD L2-3 u=10x2 in: X<-P2P(dev0) W<-SWAP out: Y->P2P(dev0) Xs->SWAP
 """
@@ -36,6 +37,7 @@ class Kind(str, Enum):
     FWD = "FWD"
     BWD = "BWD"  # recompute + backward; with ``loss`` the pack's forward, the loss and the backward
     UPD = "UPD"
+    NORM = "NORM"  # on the host: the minibatch's global gradient norm, once every gradient is in; clips them
 
 
 # Tensor names used in transfers.
@@ -97,7 +99,7 @@ class Task:
         name = self.kind.value + ("+loss" if self.loss else "") + ("+upd" if self.update == "device" else "")
         layers = f"L{self.first}" if self.first == self.last else f"L{self.first}-{self.last}"
         parts = [where, name, layers]
-        if self.kind != Kind.UPD:
+        if self.kind in (Kind.FWD, Kind.BWD):
             parts.append(f"u={_group_text(self.microbatches)}")
         for label, transfers, is_input in (("in:", self.inputs, True), ("out:", self.outputs, False)):
             if transfers:

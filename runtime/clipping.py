@@ -1,0 +1,64 @@
+"""Global-norm gradient clipping, as ``torch.nn.utils.clip_grad_norm_`` clips (issue 17).
+
+The norm of the whole model's gradient is known only once its last gradient is: a plan that clips
+has a NORM task on the host (``scheduler/taskgraph.with_norm``) after every backward that leaves a
+gradient, and every update waits for it; no update is fused into a backward. The launcher runs the
+NORM task beside the offloaded updates:
+
+1. each parameter's gradient, left in host slots by every device that computed part of it, is
+   summed into one slot (the others are let go, so an update copies the sum in once);
+2. the norm of every parameter's gradient, then the 2-norm of those norms, as torch's per-tensor
+   path computes them (parameters in the model's order of first use);
+3. every gradient is multiplied by ``min(max_norm / (norm + 1e-6), 1)``, torch's coefficient in
+   the gradients' dtype (skipped where it is exactly 1: the product would not change a bit).
+
+Updates then step with the clipped gradients as before (``updates.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from harmony.errors import HarmonyError
+from harmony.runtime.flags import Shared
+from harmony.runtime.hoststore import HostStore
+from harmony.runtime.routes import Routes
+from harmony.scheduler.tasks import Kind, Task, TaskGraph
+
+EPSILON = 1e-6  # torch.nn.utils.clip_grad_norm_'s guard against a zero norm
+
+
+def check_clipping(tasks: TaskGraph, max_norm: float | None) -> None:
+    """A plan clips if and only if it has a NORM task: one without it steps packs before the last
+    gradient exists, one with it needs the norm to clip to."""
+    has_norm = any(t.kind == Kind.NORM for t in tasks.tasks)
+    if max_norm is not None and not has_norm:
+        raise HarmonyError(f"clip_grad_norm={max_norm:g}, but this plan was compiled without clipping: it steps "
+                           "parameters before the whole gradient, and so its norm, is known. Compile it with "
+                           "clip_grad_norm (harmony.compile(..., clip_grad_norm=X) or --clip-grad-norm X)")
+    if max_norm is None and has_norm:
+        raise HarmonyError("this plan was compiled to clip gradients but no clip_grad_norm was given")
+    if max_norm is not None and not max_norm > 0:
+        raise HarmonyError(f"clip_grad_norm must be a positive number, got {max_norm!r}")
+
+
+def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
+    return torch.clamp(max_norm / (total + EPSILON), max=1.0)
+
+
+def host_norm(task: Task, routes: Routes, store: HostStore, shared: Shared, max_norm: float, iteration: int,
+              timeout: float) -> float:
+    """Run a NORM task: wait for every gradient, sum each parameter's slots into one, clip them all
+    by the global norm; returns the norm before clipping (what ``clip_grad_norm_`` returns)."""
+    shared.wait_done(sorted(task.deps()), iteration, f"the gradient norm (task {task.id})", timeout)
+    gradients = [g for g in (store.merge_slots(name, iteration) for name in routes.owner) if g is not None]
+    if not gradients:
+        shared.mark_done(task.id, iteration)
+        return 0.0
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, 2.0) for g in gradients]), 2.0)
+    coefficient = clip_coefficient(total, max_norm)
+    if float(coefficient) != 1.0:
+        for g in gradients:
+            g.mul_(coefficient)
+    shared.mark_done(task.id, iteration)
+    return float(total)
