@@ -141,13 +141,20 @@ def _progress(start: str):
         yield lambda msg: bar.update(task, description=msg)
 
 
+def _clip_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--clip-grad-norm", type=float, metavar="X",
+                   help="clip the gradient to global 2-norm X before every step, as torch.nn.utils.clip_grad_norm_ "
+                        "(the updates wait for the whole gradient: none overlaps the backward)")
+
+
 def _cmd_compile(ns: argparse.Namespace) -> int:
     from harmony.compiler import CompileOptions, compile_plan
 
     options = CompileOptions(
         minibatch=ns.minibatch, devices=ns.devices, device_memory=ns.device_memory, mode=ns.mode,
         device_type=ns.device, analytic=ns.analytic, compare=not ns.no_compare, trials=ns.trials,
-        probe=not ns.no_probe, memory_margin=ns.memory_margin, extra={"args": ns.args},
+        probe=not ns.no_probe, memory_margin=ns.memory_margin, clip_grad_norm=ns.clip_grad_norm,
+        extra={"args": ns.args},
     )
     options.validate()
     mf, model, graph = _load_and_decompose(ns, meta=bool(ns.analytic))
@@ -221,7 +228,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
                                            shield=guard.held_back if guard is not None else contextlib.nullcontext)
     with Trainer(plan, optimizer=mf.build_optimizer, loss_fn=mf.loss_fn, state_dict=model.state_dict(),
                  seed=ns.seed, timeout=ns.timeout, p2p=ns.p2p, check_memory=ns.check_memory,
-                 lr_scheduler=mf.lr_scheduler) as trainer:
+                 lr_scheduler=mf.lr_scheduler, clip_grad_norm=ns.clip_grad_norm) as trainer:
         del model
         if ns.resume is not None:
             path = checkpoint.latest(ns.resume or ns.checkpoint_dir)
@@ -294,6 +301,9 @@ def _cmd_run_spmd(ns: argparse.Namespace) -> int:
         if mf.lr_scheduler is not None:
             raise HarmonyError(f"{mf.path} defines build_lr_scheduler, which a torchrun run does not follow yet; "
                                "run it without torchrun (one host), or drop the schedule")
+        if ns.clip_grad_norm is not None or plan.options.get("clip_grad_norm") is not None:
+            raise HarmonyError("a torchrun run does not clip gradients yet; run it without torchrun (one host), "
+                               "or without --clip-grad-norm")
 
         def on_step(step: int, loss: float, seconds: float) -> None:
             if rank == 0:
@@ -355,11 +365,11 @@ def _plan_for_run(ns: argparse.Namespace):
     key = {"minibatch": ns.minibatch, "devices": ns.devices, "device_memory": ns.device_memory, "mode": ns.mode,
            "device_type": ns.device, "probe": not ns.no_probe, "args": sorted(ns.args), "depth": ns.depth,
            "modules": ns.modules, "opaque": sorted(ns.opaque), "method": ns.method,
-           "memory_margin": ns.memory_margin}
+           "memory_margin": ns.memory_margin, "clip_grad_norm": ns.clip_grad_norm}
     options = CompileOptions(
         minibatch=ns.minibatch, devices=ns.devices, device_memory=ns.device_memory, mode=ns.mode,
         device_type=ns.device, compare=False, trials=ns.trials, probe=not ns.no_probe,
-        memory_margin=ns.memory_margin,
+        memory_margin=ns.memory_margin, clip_grad_norm=ns.clip_grad_norm,
         extra={"args": ns.args, "run_options": key},
     )
     options.validate()
@@ -564,6 +574,7 @@ def _add_compile_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-compare", action="store_true", help="search only the chosen mode")
     p.add_argument("--no-probe", action="store_true", help="do not measure link bandwidths (nominal values)")
     p.add_argument("--batch-size", type=int, default=2, help="batch size of the example inputs used for tracing")
+    _clip_argument(p)
     p.add_argument("--gantt", action="store_true", help="also draw the simulated timeline as gantt.png (needs matplotlib)")
     p.add_argument("--out", type=Path, required=True, help="plan directory to write")
     p.set_defaults(func=_cmd_compile)
@@ -592,6 +603,7 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mode", choices=MODES, default="pp",
                    help="pp (wrap-around pipeline), dp (Harmony DP), or a per-GPU-swap baseline (default pp)")
     p.add_argument("--iters", type=int, default=10, help="minibatches to train (default 10)")
+    _clip_argument(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the random streams (dropout) "
                    "(default 0)")
     p.add_argument("--trials", type=int, default=3, help="timed repetitions per profile measurement (default 3)")

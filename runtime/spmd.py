@@ -60,7 +60,7 @@ from harmony.runtime.p2p import DistTransport, backend_for, p2p_pairs, pair_grou
 from harmony.runtime.replication import PeerWatch, ReplicatedShared, Replicator, task_writes
 from harmony.runtime.routes import build_routes
 from harmony.runtime.updates import host_update
-from harmony.scheduler.tasks import HOST
+from harmony.scheduler.tasks import HOST, Kind
 
 log = logging.getLogger(__name__)
 
@@ -218,6 +218,9 @@ def run_spmd(plan, loss_fn: Callable, build_optimizer: Callable, get_batch: Call
     rank, world = dist.get_rank(), dist.get_world_size()
     if plan.tasks.memory is None:
         raise HarmonyError(NO_PROMISE)
+    if any(t.kind == Kind.NORM for t in plan.tasks.tasks):
+        raise HarmonyError("this plan clips gradients, which a torchrun run does not do yet; run it on one host "
+                           "(harmony run without torchrun, or harmony.Trainer), or compile it without clipping")
     if world != plan.tasks.devices:
         raise HarmonyError(f"the plan is for {plan.tasks.devices} device(s) but torchrun started {world} process(es); "
                            f"start {plan.tasks.devices} in all (--nnodes times --nproc-per-node)")

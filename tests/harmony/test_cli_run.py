@@ -188,3 +188,20 @@ def test_run_out_dir_with_a_plan_for_other_options_does_not_reuse_it(first_run, 
     assert main(args) == 0
     assert "reusing the plan" not in flat(capsys.readouterr().out)
     assert json.loads((tmp_path / "run.json").read_text())["minibatch"] == 16
+
+
+def test_run_with_clip_grad_norm_reports_each_norm_and_a_plan_without_clipping_refuses_it(first_run, tmp_path):
+    directory, rc, out, _ = first_run
+    assert rc == 0, out
+    clipped = tmp_path / "clipped"
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        rc = main(run_args(clipped) + ["--clip-grad-norm", "0.5"])
+    assert rc == 0, printed.getvalue()
+    report = json.loads((clipped / "run.json").read_text())
+    assert all(it["grad_norm"] > 0 for it in report["iterations"]) and len(report["iterations"]) == 2
+    summary = (clipped / "summary.md").read_text()
+    assert "host NORM" in summary and "gradient clipping: global 2-norm 0.5" in summary
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        rc = main(["run", "--plan", str(directory), "--iters", "1", "--clip-grad-norm", "0.5",
+                   "--report", str(tmp_path / "r.json")])
+    assert rc == 2 and "compiled without clipping" in flat(printed.getvalue())
