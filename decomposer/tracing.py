@@ -138,12 +138,28 @@ def _symbolic(model: torch.nn.Module, n_inputs: int, opaque: set[str]) -> Traced
     return TracedModel(gm=gm, tracer="fx", out_spec=spec, input_names=names)
 
 
+def _dynamic_shapes(model: torch.nn.Module, example_inputs: tuple) -> tuple | dict:
+    """torch.export's ``dynamic_shapes`` keeping every input's batch dimension symbolic (the
+    profiler and the runtime run other microbatch sizes), by argument name: a ``forward(*args,
+    **kwargs)`` (a wrapper's, e.g. peft's) takes the inputs as one tuple, which a plain tuple of
+    specs would not match."""
+    def batch(x: Any) -> dict | None:
+        return {0: torch.export.Dim.AUTO} if isinstance(x, torch.Tensor) and x.dim() > 0 else None
+
+    signature = inspect.signature(model.forward)
+    try:
+        bound = signature.bind(*example_inputs)
+    except TypeError:
+        return tuple(batch(x) for x in example_inputs)
+    return {name: tuple(batch(v) for v in value) if signature.parameters[name].kind == inspect.Parameter.VAR_POSITIONAL
+            else batch(value) for name, value in bound.arguments.items()}
+
+
 def _export(model: torch.nn.Module, example_inputs: tuple) -> TracedModel:
     from torch.export.graph_signature import InputKind, OutputKind
 
-    # the batch dimension stays symbolic: the profiler and runtime run other microbatch sizes
-    dynamic = tuple({0: torch.export.Dim.AUTO} if x.dim() > 0 else None for x in example_inputs)
-    ep = torch.export.export(model, example_inputs, dynamic_shapes=dynamic, strict=False)
+    ep = torch.export.export(model, example_inputs, dynamic_shapes=_dynamic_shapes(model, example_inputs),
+                             strict=False)
     sig = ep.graph_signature
     gm = ep.graph_module
     graph = fx.Graph()
