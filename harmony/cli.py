@@ -141,10 +141,14 @@ def _progress(start: str):
         yield lambda msg: bar.update(task, description=msg)
 
 
-def _clip_argument(p: argparse.ArgumentParser) -> None:
+def _training_arguments(p: argparse.ArgumentParser) -> None:
+    """The training options that are part of a plan: clipping and precision."""
     p.add_argument("--clip-grad-norm", type=float, metavar="X",
                    help="clip the gradient to global 2-norm X before every step, as torch.nn.utils.clip_grad_norm_ "
                         "(the updates wait for the whole gradient: none overlaps the backward)")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="device compute: fp32, or bf16 under torch.autocast with float32 weights, gradients and "
+                        "optimizer state (default fp32; fp16 needs loss scaling, not there yet)")
 
 
 def _cmd_compile(ns: argparse.Namespace) -> int:
@@ -154,7 +158,7 @@ def _cmd_compile(ns: argparse.Namespace) -> int:
         minibatch=ns.minibatch, devices=ns.devices, device_memory=ns.device_memory, mode=ns.mode,
         device_type=ns.device, analytic=ns.analytic, compare=not ns.no_compare, trials=ns.trials,
         probe=not ns.no_probe, memory_margin=ns.memory_margin, clip_grad_norm=ns.clip_grad_norm,
-        extra={"args": ns.args},
+        precision=ns.precision, extra={"args": ns.args},
     )
     options.validate()
     mf, model, graph = _load_and_decompose(ns, meta=bool(ns.analytic))
@@ -365,11 +369,11 @@ def _plan_for_run(ns: argparse.Namespace):
     key = {"minibatch": ns.minibatch, "devices": ns.devices, "device_memory": ns.device_memory, "mode": ns.mode,
            "device_type": ns.device, "probe": not ns.no_probe, "args": sorted(ns.args), "depth": ns.depth,
            "modules": ns.modules, "opaque": sorted(ns.opaque), "method": ns.method,
-           "memory_margin": ns.memory_margin, "clip_grad_norm": ns.clip_grad_norm}
+           "memory_margin": ns.memory_margin, "clip_grad_norm": ns.clip_grad_norm, "precision": ns.precision}
     options = CompileOptions(
         minibatch=ns.minibatch, devices=ns.devices, device_memory=ns.device_memory, mode=ns.mode,
         device_type=ns.device, compare=False, trials=ns.trials, probe=not ns.no_probe,
-        memory_margin=ns.memory_margin, clip_grad_norm=ns.clip_grad_norm,
+        memory_margin=ns.memory_margin, clip_grad_norm=ns.clip_grad_norm, precision=ns.precision,
         extra={"args": ns.args, "run_options": key},
     )
     options.validate()
@@ -574,7 +578,7 @@ def _add_compile_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-compare", action="store_true", help="search only the chosen mode")
     p.add_argument("--no-probe", action="store_true", help="do not measure link bandwidths (nominal values)")
     p.add_argument("--batch-size", type=int, default=2, help="batch size of the example inputs used for tracing")
-    _clip_argument(p)
+    _training_arguments(p)
     p.add_argument("--gantt", action="store_true", help="also draw the simulated timeline as gantt.png (needs matplotlib)")
     p.add_argument("--out", type=Path, required=True, help="plan directory to write")
     p.set_defaults(func=_cmd_compile)
@@ -603,7 +607,7 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mode", choices=MODES, default="pp",
                    help="pp (wrap-around pipeline), dp (Harmony DP), or a per-GPU-swap baseline (default pp)")
     p.add_argument("--iters", type=int, default=10, help="minibatches to train (default 10)")
-    _clip_argument(p)
+    _training_arguments(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the random streams (dropout) "
                    "(default 0)")
     p.add_argument("--trials", type=int, default=3, help="timed repetitions per profile measurement (default 3)")

@@ -33,6 +33,7 @@ from harmony.scheduler.comparison import compare_modes, row
 from harmony.scheduler.search import NoFeasibleConfiguration, SearchResult, search
 from harmony.scheduler.taskgraph import MODES
 from harmony.scheduler.tasks import HOST, Kind
+from harmony.runtime import precision
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ class CompileOptions:
     memory_margin: float = 0.1
     search_workers: int | None = None  # processes comparing the other modes (None: one per core; scheduler/comparison.py)
     clip_grad_norm: float | None = None  # global-norm gradient clipping: every update waits for the norm
+    precision: str = "fp32"  # device compute: fp32, or bf16 under autocast (runtime/precision.py)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -70,6 +72,7 @@ class CompileOptions:
         if self.clip_grad_norm is not None and not (isinstance(self.clip_grad_norm, (int, float))
                                                     and self.clip_grad_norm > 0):
             raise HarmonyError(f"clip_grad_norm must be a positive number, got {self.clip_grad_norm!r}")
+        precision.check(self.precision)
         if self.device_type not in ("cpu", "cuda"):
             raise HarmonyError(f"unknown device type {self.device_type!r}; choose cpu or cuda")
         if self.device_type == "cuda" and not self.analytic:
@@ -115,8 +118,19 @@ def compile_plan(
     loss_fn: Callable | None = None,
 ) -> tuple[Plan, dict]:
     """Decompose, profile and search; returns the plan and its Chrome trace. ``loss_fn`` lets the
-    profile measure the loss task's own memory (without it, a cross-entropy's is assumed)."""
+    profile measure the loss task's own memory (without it, a cross-entropy's is assumed). Every
+    measurement runs at the plan's precision (under autocast for bf16), as its run will."""
     options.validate()
+    with precision.autocast(options.device_type, options.precision, cache=False):
+        plan, trace = _compile_plan(model, get_batch, build_optimizer, options, model_file, model_sha256, graph,
+                                    on_progress, loss_fn)
+    plan.tasks.precision = options.precision
+    return plan, trace
+
+
+def _compile_plan(model, get_batch, build_optimizer, options: CompileOptions, model_file: str, model_sha256: str,
+                  graph: LayerGraph | None, on_progress: Callable[[str], None],
+                  loss_fn: Callable | None) -> tuple[Plan, dict]:
     if graph is None:
         on_progress("decomposing")
         inputs, _ = get_batch(min(2, options.minibatch), 0)
@@ -160,7 +174,8 @@ def compile_plan(
         options={
             "minibatch": options.minibatch, "devices": options.devices, "mode": options.mode,
             "device_type": options.device_type, "device_memory": capacity, "analytic": options.analytic,
-            "same_u": same_u, "planned_memory": planned, "clip_grad_norm": options.clip_grad_norm, **options.extra,
+            "same_u": same_u, "planned_memory": planned, "clip_grad_norm": options.clip_grad_norm,
+            "precision": options.precision, **options.extra,
         },
         comparison=comparison, model_file=model_file, model_sha256=model_sha256,
         search={"explored": chosen.explored, "pruned": chosen.pruned, "seconds": chosen.seconds},
@@ -331,7 +346,8 @@ def profile_graph(graph, get_batch, build_optimizer, options: CompileOptions, on
         if capacity is not None:
             spec = type(spec)(**{**spec.to_dict(), "capacity": capacity})
         on_progress(f"analytic profile on {spec.name}")
-        profile = analytic_profile(graph, spec, max_microbatch=options.minibatch)
+        profile = analytic_profile(graph, spec, max_microbatch=options.minibatch,
+                                   compute=precision.compute_dtype(options.precision))
         machine = Machine.from_spec(spec, options.devices)
     else:
         if capacity is None and options.device_type == "cpu":

@@ -165,6 +165,9 @@ class Plan:
             f"- estimated iteration time: {est.get('iteration_time', float('nan')):.6f} s",
             f"- search: {self.search.get('explored', '?')} configurations in {self.search.get('seconds', float('nan')):.2f} s",
         ]
+        if self.tasks.precision != "fp32":
+            lines.append(f"- precision: {self.tasks.precision} under torch.autocast (weights, gradients and optimizer "
+                         "state float32)")
         if self.options.get("clip_grad_norm") is not None:
             lines.append(f"- gradient clipping: global 2-norm {self.options['clip_grad_norm']:g}; every update waits "
                          "for the host's NORM task")

@@ -491,11 +491,13 @@ def layer_cost_models(
     spec: DeviceSpec | str,
     dtype: torch.dtype | str | None = None,
     modules: Sequence[torch.nn.Module] | None = None,
+    compute: torch.dtype | None = None,
 ) -> list[LayerCostModel]:
-    """One cost model per layer (identical layers share the same object)."""
+    """One cost model per layer (identical layers share the same object); ``compute``: the dtype
+    autocast computes in (mixed precision), whose peak rate the FLOPs run at."""
     spec = load_spec(spec)
     override = _as_dtype(dtype)
-    compute_dtype = override or _training_dtype(graph)
+    compute_dtype = compute or override or _training_dtype(graph)
     peak = spec.flops_for(compute_dtype) * spec.efficiency
     modules = _layer_modules(graph) if modules is None else modules
     batch = _example_batch(graph)
@@ -715,11 +717,15 @@ def analytic_profile(
     optimizer: str = "adam",
     dtype: torch.dtype | str | None = None,
     max_microbatch: int = DEFAULT_MAX_MICROBATCH,
+    compute: torch.dtype | None = None,
 ) -> Profile:
     """The profile of ``graph`` on ``spec`` (a DeviceSpec, preset name or JSON path), from FLOP counts.
 
     ``dtype`` is the training dtype (default: that of most parameter bytes); a dtype other than the
-    graph's casts its floating-point state and inputs. ``optimizer`` is a key of ``OPTIMIZERS``.
+    graph's casts its floating-point state and inputs. ``compute`` is mixed precision's autocast
+    dtype: the FLOPs run at its peak rate while tensors keep their sizes (an approximation: autocast
+    also halves the matmuls' outputs and keeps low-precision copies of the weights, which this
+    model does not count). ``optimizer`` is a key of ``OPTIMIZERS``.
     ``microbatch_sizes`` are the sizes sampled (default: 1, 2, 4, ... and each maximum); sizes above
     a maximum are left out of that direction's samples.
     """
@@ -729,9 +735,9 @@ def analytic_profile(
     if max_microbatch < 1:
         raise AnalyticProfileError(f"max_microbatch must be at least 1, got {max_microbatch}")
     override = _as_dtype(dtype)
-    compute_dtype = override or _training_dtype(graph)
+    compute_dtype = compute or override or _training_dtype(graph)
     modules = _layer_modules(graph)
-    models = layer_cost_models(graph, spec, override, modules)
+    models = layer_cost_models(graph, spec, override, modules, compute=compute)
     u_fmax, u_bmax = _microbatch_limits(graph, models, spec, max_microbatch)
     fwd_us, bwd_us = _sampled_sizes(u_fmax, microbatch_sizes), _sampled_sizes(u_bmax, microbatch_sizes)
     owner = _parameter_owners(graph)

@@ -30,6 +30,7 @@ from harmony.decomposer.layer_graph import LayerGraph
 from harmony.runtime import rng
 from harmony.runtime.channels import Counters
 from harmony.runtime.device import Device
+from harmony.runtime.precision import autocast
 from harmony.runtime.routes import Routes
 from harmony.runtime.transport import Values
 from harmony.scheduler.lower import Edge, ranges, stash_layers
@@ -52,7 +53,8 @@ class Compute:
     def _run_layer(self, index: int, state: dict[str, torch.Tensor], values: Values) -> Values:
         """One layer, with the pack state's tensors as its parameters and buffers."""
         names = self.layers.layers[index].state
-        return list(functional_call(self.modules[index], {n: state[n] for n in names}, tuple(values)))
+        with autocast(self.device.torch_device.type, self.routes.graph.precision):
+            return list(functional_call(self.modules[index], {n: state[n] for n in names}, tuple(values)))
 
     def _run_pack(self, task: Task, state: dict[str, torch.Tensor], values: Values) -> Values:
         for layer in range(task.first, task.last + 1):
@@ -117,7 +119,8 @@ class Compute:
                     rng.restore(device, gen)
                 outputs = self._run_pack(task, state, xs)
                 target = self._target(start, size)
-                loss = self.loss_fn(pytree.tree_unflatten(outputs, self._out_spec), target) * (size / self.minibatch)
+                with autocast(self.device.torch_device.type, self.routes.graph.precision):
+                    loss = self.loss_fn(pytree.tree_unflatten(outputs, self._out_spec), target) * (size / self.minibatch)
                 del outputs
                 loss.backward()
                 loss_total += float(loss.detach())

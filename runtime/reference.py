@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import torch
 
+from harmony.runtime.precision import autocast
 from harmony.runtime.rng import microbatch_seed
 
 
@@ -36,11 +37,13 @@ def _slice(x: Any, start: int, size: int) -> Any:
 def reference_train(model: torch.nn.Module, loss_fn: Callable, build_optimizer: Callable,
                     batches: list[tuple[Any, Any]], microbatches: list[tuple[int, int]], seed: int = 0,
                     lr_scheduler: Callable | None = None, clip_grad_norm: float | None = None,
-                    grad_norms: list[float] | None = None) -> list[float]:
+                    grad_norms: list[float] | None = None, precision: str = "fp32") -> list[float]:
     """Train ``model`` in place on ``batches`` ((inputs, target) pairs), one optimizer step each
     (after ``torch.nn.utils.clip_grad_norm_`` if ``clip_grad_norm``, its norms appended to
     ``grad_norms``), then one step of the scheduler ``lr_scheduler`` builds, if any
-    (``ReduceLROnPlateau`` with the minibatch's loss); returns the mean loss of every minibatch."""
+    (``ReduceLROnPlateau`` with the minibatch's loss); returns the mean loss of every minibatch.
+    ``precision`` "bf16": the forward and the loss under ``torch.autocast``, as users write it."""
+    device_type = next(model.parameters()).device.type
     opt = build_optimizer(model.parameters())
     scheduler = lr_scheduler(opt) if lr_scheduler is not None else None
     losses = []
@@ -51,8 +54,9 @@ def reference_train(model: torch.nn.Module, loss_fn: Callable, build_optimizer: 
         loss_sum = 0.0
         for start, size in microbatches:
             torch.manual_seed(microbatch_seed(seed, iteration, start))
-            out = model(*[_slice(x, start, size) for x in inputs])
-            loss = loss_fn(out, _slice(target, start, size)) * (size / total)
+            with autocast(device_type, precision):
+                out = model(*[_slice(x, start, size) for x in inputs])
+                loss = loss_fn(out, _slice(target, start, size)) * (size / total)
             loss.backward()
             loss_sum += float(loss.detach())
         if clip_grad_norm is not None:

@@ -195,6 +195,7 @@ class TaskGraph:
     config: Configuration
     tasks: list[Task]
     memory: MemoryPlan | None = None  # set once estimated (search, compile)
+    precision: str = "fp32"  # what the devices compute in: fp32, or bf16 under autocast (runtime/precision.py)
 
     def __iter__(self) -> Iterator[Task]:
         return iter(self.tasks)
@@ -225,7 +226,8 @@ class TaskGraph:
         )
 
     def to_text(self) -> str:
-        lines = [f"# {self.mode} on {self.devices} device(s), minibatch {self.minibatch}: {self.config}"]
+        precision = f", {self.precision}" if self.precision != "fp32" else ""
+        lines = [f"# {self.mode} on {self.devices} device(s), minibatch {self.minibatch}{precision}: {self.config}"]
         lines.extend(f"{t.id:>4} {t}" for t in self.tasks)
         return "\n".join(lines) + "\n"
 
@@ -266,7 +268,7 @@ class TaskGraph:
                 tasks.append(Task(**{**t, "kind": Kind(t["kind"]), "inputs": inputs, "outputs": outputs}))
             memory = MemoryPlan.from_dict(body["memory"]) if body.get("memory") else None
             return cls(mode=body["mode"], devices=body["devices"], minibatch=body["minibatch"], config=config, tasks=tasks,
-                       memory=memory)
+                       memory=memory, precision=body.get("precision", "fp32"))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise FormatError(f"task graph is malformed ({type(exc).__name__}: {exc})") from exc
 

@@ -1,0 +1,95 @@
+"""Mixed precision: a bf16 plan computes under ``torch.autocast`` on every device and trains as
+eager autocast training does (the same microbatches, float32 weights, gradients and Adam state),
+on 2 emulated devices below a third of the training footprint, in pp and dp.
+
+Tolerance: each microbatch runs the same ops in the same order as the reference, so the two differ
+only where gradients of several tasks or devices add up in another order (data parallelism, a tied
+weight used on two devices, the norm of a clipped gradient): a float32 ulp. That alone would be
+1e-7 relative, but a step later a weight one ulp away can round to the neighbouring bfloat16 value
+when autocast casts it (bfloat16 keeps 8 bits: 2^-8 relative), and that spreads. Seen: up to 4e-5 of
+a tensor's scale after four steps. We allow 1e-4 for weights, 1e-5 for losses: training the same
+model in float32 instead moves the weights by more than 1e-2 of their scale (checked below), so the
+tolerance still tells the two apart."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+
+import harmony
+from harmony.errors import HarmonyError
+from harmony.models import gpt2
+from harmony.profiling.sweep import training_footprint
+from harmony.runtime.reference import microbatches_of, reference_train
+
+MINIBATCH = 8
+TOLERANCE = 1e-4  # weights, relative to each tensor's scale (module docs)
+LOSS_TOLERANCE = 1e-5
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=1e-3, eps=1e-6)
+
+
+@functools.lru_cache(maxsize=None)
+def model_and_capacity():
+    torch.manual_seed(0)
+    model = gpt2.build_model("tiny", dtype="float32")
+    get_batch = functools.partial(gpt2.get_batch, preset="tiny")
+    graph = harmony.decompose(model, get_batch(2, 0)[0])
+    return model, get_batch, int(0.3 * training_footprint(graph, get_batch, MINIBATCH))
+
+
+@functools.lru_cache(maxsize=None)
+def bf16_plan(mode: str, clip: float | None = None):
+    model, get_batch, capacity = model_and_capacity()
+    return harmony.compile(model, gpt2.loss_fn, get_batch, minibatch_size=MINIBATCH, devices=2, mode=mode,
+                           device_memory=capacity, build_optimizer=adam, probe=False, precision="bf16",
+                           clip_grad_norm=clip)
+
+
+def max_difference(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).abs().max()) / float(b[k].abs().max().clamp_min(1e-3)) for k in b)
+
+
+@pytest.mark.parametrize("mode, clip", [("pp", None), ("dp", None), ("pp", 0.5)])
+def test_a_bf16_run_equals_eager_autocast_training(mode, clip):
+    model, get_batch, _ = model_and_capacity()
+    plan = bf16_plan(mode, clip)
+    assert plan.tasks.precision == "bf16"
+    batches = [get_batch(MINIBATCH, step) for step in range(4)]
+    with harmony.Trainer(plan, optimizer=adam, timeout=30) as trainer:
+        losses = [trainer.step(x, y) for x, y in batches]
+        state, history = trainer.state_dict(), trainer.history
+    microbatches = microbatches_of(plan.tasks)
+    autocast, plain = copy.deepcopy(model), copy.deepcopy(model)
+    expected = reference_train(autocast, gpt2.loss_fn, adam, batches, microbatches, precision="bf16",
+                               clip_grad_norm=clip)
+    in_fp32 = reference_train(plain, gpt2.loss_fn, adam, batches, microbatches, clip_grad_norm=clip)
+    assert losses == pytest.approx(expected, rel=LOSS_TOLERANCE)
+    assert max_difference(state, autocast.state_dict()) <= TOLERANCE
+    assert max_difference(state, plain.state_dict()) > 100 * TOLERANCE  # bf16 was used: float32 trains otherwise
+    assert losses != pytest.approx(in_fp32, rel=LOSS_TOLERANCE)
+    assert history[-1].bytes_by_channel() == {k: v for k, v in plan.tasks.bytes_by_channel().items() if v}
+    for step in history:
+        assert max(w.peak for w in step.workers) <= plan.options["device_memory"]
+
+
+def test_the_precision_is_part_of_the_saved_plan(tmp_path):
+    plan = bf16_plan("pp")
+    plan.save(tmp_path / "plan")
+    loaded = harmony.load_plan(tmp_path / "plan")
+    assert loaded.tasks.precision == "bf16" and loaded.options["precision"] == "bf16"
+    assert "precision: bf16 under torch.autocast" in (tmp_path / "plan" / "summary.md").read_text()
+
+
+@pytest.mark.parametrize("precision, message", [("fp16", "needs dynamic loss scaling"),
+                                                ("int8", "unknown precision 'int8'")])
+def test_precisions_harmony_cannot_train_in_are_refused_before_compiling(precision, message):
+    model, get_batch, capacity = model_and_capacity()
+    with pytest.raises(HarmonyError, match=message):
+        harmony.compile(model, gpt2.loss_fn, get_batch, minibatch_size=MINIBATCH, devices=2,
+                        device_memory=capacity, probe=False, precision=precision)
