@@ -1,0 +1,108 @@
+"""bf16 against fp32 (issue 17): estimated throughput on modelled GPUs, and the swap volume planned
+and counted.
+
+Harmony's bf16 runs every layer under ``torch.autocast`` with float32 weights, gradients and
+optimizer state (``runtime/precision.py``): the matmuls run at the bf16 peak, but weights still
+move in float32, so the swap volume barely changes. This benchmark shows both, so that the day the
+weights move as bf16 copies the gain appears here.
+
+    python -m bench.precision [--quick]
+
+Estimated: GPT-2 1.5B and Llama 3.2 1B on 4 modelled H100s (analytic profiles), pp, minibatch 16.
+Counted: the tiny GPT-2 on 2 emulated devices, one iteration each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+import harmony
+from harmony.modelfile import load_model_file
+from harmony.models import gpt2
+from harmony.profiling.analytic import analytic_profile
+from harmony.profiling.sweep import training_footprint
+from harmony.runtime.precision import compute_dtype
+from harmony.scheduler.machine import Machine
+from harmony.scheduler.search import NoFeasibleConfiguration, search
+
+MODELS = Path(__file__).resolve().parents[1] / "models"
+CASES = [("GPT-2 1.5B", "gpt2", "1.5b", {}), ("Llama 3.2 1B", "llama", "1b", {"seq_len": 1024})]
+
+
+def estimated(cases=CASES, spec: str = "h100", devices: int = 4, minibatch: int = 16) -> list[dict]:
+    """Per model and precision: the searched pp plan's estimated iteration and swap bytes."""
+    machine = Machine.from_spec(spec, devices)
+    rows = []
+    for name, file, preset, extra in cases:
+        mf = load_model_file(MODELS / f"{file}.py", {"preset": preset, **extra})
+        with torch.device("meta"):
+            model = mf.build_model()
+        graph = harmony.decompose(model, mf.get_batch(1, 0)[0])
+        for precision in ("fp32", "bf16"):
+            profile = analytic_profile(graph, spec, max_microbatch=minibatch, compute=compute_dtype(precision))
+            try:
+                result = search(profile, machine, "pp", devices, minibatch)
+            except NoFeasibleConfiguration as exc:
+                rows.append({"model": name, "precision": precision, "error": str(exc)})
+                continue
+            rows.append({"model": name, "precision": precision, "iteration_s": result.estimate.iteration_time,
+                         "samples_per_s": minibatch / result.estimate.iteration_time,
+                         "swap_bytes": result.graph.swap_bytes(), "config": str(result.config)})
+    return rows
+
+
+def counted(minibatch: int = 8) -> list[dict]:
+    """The tiny GPT-2 compiled at each precision: swap bytes planned and counted in one iteration."""
+    torch.manual_seed(0)
+    model = gpt2.build_model("tiny")
+    get_batch = functools.partial(gpt2.get_batch, preset="tiny")
+    capacity = int(0.3 * training_footprint(harmony.decompose(copy.deepcopy(model), get_batch(2, 0)[0]),
+                                            get_batch, minibatch))
+    rows = []
+    for precision in ("fp32", "bf16"):
+        plan = harmony.compile(copy.deepcopy(model), gpt2.loss_fn, get_batch, minibatch_size=minibatch, devices=2,
+                               device_memory=capacity, probe=False, precision=precision)
+        with harmony.Trainer(plan, timeout=60) as trainer:
+            trainer.step(*get_batch(minibatch, 0))
+            moved = trainer.history[-1].bytes_by_channel()
+        rows.append({"precision": precision, "planned": plan.tasks.swap_bytes(),
+                     "counted": moved.get("SWAP in", 0) + moved.get("SWAP out", 0), "config": str(plan.tasks.config)})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="GPT-2 1.5B only")
+    ns = parser.parse_args()
+    console = Console(width=160)
+    table = Table(title="estimated, pp on 4 modelled H100s (analytic), minibatch 16: bf16 against fp32")
+    for col in ("model", "precision", "iteration s", "samples/s", "speedup", "swap GB", "configuration"):
+        table.add_column(col, justify="right")
+    rows = estimated(CASES[:1] if ns.quick else CASES)
+    base = {r["model"]: r for r in rows if r["precision"] == "fp32" and "error" not in r}
+    for r in rows:
+        if "error" in r:
+            table.add_row(r["model"], r["precision"], "does not fit", *[""] * 4)
+            continue
+        ref = base.get(r["model"])
+        table.add_row(r["model"], r["precision"], f"{r['iteration_s']:.2f}", f"{r['samples_per_s']:.2f}",
+                      f"{ref['iteration_s'] / r['iteration_s']:.2f}x" if ref else "-", f"{r['swap_bytes'] / 1e9:.1f}",
+                      r["config"])
+    console.print(table)
+    table = Table(title="gpt2-tiny on 2 emulated devices, minibatch 8: swap bytes per iteration")
+    for col in ("precision", "planned", "counted", "configuration"):
+        table.add_column(col, justify="right")
+    for r in counted():
+        table.add_row(r["precision"], f"{r['planned']:,}", f"{r['counted']:,}", r["config"])
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()
