@@ -53,7 +53,7 @@ def estimated(cases=CASES, modes=("pp", "dp"), minibatch: int = 64, devices: int
         for mode in modes:
             try:
                 plain = search(profile, machine, mode, devices, minibatch)
-                clipped = search(profile, machine, mode, devices, minibatch, clip=True)
+                clipped = search(profile, machine, mode, devices, minibatch, gated=True)
             except NoFeasibleConfiguration as exc:
                 rows.append({"model": name, "mode": mode, "error": str(exc)})
                 continue
@@ -81,7 +81,7 @@ def measured(modes=("pp", "dp"), rounds: int = 3, iterations: int = 4, minibatch
     rows = []
     for mode in modes:
         plain, _ = searched(base, mode, 2, minibatch)
-        clipped, _ = searched(base, mode, 2, minibatch, clip=True)
+        clipped, _ = searched(base, mode, 2, minibatch, gated=True)
         clipped.options["clip_grad_norm"] = 1.0
         times: dict[str, list[float]] = {"unclipped": [], "clipped": []}
         for _ in range(rounds):

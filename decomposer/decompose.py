@@ -277,3 +277,7 @@ def _record_state(graph: LayerGraph, layer_modules: list[torch.nn.Module], model
         if canon in graph.state:
             for alias in aliases:
                 graph.state.setdefault(alias, StateSpec(**{**graph.state[canon].__dict__, "name": alias}))
+    # in the model's own order (its state_dict's, so its parameters' in model.parameters() order):
+    # whatever sums over every parameter (a clipped gradient's norm) adds them up as eager code does
+    order = {name: i for i, name in enumerate(model.state_dict(keep_vars=True))}
+    graph.state = dict(sorted(graph.state.items(), key=lambda item: order.get(item[0], len(order))))

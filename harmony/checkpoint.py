@@ -133,11 +133,12 @@ def _digest(f, length: int) -> str:
 
 
 # ------------------------------------------------------------------ a run's state
-def snapshot(plan, store, iteration: int, seed: int, schedule=None) -> dict[str, Any]:
+def snapshot(plan, store, iteration: int, seed: int, schedule=None, loss_scale=None) -> dict[str, Any]:
     """The body of a checkpoint of a run of ``plan`` whose host store ``store`` holds the state
     after ``iteration`` steps: weights and buffers under the model's names, optimizer state, the
     step, the seed, this process's global generators and, for a scheduled run, the learning-rate
-    schedule (``runtime/schedule.Schedule``; the key is absent otherwise)."""
+    schedule (``runtime/schedule.Schedule``; the key is absent otherwise), for an fp16 run the loss
+    scale (``runtime/lossscale.LossScale``, as GradScaler's state_dict, key "grad_scaler")."""
     body = {
         "version": VERSION, "graph": plan.graph.fingerprint(), "model_sha256": plan.model_sha256 or "",
         "iteration": iteration, "seed": seed, "model": store.state_dict(plan.graph),
@@ -145,13 +146,17 @@ def snapshot(plan, store, iteration: int, seed: int, schedule=None) -> dict[str,
     }
     if schedule is not None:
         body["lr_scheduler"] = schedule.state_dict()
+    if loss_scale is not None:
+        body["grad_scaler"] = loss_scale.state_dict()
     return body
 
 
-def restore(path: str | Path, plan, store, restore_rng_state: bool = True, schedule=None) -> tuple[int, int]:
+def restore(path: str | Path, plan, store, restore_rng_state: bool = True, schedule=None,
+            loss_scale=None) -> tuple[int, int]:
     """Load the checkpoint at ``path`` into ``store`` (the host store of a run of ``plan``) and,
     for a scheduled run, its learning-rate ``schedule`` (one saved without a schedule: the schedule
-    is stepped to the checkpoint's step, as if it had run from the start); returns its (step, seed).
+    is stepped to the checkpoint's step, as if it had run from the start), for an fp16 run its
+    ``loss_scale`` (if the checkpoint has one); returns its (step, seed).
     A file that is damaged or was saved for another model, model file or decomposition is refused
     before anything changes."""
     body = read(path)
@@ -169,6 +174,8 @@ def restore(path: str | Path, plan, store, restore_rng_state: bool = True, sched
         raise CheckpointError(f"{path} does not fit this model: {problem}")
     if schedule is not None:
         _restore_schedule(path, body, schedule)
+    if loss_scale is not None and body.get("grad_scaler"):
+        loss_scale.load_state_dict(body["grad_scaler"])
     store.load_tensors(plan.graph, body["model"])
     store.load_optimizer_state(body["optimizer"])
     if restore_rng_state:

@@ -147,8 +147,9 @@ def _training_arguments(p: argparse.ArgumentParser) -> None:
                    help="clip the gradient to global 2-norm X before every step, as torch.nn.utils.clip_grad_norm_ "
                         "(the updates wait for the whole gradient: none overlaps the backward)")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
-                   help="device compute: fp32, or bf16 under torch.autocast with float32 weights, gradients and "
-                        "optimizer state (default fp32; fp16 needs loss scaling, not there yet)")
+                   help="device compute: fp32, or bf16 / fp16 under torch.autocast with float32 weights, gradients "
+                        "and optimizer state; fp16 also scales the loss and skips overflowing steps as "
+                        "torch.amp.GradScaler does (default fp32)")
 
 
 def _cmd_compile(ns: argparse.Namespace) -> int:

@@ -81,9 +81,14 @@ class CompileOptions:
             except ValueError as exc:
                 raise HarmonyError(str(exc)) from None
 
+    def gated(self) -> bool:
+        """Whether every update must wait for the whole gradient (``taskgraph.with_norm``): to clip
+        it by its norm, or to skip the step if fp16 overflowed."""
+        return self.clip_grad_norm is not None or precision.needs_loss_scaling(self.precision)
+
     def search_options(self) -> dict[str, Any]:
-        """What the task graphs must do beyond the mode's default (clip: ``taskgraph.with_norm``)."""
-        return {"clip": True} if self.clip_grad_norm is not None else {}
+        """What the task graphs must do beyond the mode's default."""
+        return {"gated": True} if self.gated() else {}
 
     def capacity(self) -> int | None:
         if self.device_memory is None:
@@ -156,7 +161,7 @@ def _compile_plan(model, get_batch, build_optimizer, options: CompileOptions, mo
         comparison += compare_modes(others, profile, machine, options.devices, options.minibatch, planned,
                                     bool(same_u), workers=options.search_workers,
                                     on_done=lambda done, total: on_progress(f"comparing modes: {done} of {total}"),
-                                    clip=options.clip_grad_norm is not None)
+                                    gated=options.gated())
         comparison.sort(key=lambda r: (r["iteration_time"] is None, MODES.index(r["mode"])))
     on_progress("measuring the plan's packs")
     measure = pack_measurer(graph, get_batch, build_optimizer, loss_fn, options, capacity)

@@ -27,6 +27,11 @@ small models, and reports the ledger's peak. GPUs always measure: their allocato
 (``lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)``): the scheduler is
 stepped once per minibatch, after it, and every update of the minibatch, on a device or on the
 host, runs at the rate it gives (``runtime/schedule.py``); checkpoints save and restore it.
+
+``clip_grad_norm`` (default: the plan's) clips the gradient as ``clip_grad_norm_`` before every
+step (``runtime/clipping.py``). An fp16 plan scales the loss as ``torch.amp.GradScaler`` does,
+starting at ``loss_scale`` (default 2**16), and skips the steps whose gradient overflowed
+(``runtime/lossscale.py``); checkpoints save and restore the scale.
 """
 
 from __future__ import annotations
@@ -56,7 +61,8 @@ class Trainer:
     def __init__(self, plan: Plan, optimizer: Callable | None = None, loss_fn: Callable | None = None,
                  state_dict: dict[str, torch.Tensor] | None = None, seed: int = 0, timeout: float = 600.0,
                  prefetch: bool = True, p2p: str = "auto", check_memory: bool | None = None,
-                 lr_scheduler: Callable | None = None, clip_grad_norm: float | None = None) -> None:
+                 lr_scheduler: Callable | None = None, clip_grad_norm: float | None = None,
+                 loss_scale: float | None = None) -> None:
         self.plan = plan
         # the plan's own threshold unless given: a plan that clips is compiled for it (its updates wait for the norm)
         self.clip_grad_norm = clip_grad_norm if clip_grad_norm is not None else plan.options.get("clip_grad_norm")
@@ -84,7 +90,7 @@ class Trainer:
         self.launcher = Launcher(graph, plan.tasks, self.store, self.loss_fn, self.build_optimizer,
                                  device_type=device_type, capacity=capacity, seed=seed, timeout=timeout,
                                  prefetch=prefetch, p2p=p2p, check_memory=check_memory,
-                                 clip_grad_norm=self.clip_grad_norm)
+                                 clip_grad_norm=self.clip_grad_norm, loss_scale=loss_scale)
 
     # ------------------------------------------------------------ training
     def step(self, inputs: Any, target: Any) -> float:
@@ -133,14 +139,15 @@ class Trainer:
         states, written atomically and sealed with a checksum (``harmony.checkpoint``): the file
         appears complete or not at all. ``torch.load(path)["model"]`` loads into the original model."""
         return checkpoint.write(path, checkpoint.snapshot(self.plan, self.store, self.iteration, self.seed,
-                                                          self.schedule))
+                                                          self.schedule, self.launcher.loss_scale))
 
     def load_checkpoint(self, path: str | Path, restore_rng: bool = True) -> int:
         """Continue from a checkpoint of this model: its weights, optimizer state and step (the
         runtime's dropout masks follow from the seed and the step) and, with ``restore_rng``, the
         global random generators. A file that is damaged or was saved for another model or
         decomposition is refused before anything changes. Returns the step."""
-        iteration, self.seed = checkpoint.restore(path, self.plan, self.store, restore_rng, self.schedule)
+        iteration, self.seed = checkpoint.restore(path, self.plan, self.store, restore_rng, self.schedule,
+                                                  self.launcher.loss_scale)
         self.launcher.iteration = iteration
         return iteration
 

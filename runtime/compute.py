@@ -122,7 +122,10 @@ class Compute:
                 with autocast(self.device.torch_device.type, self.routes.graph.precision):
                     loss = self.loss_fn(pytree.tree_unflatten(outputs, self._out_spec), target) * (size / self.minibatch)
                 del outputs
-                loss.backward()
+                if self.loss_scale is not None:  # as GradScaler.scale: times the scale in float32
+                    (loss * torch.full((), self.loss_scale, dtype=torch.float32, device=device)).backward()
+                else:
+                    loss.backward()
                 loss_total += float(loss.detach())
                 del loss, target
             else:

@@ -121,6 +121,7 @@ class Executor(Admission, PackState, Transport, Compute, Updates):
         self.loss_fn = loss_fn
         self.build_optimizer = build_optimizer
         self.rates: Rates | None = None
+        self.loss_scale: float | None = None
         self.seed = seed
         self.timeout = timeout
         self.tasks = [t for t in routes.graph.tasks if t.device == rank]
@@ -202,12 +203,15 @@ class Executor(Admission, PackState, Transport, Compute, Updates):
                 self.shared.set_status(self.rank, "; ".join(self._activity.values()))
 
     # ================================================================ iteration
-    def run_iteration(self, iteration: int, batch: Batch, rates: Rates | None = None) -> IterationResult:
+    def run_iteration(self, iteration: int, batch: Batch, rates: Rates | None = None,
+                      loss_scale: float | None = None) -> IterationResult:
         """This device's tasks of one iteration, in plan order, until their outputs have left;
-        updates at the learning-rate schedule's ``rates`` when there is one (``schedule.py``)."""
+        updates at the learning-rate schedule's ``rates`` when there is one (``schedule.py``); the
+        loss multiplied by ``loss_scale`` before its backward (fp16, ``lossscale.py``)."""
         self.iteration = iteration
         self.batch = batch
         self.rates = rates
+        self.loss_scale = loss_scale
         self.counters.reset()
         self._transfers = {}
         if self.slabs is not None:

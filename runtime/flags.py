@@ -29,6 +29,7 @@ class Shared:
     abort: torch.Tensor  # int64 [1]: nonzero once any worker failed
     current: torch.Tensor | None = None  # int64 [MAX_WORKERS]: task id + 1 running now, 0 between tasks
     status: torch.Tensor | None = None  # uint8 [MAX_WORKERS, STATUS_BYTES]: NUL-padded text
+    skips: torch.Tensor | None = None  # int64 [1]: iteration + 1 once fp16's check skips that iteration's step
 
     def __post_init__(self) -> None:
         # numpy views of the same shared memory: polled from threads inside a device's memory scope,
@@ -38,10 +39,11 @@ class Shared:
         self._abort = self.abort.numpy()
         self._current = self.current.numpy() if self.current is not None else None
         self._status = self.status.numpy() if self.status is not None else None
+        self._skips = self.skips.numpy() if self.skips is not None else np.zeros(1, dtype=np.int64)
 
     def __getstate__(self) -> dict:
         return {"done": self.done, "reads": self.reads, "abort": self.abort, "current": self.current,
-                "status": self.status}
+                "status": self.status, "skips": self.skips}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -52,6 +54,14 @@ class Shared:
 
     def mark_done(self, task: int, iteration: int) -> None:
         self._done[task] = iteration + 1
+
+    def skip_step(self, iteration: int) -> None:
+        """No update of ``iteration`` steps: its fp16 gradient overflowed (set before the NORM task
+        is marked done, so every update that waited for it sees it)."""
+        self._skips[0] = iteration + 1
+
+    def step_skipped(self, iteration: int) -> bool:
+        return int(self._skips[0]) == iteration + 1
 
     def mark_read(self, task: int, iteration: int) -> None:
         self._reads[task] = iteration + 1
@@ -92,13 +102,14 @@ class Shared:
         names it: torchrun's workers are not forked from one parent)."""
         n = max(tasks, 1)
         status_words = MAX_WORKERS * STATUS_BYTES // 8
-        size = 2 * n + 1 + MAX_WORKERS + status_words
+        size = 2 * n + 1 + MAX_WORKERS + status_words + 1
         if path is None:
             flat = torch.zeros(size, dtype=torch.int64).share_memory_()
         else:
             flat = torch.from_file(path, shared=True, size=size, dtype=torch.int64)
-        status = flat[2 * n + 1 + MAX_WORKERS:].view(torch.uint8).view(MAX_WORKERS, STATUS_BYTES)
-        return cls(flat[:n], flat[n:2 * n], flat[2 * n:2 * n + 1], flat[2 * n + 1:2 * n + 1 + MAX_WORKERS], status)
+        status = flat[2 * n + 1 + MAX_WORKERS:size - 1].view(torch.uint8).view(MAX_WORKERS, STATUS_BYTES)
+        return cls(flat[:n], flat[n:2 * n], flat[2 * n:2 * n + 1], flat[2 * n + 1:2 * n + 1 + MAX_WORKERS], status,
+                   flat[size - 1:])
 
     def aborted(self) -> bool:
         return bool(self._abort[0])

@@ -62,6 +62,8 @@ from harmony.runtime.routes import Routes, build_routes
 from harmony.runtime.schedule import Rates
 from harmony.runtime.streams import SWITCH_INTERVAL
 from harmony.runtime.clipping import check_clipping, host_norm
+from harmony.runtime.lossscale import LossScale
+from harmony.runtime.precision import needs_loss_scaling
 from harmony.runtime.updates import host_update
 from harmony.scheduler.tasks import HOST, Channel, Kind, TaskGraph
 
@@ -87,6 +89,8 @@ class StepResult:
     # (task, label, start, end) of the host's tasks (offloaded updates), time.perf_counter seconds
     host_events: list[tuple[int, str, float, float]] = field(default_factory=list)
     grad_norm: float | None = None  # the global gradient norm before clipping, in a plan that clips
+    loss_scale: float | None = None  # fp16: the scale the loss was multiplied by
+    skipped: bool = False  # fp16: the gradient overflowed and no parameter stepped
 
     def bytes_by_channel(self) -> dict[str, int]:
         """Bytes all workers moved per channel ("SWAP in", "P2P out", ...), as the plan counts them:
@@ -238,9 +242,9 @@ def _worker_main(ctx: _WorkerContext) -> None:
             command = ctx.commands.get()
             if command is None:
                 break
-            iteration, sent, rates = command
+            iteration, sent, rates, loss_scale = command
             batch = received(sent, batch)
-            result = executor.run_iteration(iteration, batch, rates)
+            result = executor.run_iteration(iteration, batch, rates, loss_scale)
             ctx.results.put(("done", ctx.rank, (iteration, result)))
     except Aborted:
         if transport is not None and transport.failure is not None:  # this worker's own P2P failed
@@ -282,11 +286,14 @@ class Launcher:
                  build_optimizer: Callable, device_type: str = "cpu", capacity: int | None = None,
                  seed: int = 0, timeout: float = 600.0, threads: int | None = None,
                  prefetch: bool = True, p2p: str = "auto", check_memory: bool | None = None,
-                 clip_grad_norm: float | None = None) -> None:
+                 clip_grad_norm: float | None = None, loss_scale: float | None = None) -> None:
         if tasks.memory is None:
             raise HarmonyError(NO_PROMISE)
         check_clipping(tasks, clip_grad_norm)
         self.clip_grad_norm = clip_grad_norm
+        self.loss_scale = None
+        if needs_loss_scaling(tasks.precision):
+            self.loss_scale = LossScale() if loss_scale is None else LossScale(scale=float(loss_scale))
         method = processes.start_method(device_type)
         if method != "fork":  # before anything is made that would need closing
             loss_fn, build_optimizer = _by_value(loss_fn, "loss function"), _by_value(build_optimizer, "optimizer builder")
@@ -350,12 +357,13 @@ class Launcher:
         iteration = self.iteration
         start = time.perf_counter()
         sent = self._slots.fill(batch)
+        scale = self.loss_scale.scale if self.loss_scale is not None else None
         for q in self.commands:
-            q.put((iteration, sent, rates))
+            q.put((iteration, sent, rates, scale))
         host_error: list[BaseException] = []
         host_events: list[tuple[int, str, float, float]] = []
-        norm: list[float] = []
-        host = threading.Thread(target=self._host_tasks, args=(iteration, host_error, host_events, rates, norm),
+        verdict: list[tuple[float | None, bool]] = []
+        host = threading.Thread(target=self._host_tasks, args=(iteration, host_error, host_events, rates, verdict),
                                 daemon=True)
         with torch_threads(self._host_threads):  # process-wide: this thread only waits meanwhile
             host.start()
@@ -371,20 +379,25 @@ class Launcher:
             self.close()
             raise WorkerError(f"the host update failed: {host_error[0]}") from host_error[0]
         self.iteration += 1
+        norm, skipped = verdict[0] if verdict else (None, False)
+        if self.loss_scale is not None:
+            self.loss_scale.update(skipped)
         ordered = [results[r][1] for r in range(self.devices)]
         return StepResult(loss=sum(r.loss for r in ordered), seconds=time.perf_counter() - start, workers=ordered,
-                          host_events=host_events, grad_norm=norm[0] if norm else None)
+                          host_events=host_events, grad_norm=norm, loss_scale=scale, skipped=skipped)
 
-    def _host_tasks(self, iteration: int, errors: list, events: list, rates: Rates | None, norm: list) -> None:
-        """The host's tasks in plan order: offloaded updates, and the gradient norm of a plan that clips."""
+    def _host_tasks(self, iteration: int, errors: list, events: list, rates: Rates | None, verdict: list) -> None:
+        """The host's tasks in plan order: offloaded updates, and the NORM task of a plan that clips
+        or scales the loss (its norm and whether the step is skipped go to ``verdict``)."""
         try:
             for task in self.tasks.tasks:
                 if task.device != HOST:
                     continue
                 if task.kind == Kind.NORM:
                     began = time.perf_counter()
-                    norm.append(host_norm(task, self.routes, self.store, self.shared, self.clip_grad_norm,
-                                          iteration, self.timeout))
+                    verdict.append(host_norm(task, self.routes, self.store, self.shared, self.clip_grad_norm,
+                                             iteration, self.timeout,
+                                             self.loss_scale.scale if self.loss_scale is not None else None))
                 else:
                     began = host_update(task, self.graph, self.routes, self.store, self.shared, self.build_optimizer,
                                         iteration, self.timeout, rates)

@@ -7,8 +7,9 @@ reductions, the loss) in float32, exactly as the reference does. Weights, gradie
 state stay in the model's dtype (float32) on the device, in host memory and over the links; only
 activations that autocast makes low precision move as such. Autocast leaves float64 alone.
 
-Not done yet: moving low-precision copies of the weights (half the swap bytes), and fp16's
-dynamic loss scaling (fp16 is refused until it exists: without it small gradients underflow).
+fp16 also scales the loss (``lossscale.py``), as ``torch.amp.GradScaler`` does.
+
+Not done yet: moving low-precision copies of the weights (half the swap bytes).
 """
 
 from __future__ import annotations
@@ -21,15 +22,17 @@ import torch
 from harmony.errors import HarmonyError
 
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-SUPPORTED = ("fp32", "bf16")
 
 
 def check(precision: str) -> None:
     if precision not in PRECISIONS:
         raise HarmonyError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
-    if precision not in SUPPORTED:
-        raise HarmonyError(f"precision {precision} needs dynamic loss scaling, which Harmony does not have yet; "
-                           "use bf16 (the same range as float32, no scaling needed) or fp32")
+
+
+def needs_loss_scaling(precision: str) -> bool:
+    """fp16's range is too narrow for small gradients: the loss is scaled up, and a step whose
+    gradient overflowed is skipped (``lossscale.py``)."""
+    return precision == "fp16"
 
 
 def compute_dtype(precision: str) -> torch.dtype | None:

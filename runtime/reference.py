@@ -37,14 +37,18 @@ def _slice(x: Any, start: int, size: int) -> Any:
 def reference_train(model: torch.nn.Module, loss_fn: Callable, build_optimizer: Callable,
                     batches: list[tuple[Any, Any]], microbatches: list[tuple[int, int]], seed: int = 0,
                     lr_scheduler: Callable | None = None, clip_grad_norm: float | None = None,
-                    grad_norms: list[float] | None = None, precision: str = "fp32") -> list[float]:
+                    grad_norms: list[float] | None = None, precision: str = "fp32",
+                    loss_scale: float = 2.0 ** 16) -> list[float]:
     """Train ``model`` in place on ``batches`` ((inputs, target) pairs), one optimizer step each
     (after ``torch.nn.utils.clip_grad_norm_`` if ``clip_grad_norm``, its norms appended to
     ``grad_norms``), then one step of the scheduler ``lr_scheduler`` builds, if any
     (``ReduceLROnPlateau`` with the minibatch's loss); returns the mean loss of every minibatch.
-    ``precision`` "bf16": the forward and the loss under ``torch.autocast``, as users write it."""
+    ``precision`` "bf16": the forward and the loss under ``torch.autocast``, as users write it;
+    "fp16" also with ``torch.amp.GradScaler(init_scale=loss_scale)`` (a skipped step's loss is
+    still returned)."""
     device_type = next(model.parameters()).device.type
     opt = build_optimizer(model.parameters())
+    scaler = torch.amp.GradScaler(device_type, init_scale=loss_scale) if precision == "fp16" else None
     scheduler = lr_scheduler(opt) if lr_scheduler is not None else None
     losses = []
     for iteration, (inputs, target) in enumerate(batches):
@@ -57,13 +61,19 @@ def reference_train(model: torch.nn.Module, loss_fn: Callable, build_optimizer: 
             with autocast(device_type, precision):
                 out = model(*[_slice(x, start, size) for x in inputs])
                 loss = loss_fn(out, _slice(target, start, size)) * (size / total)
-            loss.backward()
+            (scaler.scale(loss) if scaler is not None else loss).backward()
             loss_sum += float(loss.detach())
+        if scaler is not None:
+            scaler.unscale_(opt)
         if clip_grad_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
             if grad_norms is not None:
                 grad_norms.append(float(norm))
-        opt.step()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
         if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             scheduler.step(loss_sum)
         elif scheduler is not None:

@@ -48,7 +48,10 @@ def _parameters(r: Routes, layers: LayerGraph) -> None:
             st = layers.state[name]
             if st.kind == "parameter" and st.requires_grad:
                 holders.setdefault(layers.canonical(name), []).append(spec.index)
-    r.owner = {p: min(ls) for p, ls in holders.items()}
+    # in the model's order of parameters (the layer graph's state table): a sum over all of them
+    # (the clipped gradient's norm) adds them up as eager code over model.parameters() does
+    ordered = dict.fromkeys(layers.canonical(name) for name in layers.state)
+    r.owner = {p: min(holders[p]) for p in ordered if p in holders}
 
     def params_in(first: int, last: int) -> list[str]:
         return [p for p, ls in holders.items() if any(first <= l <= last for l in ls)]

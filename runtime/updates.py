@@ -113,6 +113,11 @@ class Updates:
             return
         sources = sorted(_waits_for(task, params, self.routes))
         self._wait_done(sources, f"updating task {task.id}")
+        if self.shared.step_skipped(self.iteration):  # fp16 overflowed: nothing steps, nothing changes
+            for p in params.values():
+                p.grad = None
+            self._write_state(task, {}, {}, write)
+            return
         leaves = {}
         for name, p in params.items():
             leaf = p.detach().requires_grad_(True)
@@ -178,6 +183,9 @@ def host_update(task: Task, layers: LayerGraph, routes: Routes, store: HostStore
     owned = routes.updates.get(task.id, [])
     shared.wait_done(sorted(_waits_for(task, owned, routes)), iteration, f"the host update of task {task.id}", timeout)
     began = time.perf_counter()
+    if shared.step_skipped(iteration):  # fp16 overflowed: nothing steps
+        shared.mark_done(task.id, iteration)
+        return began
     leaves = {}
     for name in owned:
         grad = store.gradient_sum(name, iteration)

@@ -46,10 +46,10 @@ def usable_cores() -> int:
 
 
 def _search_row(mode: str, profile: Profile, machine: Machine, devices: int, minibatch: int, capacity: int,
-                same_u: bool, clip: bool = False) -> tuple[dict[str, Any], str | None]:
+                same_u: bool, gated: bool = False) -> tuple[dict[str, Any], str | None]:
     """The mode's row, and why it fits nothing (None where it fits)."""
     try:
-        options = {"clip": True} if clip else {}
+        options = {"gated": True} if gated else {}
         return row(mode, search(profile, machine, mode, devices, minibatch, capacity=capacity, same_u=same_u,
                                 **options)), None
     except NoFeasibleConfiguration as exc:
@@ -64,11 +64,11 @@ def _quiet() -> None:
 
 def compare_modes(modes: list[str], profile: Profile, machine: Machine, devices: int, minibatch: int, capacity: int,
                   same_u: bool, workers: int | None = None,
-                  on_done: Callable[[int, int], None] = lambda done, total: None, clip: bool = False) -> list[dict[str, Any]]:
+                  on_done: Callable[[int, int], None] = lambda done, total: None, gated: bool = False) -> list[dict[str, Any]]:
     """One row per mode, in ``modes``' order, the modes that fit nothing last. ``workers``: processes
     to search in (None: one per usable core, at most one per mode); ``on_done(done, total)`` after
-    each; ``clip``: plans that clip gradients (``taskgraph.with_norm``)."""
-    args = (profile, machine, devices, minibatch, capacity, same_u, clip)
+    each; ``gated``: plans whose updates wait for the whole gradient (``taskgraph.with_norm``)."""
+    args = (profile, machine, devices, minibatch, capacity, same_u, gated)
     workers = min(len(modes), usable_cores() if workers is None else max(1, workers))
     rows: dict[str, dict[str, Any]] = {}
 

@@ -596,11 +596,11 @@ def with_norm(graph: TaskGraph) -> TaskGraph:
                      tasks=ordered)
 
 
-def generate(mode: str, profile: Profile, config: Configuration, devices: int, minibatch: int, clip: bool = False,
+def generate(mode: str, profile: Profile, config: Configuration, devices: int, minibatch: int, gated: bool = False,
              **options) -> TaskGraph:
-    """The task graph of one iteration of ``config`` in ``mode``; with ``clip``, one whose updates
-    wait for the global gradient norm (``with_norm``)."""
-    if not clip:
+    """The task graph of one iteration of ``config`` in ``mode``; ``gated``: one whose updates wait
+    for the whole gradient (``with_norm``: clipping needs its norm, fp16 whether it overflowed)."""
+    if not gated:
         return _generate(mode, profile, config, devices, minibatch, **options)
     if mode == "pp" and options.get("update", "device") == "device":
         options = {**options, "jit_update": False}

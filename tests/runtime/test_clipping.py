@@ -31,10 +31,10 @@ ITERATIONS = 4
 def clipped_plan(base: Plan, mode: str, update: str | None) -> Plan:
     machine = _nominal_machine(CompileOptions(minibatch=MINIBATCH, devices=2), base.profile.capacity)
     result = search(base.profile, machine, mode, 2, MINIBATCH, capacity=base.options["planned_memory"],
-                    same_u=bool(base.options["same_u"]), clip=True)
+                    same_u=bool(base.options["same_u"]), gated=True)
     tasks = result.graph
     if update is not None:
-        tasks = generate(mode, base.profile, result.graph.config, 2, MINIBATCH, update=update, clip=True)
+        tasks = generate(mode, base.profile, result.graph.config, 2, MINIBATCH, update=update, gated=True)
     plan = Plan(graph=base.graph, profile=base.profile, tasks=tasks, estimate={},
                 options={**base.options, "devices": 2, "mode": mode, "clip_grad_norm": MAX_NORM})
     plan.loss_fn, plan.build_optimizer = base.loss_fn, adam
@@ -96,7 +96,7 @@ def test_every_update_waits_for_the_norm_and_none_is_fused_into_a_backward(mode,
                                                    base.profile.capacity),
                     mode, 2, MINIBATCH, capacity=base.options["planned_memory"], same_u=True).config
     options = {"update": update} if update else {}
-    graph = generate(mode, base.profile, config, 2, MINIBATCH, clip=True, **options)
+    graph = generate(mode, base.profile, config, 2, MINIBATCH, gated=True, **options)
     norm = [t for t in graph.tasks if t.kind == Kind.NORM]
     assert len(norm) == 1 and norm[0].device == HOST
     gradients = {t.id for t in graph.tasks if t.kind == Kind.BWD and any(o.tensor == "dW" for o in t.outputs)}

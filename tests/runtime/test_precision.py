@@ -1,6 +1,8 @@
 """Mixed precision: a bf16 plan computes under ``torch.autocast`` on every device and trains as
 eager autocast training does (the same microbatches, float32 weights, gradients and Adam state),
-on 2 emulated devices below a third of the training footprint, in pp and dp.
+on 2 emulated devices below a third of the training footprint, in pp and dp; an fp16 plan also
+scales the loss and skips overflowing steps as ``torch.amp.GradScaler`` does (the same tolerance:
+fp16 keeps 11 bits, so a flipped rounding weighs less than bf16's).
 
 Tolerance: each microbatch runs the same ops in the same order as the reference, so the two differ
 only where gradients of several tasks or devices add up in another order (data parallelism, a tied
@@ -86,10 +88,62 @@ def test_the_precision_is_part_of_the_saved_plan(tmp_path):
     assert "precision: bf16 under torch.autocast" in (tmp_path / "plan" / "summary.md").read_text()
 
 
-@pytest.mark.parametrize("precision, message", [("fp16", "needs dynamic loss scaling"),
-                                                ("int8", "unknown precision 'int8'")])
-def test_precisions_harmony_cannot_train_in_are_refused_before_compiling(precision, message):
+def test_an_unknown_precision_is_refused_before_compiling():
     model, get_batch, capacity = model_and_capacity()
-    with pytest.raises(HarmonyError, match=message):
+    with pytest.raises(HarmonyError, match="unknown precision 'int8'; choose one of fp32, bf16, fp16"):
         harmony.compile(model, gpt2.loss_fn, get_batch, minibatch_size=MINIBATCH, devices=2,
-                        device_memory=capacity, probe=False, precision=precision)
+                        device_memory=capacity, probe=False, precision="int8")
+
+
+@functools.lru_cache(maxsize=None)
+def fp16_plan(mode: str, clip: float | None = None):
+    model, get_batch, capacity = model_and_capacity()
+    return harmony.compile(model, gpt2.loss_fn, get_batch, minibatch_size=MINIBATCH, devices=2, mode=mode,
+                           device_memory=capacity, build_optimizer=adam, probe=False, precision="fp16",
+                           clip_grad_norm=clip)
+
+
+FIRST_SCALE = 2.0 ** 20  # high enough that some fp16 gradients overflow: those steps are skipped
+
+
+@pytest.mark.parametrize("mode, clip", [("pp", None), ("dp", None), ("pp", 0.5)])
+def test_an_fp16_run_scales_the_loss_and_skips_the_steps_eager_grad_scaler_skips(mode, clip):
+    model, get_batch, _ = model_and_capacity()
+    plan = fp16_plan(mode, clip)
+    assert [t for t in plan.tasks.tasks if t.kind.value == "NORM"] and not [t for t in plan.tasks.tasks
+                                                                           if t.jit_update()]
+    batches = [get_batch(MINIBATCH, step) for step in range(5)]
+    with harmony.Trainer(plan, optimizer=adam, timeout=30, loss_scale=FIRST_SCALE) as trainer:
+        losses = [trainer.step(x, y) for x, y in batches]
+        state, history = trainer.state_dict(), trainer.history
+    reference = copy.deepcopy(model)
+    scaler_steps: list[float] = []
+    expected = reference_train(reference, gpt2.loss_fn, adam, batches, microbatches_of(plan.tasks), precision="fp16",
+                               clip_grad_norm=clip, loss_scale=FIRST_SCALE, grad_norms=scaler_steps)
+    scales = [step.loss_scale for step in history]
+    skipped = [step.skipped for step in history]
+    assert any(skipped) and not all(skipped), skipped  # both kinds of step
+    # GradScaler: halved after a skipped step, kept after a good one (growth comes after 2000)
+    assert all(later == (earlier / 2 if skip else earlier) for earlier, later, skip in zip(scales, scales[1:], skipped))
+    assert scales[0] == FIRST_SCALE
+    assert losses == pytest.approx(expected, rel=LOSS_TOLERANCE)
+    assert max_difference(state, reference.state_dict()) <= TOLERANCE
+    for step in history:
+        if not step.skipped:  # a skipped step moves less: its updates stop after the check
+            assert step.bytes_by_channel() == {k: v for k, v in plan.tasks.bytes_by_channel().items() if v}
+
+
+def test_a_checkpoint_of_an_fp16_run_resumes_its_loss_scale(tmp_path):
+    _, get_batch, _ = model_and_capacity()
+    plan = fp16_plan("pp")
+    with harmony.Trainer(plan, optimizer=adam, timeout=30, loss_scale=FIRST_SCALE) as trainer:
+        for step in range(2):
+            trainer.step(*get_batch(MINIBATCH, step))
+        scale = trainer.launcher.loss_scale.scale
+        path = trainer.save_checkpoint(tmp_path / "fp16.pt")
+    assert scale < FIRST_SCALE
+    with harmony.Trainer(plan, optimizer=adam, timeout=30) as trainer:
+        trainer.load_checkpoint(path)
+        assert trainer.launcher.loss_scale.scale == scale
+        trainer.step(*get_batch(MINIBATCH, 2))
+        assert trainer.history[-1].loss_scale == scale
