@@ -62,7 +62,8 @@ def run_report(plan: Plan, history: list[StepResult], warmup: int = 1, first: in
         "mode": plan.tasks.mode, "devices": plan.tasks.devices, "minibatch": plan.tasks.minibatch,
         "configuration": str(plan.tasks.config), "p2p": p2p,
         "iterations": [{"iteration": i, "loss": r.loss, "seconds": r.seconds,
-                        **({"grad_norm": r.grad_norm} if r.grad_norm is not None else {})}
+                        **({"grad_norm": r.grad_norm} if r.grad_norm is not None else {}),
+                        **({"loss_scale": r.loss_scale, "skipped": r.skipped} if r.loss_scale is not None else {})}
                        for i, r in enumerate(history, first)],
         "mean_iteration_seconds": mean, "estimated_iteration_seconds": estimated,
         "relative_error": (estimated - mean) / mean if estimated and mean else None,
