@@ -17,7 +17,7 @@ from typing import Any, Callable
 from rich.console import Console
 from rich.table import Table
 
-from bench import ablation, accuracy, overhead, peers, report, search_time, throughput
+from bench import ablation, accuracy, clipping, overhead, peers, precision, report, search_time, throughput
 from bench.common import TINY, Stopwatch, machine_info
 
 console = Console(width=160)
@@ -49,6 +49,10 @@ BENCHMARKS: dict[str, Callable[[bool], Any]] = {
     "ablation": lambda quick: ablation.measure(("pp",) if quick else ("pp", "dp"), rounds=1 if quick else 2,
                                                 iterations=3 if quick else 4),
     "peers": _peers,
+    "precision": lambda quick: {"estimated": precision.estimated(precision.CASES[:1] if quick else precision.CASES),
+                                "counted": precision.counted()},
+    "clipping": lambda quick: {"estimated": clipping.estimated(clipping.CASES[:1] if quick else clipping.CASES),
+                               "measured": clipping.measured(rounds=1 if quick else 3)},
 }
 
 
@@ -86,6 +90,10 @@ def summary_table(results: dict[str, Any]) -> Table:
                                f"{r['summary']['configurations']} configurations (goal ≤ 5%)"
                                if r["summary"]["mean_relative_error"] is not None else "no configuration ran"),
         "ablation": lambda r: ", ".join(f"{x['mode']} {x['variant']} {x['slowdown']:.2f}" for x in r if "slowdown" in x),
+        "precision": lambda r: "bf16 / fp32 estimated: " + ", ".join(
+            f"{m} {s:.2f}x" for m, s in report.precision_speedups(r["estimated"]).items()),
+        "clipping": lambda r: "clipped / unclipped estimated: " + ", ".join(
+            f"{x['model']} {x['mode']} {x['clipped_s'] / x['unclipped_s']:.3f}" for x in r["estimated"] if "error" not in x),
     }
     for name, seconds in results["seconds"].items():
         text = results["failures"].get(name) or figures[name](results[name])

@@ -305,6 +305,49 @@ def _section_ablation(rows: list[dict]) -> list[str]:
     return lines + [""]
 
 
+def precision_speedups(rows: list[dict]) -> dict[str, float]:
+    """Per model, the estimated fp32 iteration over the bf16 one."""
+    by = {(r["model"], r["precision"]): r for r in rows if "error" not in r}
+    return {m: by[(m, "fp32")]["iteration_s"] / by[(m, "bf16")]["iteration_s"]
+            for m, p in by if p == "fp32" and (m, "bf16") in by}
+
+
+def _section_precision(r: dict[str, Any]) -> list[str]:
+    lines = ["## 8. bf16 against fp32 (issue 17)", "",
+             "bf16 runs every layer under torch.autocast with float32 weights, gradients and optimizer state, so the "
+             "matmuls run at the bf16 peak but the weights still move in float32: the swap volume barely changes.", "",
+             "| model | precision | estimated iteration s | samples/s | swap GB | configuration |",
+             "|---|---|---:|---:|---:|---|"]
+    for x in r["estimated"]:
+        if "error" in x:
+            lines.append(f"| {x['model']} | {x['precision']} | does not fit | - | - | - |")
+            continue
+        lines.append(f"| {x['model']} | {x['precision']} | {x['iteration_s']:.2f} | {x['samples_per_s']:.2f} | "
+                     f"{x['swap_bytes'] / 1e9:.1f} | {x['config']} |")
+    lines += ["", "Swap bytes per iteration on 2 emulated devices (gpt2-tiny, minibatch 8):", "",
+              "| precision | planned | counted | configuration |", "|---|---:|---:|---|"]
+    lines += [f"| {x['precision']} | {x['planned']:,} | {x['counted']:,} | {x['config']} |" for x in r["counted"]]
+    return lines + [""]
+
+
+def _section_clipping(r: dict[str, Any]) -> list[str]:
+    lines = ["## 9. What gradient clipping costs (issue 17)", "",
+             "Estimated on 4 modelled 1080 Ti, minibatch 64. Speculation (step, then undo) would cost at least the "
+             "unclipped iteration plus the NORM task.", "",
+             "| model | mode | unclipped s | clipped s | ratio | NORM ms | speculation ≥ s |", "|---|---|---:|---:|---:|---:|---:|"]
+    for x in r["estimated"]:
+        if "error" in x:
+            lines.append(f"| {x['model']} | {x['mode']} | does not fit | | | | |")
+            continue
+        lines.append(f"| {x['model']} | {x['mode']} | {x['unclipped_s']:.2f} | {x['clipped_s']:.2f} | "
+                     f"{x['clipped_s'] / x['unclipped_s']:.3f} | {x['norm_s'] * 1e3:.1f} | {x['speculation_bound_s']:.2f} |")
+    lines += ["", "Measured on 2 emulated devices (gpt2-tiny, minibatch 8, median of interleaved runs):", "",
+              "| mode | unclipped ms | clipped ms | ratio |", "|---|---:|---:|---:|"]
+    lines += [f"| {x['mode']} | {x['unclipped_s'] * 1e3:.1f} | {x['clipped_s'] * 1e3:.1f} | "
+              f"{x['clipped_s'] / x['unclipped_s']:.3f} |" for x in r["measured"]]
+    return lines + [""]
+
+
 def write(results: dict[str, Any], out: Path, quick: bool) -> Path:
     """results.json, the plots and README.md under ``out``."""
     out.mkdir(parents=True, exist_ok=True)
@@ -329,6 +372,10 @@ def write(results: dict[str, Any], out: Path, quick: bool) -> Path:
         lines += _section_search(results["search"])
     if "ablation" in results:
         lines += _section_ablation(results["ablation"])
+    if "precision" in results:
+        lines += _section_precision(results["precision"])
+    if "clipping" in results:
+        lines += _section_clipping(results["clipping"])
     if results.get("failures"):
         lines += ["## Benchmarks that failed", ""] + [f"- {k}: {v}" for k, v in results["failures"].items()] + [""]
     for name, file in plots.items():

@@ -47,3 +47,20 @@ def test_results_readme_states_goals_and_links_only_plots_that_exist(tmp_path):
     links = set(re.findall(r"\]\(([\w.]+\.png)\)", text))
     assert links and all((tmp_path / name).is_file() for name in links)
     assert json.loads((tmp_path / "results.json").read_text())["overhead"]["throughput_ratio"] == 0.95
+
+
+def test_the_precision_and_clipping_sections_show_each_row_and_the_speedup(tmp_path):
+    from bench.report import precision_speedups
+
+    precision = {"estimated": [{"model": "M", "precision": p, "iteration_s": t, "samples_per_s": 16 / t,
+                                "swap_bytes": 2 * 10**9, "config": "c"} for p, t in (("fp32", 4.0), ("bf16", 1.0))],
+                 "counted": [{"precision": "bf16", "planned": 1000, "counted": 1000, "config": "c"}]}
+    clipping = {"estimated": [{"model": "M", "mode": "pp", "unclipped_s": 1.0, "clipped_s": 1.01, "norm_s": 0.002,
+                               "speculation_bound_s": 1.002}],
+                "measured": [{"mode": "pp", "unclipped_s": 0.01, "clipped_s": 0.011}]}
+    assert precision_speedups(precision["estimated"]) == {"M": 4.0}
+    results = {"machine": MACHINE, "quick": True, "failures": {}, "seconds": {}, "wall_seconds": 1.0,
+               "precision": precision, "clipping": clipping}
+    text = write(results, tmp_path, quick=True).read_text()
+    assert "| M | bf16 | 1.00 | 16.00 | 2.0 | c |" in text and "| bf16 | 1,000 | 1,000 | c |" in text
+    assert "| M | pp | 1.00 | 1.01 | 1.010 | 2.0 | 1.00 |" in text and "| pp | 10.0 | 11.0 | 1.100 |" in text
