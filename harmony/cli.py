@@ -309,6 +309,9 @@ def _cmd_run_spmd(ns: argparse.Namespace) -> int:
         if ns.clip_grad_norm is not None or plan.options.get("clip_grad_norm") is not None:
             raise HarmonyError("a torchrun run does not clip gradients yet; run it without torchrun (one host), "
                                "or without --clip-grad-norm")
+        if plan.tasks.precision == "fp16":
+            raise HarmonyError("a torchrun run does not scale an fp16 loss yet; run it without torchrun (one host), "
+                               "or with --precision bf16")
 
         def on_step(step: int, loss: float, seconds: float) -> None:
             if rank == 0:

@@ -219,8 +219,9 @@ def run_spmd(plan, loss_fn: Callable, build_optimizer: Callable, get_batch: Call
     if plan.tasks.memory is None:
         raise HarmonyError(NO_PROMISE)
     if any(t.kind == Kind.NORM for t in plan.tasks.tasks):
-        raise HarmonyError("this plan clips gradients, which a torchrun run does not do yet; run it on one host "
-                           "(harmony run without torchrun, or harmony.Trainer), or compile it without clipping")
+        raise HarmonyError("this plan checks the whole gradient before any step (it clips gradients or scales an "
+                           "fp16 loss), which a torchrun run does not do yet; run it on one host (harmony run without "
+                           "torchrun, or harmony.Trainer), or compile it without clipping and in fp32 or bf16")
     if world != plan.tasks.devices:
         raise HarmonyError(f"the plan is for {plan.tasks.devices} device(s) but torchrun started {world} process(es); "
                            f"start {plan.tasks.devices} in all (--nnodes times --nproc-per-node)")
