@@ -21,6 +21,9 @@ Updates then step with the clipped gradients as before (``updates.py``).
 
 from __future__ import annotations
 
+import time
+from typing import NamedTuple
+
 import torch
 
 from harmony.errors import HarmonyError
@@ -56,13 +59,23 @@ def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
     return torch.clamp(max_norm / (total + EPSILON), max=1.0)
 
 
+class Verdict(NamedTuple):
+    """What a NORM task found: the norm before clipping (what ``clip_grad_norm_`` returns; None
+    without clipping), whether the step is skipped (fp16 overflow), and when (``time.perf_counter``)
+    its gradients were all there and its work began."""
+
+    norm: float | None
+    skipped: bool
+    began: float
+
+
 def host_norm(task: Task, routes: Routes, store: HostStore, shared: Shared, max_norm: float | None, iteration: int,
-              timeout: float, loss_scale: float | None = None) -> tuple[float | None, bool]:
+              timeout: float, loss_scale: float | None = None) -> Verdict:
     """Run a NORM task: wait for every gradient and sum each parameter's slots into one; with a
     ``loss_scale`` (fp16), unscale them and skip the step if one overflowed (``lossscale.py``); with
-    ``max_norm``, clip them by the global norm. Returns the norm before clipping (what
-    ``clip_grad_norm_`` returns; None without clipping) and whether the step is skipped."""
+    ``max_norm``, clip them by the global norm."""
     shared.wait_done(sorted(task.deps()), iteration, f"the gradient norm (task {task.id})", timeout)
+    began = time.perf_counter()
     gradients = [g for g in (store.merge_slots(name, iteration) for name in routes.owner) if g is not None]
     skipped = loss_scale is not None and bool(gradients) and unscale(gradients, loss_scale)
     norm = None
@@ -71,7 +84,7 @@ def host_norm(task: Task, routes: Routes, store: HostStore, shared: Shared, max_
     if skipped:
         shared.skip_step(iteration)
     shared.mark_done(task.id, iteration)
-    return norm, skipped
+    return Verdict(norm, skipped, began)
 
 
 def _clip(gradients: list[torch.Tensor], max_norm: float, apply: bool) -> float:

@@ -61,7 +61,7 @@ from harmony.runtime.hoststore import HostStore
 from harmony.runtime.routes import Routes, build_routes
 from harmony.runtime.schedule import Rates
 from harmony.runtime.streams import SWITCH_INTERVAL
-from harmony.runtime.clipping import check_clipping, host_norm
+from harmony.runtime.clipping import Verdict, check_clipping, host_norm
 from harmony.runtime.lossscale import LossScale
 from harmony.runtime.precision import needs_loss_scaling
 from harmony.runtime.updates import host_update
@@ -362,7 +362,7 @@ class Launcher:
             q.put((iteration, sent, rates, scale))
         host_error: list[BaseException] = []
         host_events: list[tuple[int, str, float, float]] = []
-        verdict: list[tuple[float | None, bool]] = []
+        verdict: list[Verdict] = []
         host = threading.Thread(target=self._host_tasks, args=(iteration, host_error, host_events, rates, verdict),
                                 daemon=True)
         with torch_threads(self._host_threads):  # process-wide: this thread only waits meanwhile
@@ -379,7 +379,7 @@ class Launcher:
             self.close()
             raise WorkerError(f"the host update failed: {host_error[0]}") from host_error[0]
         self.iteration += 1
-        norm, skipped = verdict[0] if verdict else (None, False)
+        norm, skipped = (verdict[0].norm, verdict[0].skipped) if verdict else (None, False)
         if self.loss_scale is not None:
             self.loss_scale.update(skipped)
         ordered = [results[r][1] for r in range(self.devices)]
@@ -394,10 +394,10 @@ class Launcher:
                 if task.device != HOST:
                     continue
                 if task.kind == Kind.NORM:
-                    began = time.perf_counter()
-                    verdict.append(host_norm(task, self.routes, self.store, self.shared, self.clip_grad_norm,
-                                             iteration, self.timeout,
-                                             self.loss_scale.scale if self.loss_scale is not None else None))
+                    found = host_norm(task, self.routes, self.store, self.shared, self.clip_grad_norm, iteration,
+                                      self.timeout, self.loss_scale.scale if self.loss_scale is not None else None)
+                    verdict.append(found)
+                    began = found.began
                 else:
                     began = host_update(task, self.graph, self.routes, self.store, self.shared, self.build_optimizer,
                                         iteration, self.timeout, rates)
