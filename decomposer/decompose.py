@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 from typing import Any, Callable, Sequence
 
@@ -153,7 +155,8 @@ def decompose(
     inputs = _as_inputs(example_inputs)
     gran = partition.Granularity(depth=depth, modules=list(modules) if modules is not None else None)
     opaque = set(opaque_modules)
-    traced = tracing.trace(model, inputs, opaque=opaque, method=method)
+    with _without_autocast():  # the model as written: mixed precision applies when its layers run
+        traced = tracing.trace(model, inputs, opaque=opaque, method=method)
     gm = traced.gm
     if len(traced.input_names) != len(inputs):
         raise DecomposeError(f"the traced model takes {len(traced.input_names)} inputs but {len(inputs)} example inputs were given")
@@ -257,6 +260,16 @@ def _out_spec_text(out_spec: pytree.TreeSpec) -> str:
     except Exception as exc:  # custom output classes without a serialized name
         log.warning("output structure %s cannot be serialized (%s); saved graphs will not rebuild it", out_spec, exc)
         return ""
+
+
+def _without_autocast() -> contextlib.ExitStack:
+    """Autocast off while tracing: torch.export would bake a caller's autocast casts (and checks of
+    their dtypes) into the graph, which then fails, or casts twice, where the runtime applies it."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.autocast("cpu", enabled=False))
+    if torch.cuda.is_available():
+        stack.enter_context(torch.autocast("cuda", enabled=False))
+    return stack
 
 
 def _record_state(graph: LayerGraph, layer_modules: list[torch.nn.Module], model: torch.nn.Module, ties) -> None:

@@ -126,6 +126,10 @@ def compile_plan(
     profile measure the loss task's own memory (without it, a cross-entropy's is assumed). Every
     measurement runs at the plan's precision (under autocast for bf16), as its run will."""
     options.validate()
+    if graph is None:  # traced as written: autocast applies when the layers run, not to the graph
+        on_progress("decomposing")
+        inputs, _ = get_batch(min(2, options.minibatch), 0)
+        graph = decompose(model, inputs)
     with precision.autocast(options.device_type, options.precision, cache=False):
         plan, trace = _compile_plan(model, get_batch, build_optimizer, options, model_file, model_sha256, graph,
                                     on_progress, loss_fn)
@@ -134,12 +138,8 @@ def compile_plan(
 
 
 def _compile_plan(model, get_batch, build_optimizer, options: CompileOptions, model_file: str, model_sha256: str,
-                  graph: LayerGraph | None, on_progress: Callable[[str], None],
+                  graph: LayerGraph, on_progress: Callable[[str], None],
                   loss_fn: Callable | None) -> tuple[Plan, dict]:
-    if graph is None:
-        on_progress("decomposing")
-        inputs, _ = get_batch(min(2, options.minibatch), 0)
-        graph = decompose(model, inputs)
     _check_batch_sizes(graph, options.minibatch)
     _check_something_trains(graph)
     profile, machine = profile_graph(graph, get_batch, build_optimizer, options, on_progress, loss_fn)

@@ -9,6 +9,12 @@ activations that autocast makes low precision move as such. Autocast leaves floa
 
 fp16 also scales the loss (``lossscale.py``), as ``torch.amp.GradScaler`` does.
 
+The model is traced without autocast (``decomposer/decompose.py``). A model torch.fx traces keeps
+``x.dtype`` symbolic, so its casts follow autocast's dtypes as eager code's do: exact. One that only
+torch.export traces (a peft wrapper) has the dtypes it saw baked into explicit casts, which stay
+float32 where eager's follow bf16 values: a few elementwise ops then run in another precision,
+within bf16 rounding of eager (``tests/runtime/test_lora.py``).
+
 Not done yet: moving low-precision copies of the weights (half the swap bytes).
 """
 
