@@ -46,10 +46,10 @@ def model_and_capacity():
 
 
 @functools.lru_cache(maxsize=None)
-def bf16_plan(mode: str, clip: float | None = None):
+def plan_at(precision: str, mode: str, clip: float | None = None):
     model, get_batch, capacity = model_and_capacity()
     return harmony.compile(model, gpt2.loss_fn, get_batch, minibatch_size=MINIBATCH, devices=2, mode=mode,
-                           device_memory=capacity, build_optimizer=adam, probe=False, precision="bf16",
+                           device_memory=capacity, build_optimizer=adam, probe=False, precision=precision,
                            clip_grad_norm=clip)
 
 
@@ -60,7 +60,7 @@ def max_difference(a: dict, b: dict) -> float:
 @pytest.mark.parametrize("mode, clip", [("pp", None), ("dp", None), ("pp", 0.5)])
 def test_a_bf16_run_equals_eager_autocast_training(mode, clip):
     model, get_batch, _ = model_and_capacity()
-    plan = bf16_plan(mode, clip)
+    plan = plan_at("bf16", mode, clip)
     assert plan.tasks.precision == "bf16"
     batches = [get_batch(MINIBATCH, step) for step in range(4)]
     with harmony.Trainer(plan, optimizer=adam, timeout=30) as trainer:
@@ -81,7 +81,7 @@ def test_a_bf16_run_equals_eager_autocast_training(mode, clip):
 
 
 def test_the_precision_is_part_of_the_saved_plan(tmp_path):
-    plan = bf16_plan("pp")
+    plan = plan_at("bf16", "pp")
     plan.save(tmp_path / "plan")
     loaded = harmony.load_plan(tmp_path / "plan")
     assert loaded.tasks.precision == "bf16" and loaded.options["precision"] == "bf16"
@@ -95,21 +95,13 @@ def test_an_unknown_precision_is_refused_before_compiling():
                         device_memory=capacity, probe=False, precision="int8")
 
 
-@functools.lru_cache(maxsize=None)
-def fp16_plan(mode: str, clip: float | None = None):
-    model, get_batch, capacity = model_and_capacity()
-    return harmony.compile(model, gpt2.loss_fn, get_batch, minibatch_size=MINIBATCH, devices=2, mode=mode,
-                           device_memory=capacity, build_optimizer=adam, probe=False, precision="fp16",
-                           clip_grad_norm=clip)
-
-
 FIRST_SCALE = 2.0 ** 20  # high enough that some fp16 gradients overflow: those steps are skipped
 
 
 @pytest.mark.parametrize("mode, clip", [("pp", None), ("dp", None), ("pp", 0.5)])
 def test_an_fp16_run_scales_the_loss_and_skips_the_steps_eager_grad_scaler_skips(mode, clip):
     model, get_batch, _ = model_and_capacity()
-    plan = fp16_plan(mode, clip)
+    plan = plan_at("fp16", mode, clip)
     assert [t for t in plan.tasks.tasks if t.kind.value == "NORM"] and not [t for t in plan.tasks.tasks
                                                                            if t.jit_update()]
     batches = [get_batch(MINIBATCH, step) for step in range(5)]
@@ -135,7 +127,7 @@ def test_an_fp16_run_scales_the_loss_and_skips_the_steps_eager_grad_scaler_skips
 
 def test_a_checkpoint_of_an_fp16_run_resumes_its_loss_scale(tmp_path):
     _, get_batch, _ = model_and_capacity()
-    plan = fp16_plan("pp")
+    plan = plan_at("fp16", "pp")
     with harmony.Trainer(plan, optimizer=adam, timeout=30, loss_scale=FIRST_SCALE) as trainer:
         for step in range(2):
             trainer.step(*get_batch(MINIBATCH, step))
