@@ -34,6 +34,7 @@ from harmony.scheduler.search import NoFeasibleConfiguration, SearchResult, sear
 from harmony.scheduler.taskgraph import MODES
 from harmony.scheduler.tasks import HOST, Kind
 from harmony.runtime import precision
+from harmony.runtime.clipping import check_threshold
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +70,7 @@ class CompileOptions:
             raise HarmonyError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
         if not 0 <= self.memory_margin < 1:
             raise HarmonyError(f"the memory margin must be in [0, 1), got {self.memory_margin!r}")
-        if self.clip_grad_norm is not None and not (isinstance(self.clip_grad_norm, (int, float))
-                                                    and self.clip_grad_norm > 0):
-            raise HarmonyError(f"clip_grad_norm must be a positive number, got {self.clip_grad_norm!r}")
+        check_threshold(self.clip_grad_norm)
         precision.check(self.precision)
         if self.device_type not in ("cpu", "cuda"):
             raise HarmonyError(f"unknown device type {self.device_type!r}; choose cpu or cuda")

@@ -8,8 +8,8 @@ NORM task beside the offloaded updates:
 
 1. each parameter's gradient, left in host slots by every device that computed part of it, is
    summed into one slot (the others are let go, so an update copies the sum in once);
-2. the norm of every parameter's gradient, then the 2-norm of those norms, as torch's per-tensor
-   path computes them (parameters in ``model.parameters()`` order, as the layer graph keeps them);
+2. the global 2-norm, by ``torch.nn.utils.get_total_norm`` as ``clip_grad_norm_`` takes it
+   (parameters in ``model.parameters()`` order, as the layer graph keeps them);
 3. every gradient is multiplied by ``min(max_norm / (norm + 1e-6), 1)``, torch's coefficient in
    the gradients' dtype (skipped where it is exactly 1: the product would not change a bit).
 
@@ -51,12 +51,12 @@ def check_clipping(tasks: TaskGraph, max_norm: float | None) -> None:
                            "before any step; compile it with harmony.compile(..., precision=\"fp16\")")
     if max_norm is None and has_norm and not needs_loss_scaling(tasks.precision):
         raise HarmonyError("this plan was compiled to clip gradients but no clip_grad_norm was given")
-    if max_norm is not None and not max_norm > 0:
+    check_threshold(max_norm)
+
+
+def check_threshold(max_norm: float | None) -> None:
+    if max_norm is not None and not (isinstance(max_norm, (int, float)) and max_norm > 0):
         raise HarmonyError(f"clip_grad_norm must be a positive number, got {max_norm!r}")
-
-
-def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
-    return torch.clamp(max_norm / (total + EPSILON), max=1.0)
 
 
 class Verdict(NamedTuple):
@@ -78,21 +78,18 @@ def host_norm(task: Task, routes: Routes, store: HostStore, shared: Shared, max_
     began = time.perf_counter()
     gradients = [g for g in (store.merge_slots(name, iteration) for name in routes.owner) if g is not None]
     skipped = loss_scale is not None and bool(gradients) and unscale(gradients, loss_scale)
-    norm = None
-    if max_norm is not None:
-        norm = _clip(gradients, max_norm, apply=not skipped)
+    norm = clip_gradients(gradients, max_norm, apply=not skipped) if max_norm is not None else None
     if skipped:
         shared.skip_step(iteration)
     shared.mark_done(task.id, iteration)
     return Verdict(norm, skipped, began)
 
 
-def _clip(gradients: list[torch.Tensor], max_norm: float, apply: bool) -> float:
-    """The global norm of ``gradients``, and every one scaled to it (if ``apply``)."""
-    if not gradients:
-        return 0.0
-    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, 2.0) for g in gradients]), 2.0)
-    coefficient = clip_coefficient(total, max_norm)
+def clip_gradients(gradients: list[torch.Tensor], max_norm: float, apply: bool = True) -> float:
+    """The global norm of ``gradients``, and (if ``apply``) every one scaled by
+    ``clip_grad_norm_``'s coefficient ``min(max_norm / (norm + 1e-6), 1)``, in place."""
+    total = torch.nn.utils.get_total_norm(gradients, 2.0)
+    coefficient = torch.clamp(max_norm / (total + EPSILON), max=1.0)
     if apply and float(coefficient) != 1.0:
         for g in gradients:
             g.mul_(coefficient)

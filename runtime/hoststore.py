@@ -218,18 +218,22 @@ class HostStore:
     def gradient_sum(self, name: str, iteration: int) -> torch.Tensor | None:
         """The sum of every device's slot of ``name`` written in ``iteration`` (a new tensor), or
         None if none was."""
-        total = None
-        for d in range(self.layout.devices):
-            if self.slot_written(d, name, iteration):
-                slot = self.grad_slot(d, name)
-                total = slot.clone() if total is None else total.add_(slot)
+        written = self._written(name, iteration)
+        if not written:
+            return None
+        total = self.grad_slot(written[0], name).clone()
+        for d in written[1:]:
+            total.add_(self.grad_slot(d, name))
         return total
+
+    def _written(self, name: str, iteration: int) -> list[int]:
+        return [d for d in range(self.layout.devices) if self.slot_written(d, name, iteration)]
 
     def merge_slots(self, name: str, iteration: int) -> torch.Tensor | None:
         """Sum every slot of ``name`` written in ``iteration`` into the first of them, which stays
         the only one written (a clip scales it in place; ``gradient_sum`` then copies it once);
         None if none was written."""
-        written = [d for d in range(self.layout.devices) if self.slot_written(d, name, iteration)]
+        written = self._written(name, iteration)
         if not written:
             return None
         total = self.grad_slot(written[0], name)

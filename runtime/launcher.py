@@ -363,8 +363,8 @@ class Launcher:
         host_error: list[BaseException] = []
         host_events: list[tuple[int, str, float, float]] = []
         verdict: list[Verdict] = []
-        host = threading.Thread(target=self._host_tasks, args=(iteration, host_error, host_events, rates, verdict),
-                                daemon=True)
+        host = threading.Thread(target=self._host_tasks,
+                                args=(iteration, host_error, host_events, rates, scale, verdict), daemon=True)
         with torch_threads(self._host_threads):  # process-wide: this thread only waits meanwhile
             host.start()
             try:
@@ -386,7 +386,8 @@ class Launcher:
         return StepResult(loss=sum(r.loss for r in ordered), seconds=time.perf_counter() - start, workers=ordered,
                           host_events=host_events, grad_norm=norm, loss_scale=scale, skipped=skipped)
 
-    def _host_tasks(self, iteration: int, errors: list, events: list, rates: Rates | None, verdict: list) -> None:
+    def _host_tasks(self, iteration: int, errors: list, events: list, rates: Rates | None, loss_scale: float | None,
+                    verdict: list) -> None:
         """The host's tasks in plan order: offloaded updates, and the NORM task of a plan that clips
         or scales the loss (its norm and whether the step is skipped go to ``verdict``)."""
         try:
@@ -395,7 +396,7 @@ class Launcher:
                     continue
                 if task.kind == Kind.NORM:
                     found = host_norm(task, self.routes, self.store, self.shared, self.clip_grad_norm, iteration,
-                                      self.timeout, self.loss_scale.scale if self.loss_scale is not None else None)
+                                      self.timeout, loss_scale)
                     verdict.append(found)
                     began = found.began
                 else:

@@ -51,7 +51,7 @@ import bisect
 from typing import Callable
 
 from harmony.profiling.profiles import Profile
-from harmony.scheduler.taskgraph import _buffer_out, _check, _connect, _Sizes, _state_inputs, _update_inputs, dp_swap
+from harmony.scheduler.taskgraph import _buffer_out, _check, _connect, _Sizes, _state_inputs, _update_inputs, _update_outputs, dp_swap
 from harmony.scheduler.tasks import Channel, Configuration, Kind, Task, TaskGraph, Transfer, microbatch_sizes
 
 __all__ = ["BASELINES", "gpipe_swap", "one_f_one_b_swap", "stages", "schedule"]
@@ -251,7 +251,7 @@ def _route_updates(tasks: list[Task], groups: list[list[tuple[int, int]]], sz: _
             pack = (task.first, task.last)
             assert stage_of[pack] == task.device
             task.inputs = _update_inputs(sz, *pack, bwd[(pack, m - 1)].id)
-            task.outputs = [Transfer("W", Channel.SWAP, sz.stepped_w(*pack)), Transfer("K", Channel.SWAP, sz.owned_k(*pack))]
+            task.outputs = _update_outputs(sz, *pack)
 
 
 def _interleave(tasks: list[Task], devices: int) -> list[Task]:

@@ -153,8 +153,7 @@ def _device_update(sz: _Sizes, task: Task, earlier: list[Task] = ()) -> None:
                 task.inputs.append(Transfer("dW", Channel.SWAP, nbytes, task=other.id))
                 break
     task.inputs.append(Transfer("K", Channel.SWAP, sz.owned_k(first, last)))
-    task.outputs.append(Transfer("W", Channel.SWAP, sz.stepped_w(first, last)))
-    task.outputs.append(Transfer("K", Channel.SWAP, sz.owned_k(first, last)))
+    task.outputs += _update_outputs(sz, first, last)
     if sz.handed_dw(first, last):
         task.outputs.append(Transfer("dW", Channel.SWAP, sz.handed_dw(first, last)))
 
@@ -358,8 +357,7 @@ def _finish_update(b: _Builder, sz: _Sizes, tasks: list[Task], update: str) -> N
         final.inputs.append(Transfer("dW", Channel.SWAP, sz.owned_dw(first, last)))
         _gradient_dependencies(final, earlier + _tie_sources(tasks, b.tasks, sz))
         final.inputs.append(Transfer("K", Channel.SWAP, sz.owned_k(first, last)))
-        final.outputs.append(Transfer("W", Channel.SWAP, sz.stepped_w(first, last)))
-        final.outputs.append(Transfer("K", Channel.SWAP, sz.owned_k(first, last)))
+        final.outputs += _update_outputs(sz, first, last)
         if sz.handed_dw(first, last):
             final.outputs.append(Transfer("dW", Channel.SWAP, sz.handed_dw(first, last)))
     elif update == "host":
@@ -379,9 +377,7 @@ def _deferred_update(b: _Builder, sz: _Sizes, tasks: list[Task]) -> None:
     if not sz.trainable(first, last):
         return
     task = b.add(device=tasks[-1].device, kind=Kind.UPD, first=first, last=last, microbatches=[],
-                 inputs=_update_inputs(sz, first, last, tasks[-1].id),
-                 outputs=[Transfer("W", Channel.SWAP, sz.stepped_w(first, last)),
-                          Transfer("K", Channel.SWAP, sz.owned_k(first, last))])
+                 inputs=_update_inputs(sz, first, last, tasks[-1].id), outputs=_update_outputs(sz, first, last))
     _gradient_dependencies(task, tasks[:-1] + _tie_sources(tasks, b.tasks, sz))
 
 
@@ -399,6 +395,7 @@ def harmony_dp(profile: Profile, config: Configuration, devices: int, minibatch:
     b = _Builder()
     bwd_tasks: dict[tuple[int, int], list[Task]] = {}
     writers: dict[tuple[int, int], Task] = {}  # the last task to update each pack's buffers
+    lowest = sz.lowest_trainable()
     for d in range(devices):
         offset, share = _share(minibatch, devices, d)
         f_groups = _groups(share, config.u_f, grouping, offset)
@@ -420,7 +417,7 @@ def harmony_dp(profile: Profile, config: Configuration, devices: int, minibatch:
             prev = tasks
         for k, (first, last) in enumerate(reversed(config.packs_b)):
             loss = k == 0
-            if last < sz.lowest_trainable() and not loss:  # frozen all the way down
+            if last < lowest and not loss:  # frozen all the way down: nothing to compute a gradient for
                 break
             tasks = []
             for g, (start, sizes) in enumerate(b_groups):
@@ -457,8 +454,7 @@ def harmony_dp(profile: Profile, config: Configuration, devices: int, minibatch:
                               Transfer("dW", Channel.SWAP, sz.owned_dw(first, last), task=sources[0].id)]
                       + [Transfer("dW", Channel.SHM, 0, task=s.id) for s in sources[1:]]
                       + [Transfer("K", Channel.SWAP, sz.owned_k(first, last))],
-                      outputs=[Transfer("W", Channel.SWAP, sz.stepped_w(first, last)),
-                               Transfer("K", Channel.SWAP, sz.owned_k(first, last))])
+                      outputs=_update_outputs(sz, first, last))
         else:
             raise ValueError(f"update must be 'device' or 'host', got {update!r}")
     return TaskGraph(mode="dp", devices=devices, minibatch=minibatch, config=config, tasks=_ordered(b.tasks))
@@ -548,8 +544,7 @@ def dp_swap(profile: Profile, config: Configuration, devices: int, minibatch: in
                 continue
             b.add(device=d, kind=Kind.UPD, first=first, last=last, microbatches=[],
                   inputs=_update_inputs(sz, first, last, last_bwd[(first, last)].id),
-                  outputs=[Transfer("W", Channel.SWAP, sz.stepped_w(first, last)),
-                           Transfer("K", Channel.SWAP, sz.owned_k(first, last))])
+                  outputs=_update_outputs(sz, first, last))
     return TaskGraph(mode="dp-swap", devices=devices, minibatch=minibatch, config=config, tasks=b.tasks)
 
 
@@ -558,6 +553,11 @@ def _update_inputs(sz: _Sizes, first: int, last: int, gradient_from: int) -> lis
     return [Transfer("W", Channel.SWAP, sz.stepped_w(first, last)),
             Transfer("dW", Channel.SWAP, sz.owned_dw(first, last), task=gradient_from),
             Transfer("K", Channel.SWAP, sz.owned_k(first, last))]
+
+
+def _update_outputs(sz: _Sizes, first: int, last: int) -> list[Transfer]:
+    """What a step sends back to the host: the weights it changed and their optimizer state."""
+    return [Transfer("W", Channel.SWAP, sz.stepped_w(first, last)), Transfer("K", Channel.SWAP, sz.owned_k(first, last))]
 
 
 def with_norm(graph: TaskGraph) -> TaskGraph:
