@@ -96,7 +96,7 @@ def test_lora_in_bf16_with_clipping_and_a_schedule_trains_within_bf16_rounding_o
     ``.to(query.dtype)``): under autocast those stay float32 where eager's follow the bf16 values,
     so a few elementwise ops run in float32 here and bf16 there. The first loss is equal; gradients
     then differ by bf16 rounding (4e-4 of the norm seen), not more. A model torch.fx traces keeps
-    ``x.dtype`` symbolic and is exact (tests/runtime/test_precision.py)."""
+    ``x.dtype`` symbolic, so its casts follow autocast (tests/runtime/test_precision.py)."""
     model = copy.deepcopy(lora_model()).float()  # the cached model stays float64
     graph = harmony.decompose(copy.deepcopy(model), get_batch(2, 0)[0])
     capacity = int(0.3 * training_footprint(graph, get_batch, MINIBATCH))
