@@ -112,9 +112,9 @@ def test_frozen_packs_get_no_update_no_gradient_and_no_backward_below_the_lowest
             if mode != "dp-swap":  # no backward below the lowest trainable layer
                 assert task.kind == Kind.FWD, str(task)
                 assert not [t for t in task.outputs if t.tensor == "Xs"], str(task)
-    if mode != "dp-swap":
+    if mode != "dp-swap":  # a backward pack may start below layer 2 only if it reaches layer 2
         assert min(t.first for t in plan.tasks.tasks if t.kind == Kind.BWD) <= 2
-        assert not [t for t in plan.tasks.tasks if t.kind == Kind.BWD and t.first == 0]
+        assert not [t for t in plan.tasks.tasks if t.kind == Kind.BWD and t.last < 2]
 
 
 def test_freezing_cuts_the_planned_gradient_state_and_weight_bytes_by_the_frozen_sizes():

@@ -5,13 +5,16 @@ scales the loss and skips overflowing steps as ``torch.amp.GradScaler`` does (th
 fp16 keeps 11 bits, so a flipped rounding weighs less than bf16's).
 
 Tolerance: each microbatch runs the same ops in the same order as the reference, so the two differ
-only where gradients of several tasks or devices add up in another order (data parallelism, a tied
-weight used on two devices, the norm of a clipped gradient): a float32 ulp. That alone would be
-1e-7 relative, but a step later a weight one ulp away can round to the neighbouring bfloat16 value
-when autocast casts it (bfloat16 keeps 8 bits: 2^-8 relative), and that spreads. Seen: up to 4e-5 of
-a tensor's scale after four steps. We allow 1e-4 for weights, 1e-5 for losses: training the same
-model in float32 instead moves the weights by more than 1e-2 of their scale (checked below), so the
-tolerance still tells the two apart."""
+only where gradients add up in another order (across devices, where a value used several times
+meets its gradient at a pack boundary, in a clipped gradient's norm): a float32 ulp. A step later a
+weight one ulp away can round to the neighbouring bf16 value when autocast casts it (2^-8
+relative), and Adam's normalized steps carry that furthest on tensors whose gradients are near zero:
+a tensor's largest difference over its scale has reached 1.6e-3 on GPT-2 tiny (and 0.9 on generated
+models, ``python -m bench.precision_exactness``), which depends on the plan the search picks. So
+weights are compared as the whole model's relative L2 distance, which such stray elements barely
+move: 1e-5 allowed (seen: 1e-12 to 2e-8), against 7e-4 to 3e-2 for the same model trained in
+float32, which the tests check stays ten times the tolerance. Losses: 1e-5 relative.
+"""
 
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from harmony.profiling.sweep import training_footprint
 from harmony.runtime.reference import microbatches_of, reference_train
 
 MINIBATCH = 8
-TOLERANCE = 1e-4  # weights, relative to each tensor's scale (module docs)
+TOLERANCE = 1e-5  # weights: the whole model's relative L2 distance (module docs)
 LOSS_TOLERANCE = 1e-5
 
 
@@ -53,8 +56,11 @@ def plan_at(precision: str, mode: str, clip: float | None = None):
                            clip_grad_norm=clip)
 
 
-def max_difference(a: dict, b: dict) -> float:
-    return max(float((a[k] - b[k]).abs().max()) / float(b[k].abs().max().clamp_min(1e-3)) for k in b)
+def relative_distance(a: dict, b: dict) -> float:
+    """The relative L2 distance of two states over every floating tensor together."""
+    keys = [k for k in b if b[k].is_floating_point()]
+    return float(sum(((a[k] - b[k]).double() ** 2).sum() for k in keys) ** 0.5
+                 / sum((b[k].double() ** 2).sum() for k in keys) ** 0.5)
 
 
 @pytest.mark.parametrize("mode, clip", [("pp", None), ("dp", None), ("pp", 0.5)])
@@ -72,8 +78,8 @@ def test_a_bf16_run_equals_eager_autocast_training(mode, clip):
                                clip_grad_norm=clip)
     in_fp32 = reference_train(plain, gpt2.loss_fn, adam, batches, microbatches, clip_grad_norm=clip)
     assert losses == pytest.approx(expected, rel=LOSS_TOLERANCE)
-    assert max_difference(state, autocast.state_dict()) <= TOLERANCE
-    assert max_difference(state, plain.state_dict()) > 100 * TOLERANCE  # bf16 was used: float32 trains otherwise
+    assert relative_distance(state, autocast.state_dict()) <= TOLERANCE
+    assert relative_distance(state, plain.state_dict()) > 10 * TOLERANCE  # bf16 was used: float32 trains otherwise
     assert losses != pytest.approx(in_fp32, rel=LOSS_TOLERANCE)
     assert history[-1].bytes_by_channel() == {k: v for k, v in plan.tasks.bytes_by_channel().items() if v}
     for step in history:
@@ -119,7 +125,7 @@ def test_an_fp16_run_scales_the_loss_and_skips_the_steps_eager_grad_scaler_skips
     assert all(later == (earlier / 2 if skip else earlier) for earlier, later, skip in zip(scales, scales[1:], skipped))
     assert scales[0] == FIRST_SCALE
     assert losses == pytest.approx(expected, rel=LOSS_TOLERANCE)
-    assert max_difference(state, reference.state_dict()) <= TOLERANCE
+    assert relative_distance(state, reference.state_dict()) <= TOLERANCE
     for step in history:
         if not step.skipped:  # a skipped step moves less: its updates stop after the check
             assert step.bytes_by_channel() == {k: v for k, v in plan.tasks.bytes_by_channel().items() if v}
