@@ -24,14 +24,16 @@ MODEL = Path(__file__).with_name("tiny_rng_model.py")
 ITERS = 6
 
 
-def run(plan: Path, folder: Path, iters: int, *extra: str, model: Path = MODEL) -> tuple[int, str, dict | None]:
-    """(exit status, printed output, run report) of one harmony run every 2 steps into ``folder``."""
+def run(plan: Path, folder: Path, iters: int, *extra: str, model: Path = MODEL,
+        compile_into: bool = True) -> tuple[int, str, dict | None]:
+    """(exit status, printed output, run report) of one harmony run checkpointing every 2 steps into
+    ``folder``; ``plan`` is compiled into (or reused from) with --out, unless ``compile_into`` is False."""
     report = folder / f"run-{iters}-{len(extra)}.json"
     report.unlink(missing_ok=True)
     with contextlib.redirect_stdout(io.StringIO()) as out:
         rc = main(["run", str(model), "--minibatch", "8", "--device-memory", "24KiB", "--no-probe", "--trials", "1",
-                   "--out", str(plan), "--iters", str(iters), "--checkpoint-every", "2", "--checkpoint-dir",
-                   str(folder), "--report", str(report), *extra])
+                   *(["--out", str(plan)] if compile_into else []), "--iters", str(iters), "--checkpoint-every",
+                   "2", "--checkpoint-dir", str(folder), "--report", str(report), *extra])
     text = " ".join(out.getvalue().split())
     return rc, text, json.loads(report.read_text()) if report.is_file() else None
 
@@ -130,17 +132,28 @@ def test_resume_from_nothing_exits_2_before_compiling(args, message, tmp_path):
     assert not (tmp_path / "plan").exists()
 
 
-def test_a_model_files_lr_schedule_is_followed_and_resumed_where_it_stopped(straight, tmp_path):
-    plan, _, plain = straight  # the same plan: dropout draws, and so losses, depend on the microbatch split
+def test_a_model_files_lr_schedule_is_followed_and_resumed_where_it_stopped(tmp_path):
+    # One plan for every run, given with --plan: dropout draws, and so losses, follow the microbatch
+    # split, and a model file of other text compiles a plan of its own that may split otherwise.
+    # A schedule of gamma=1 keeps the rate, so it stands for the unscheduled run on the same plan.
     scheduled = tmp_path / "scheduled_model.py"
-    scheduled.write_text(MODEL.read_text() + "\n\ndef build_lr_scheduler(optimizer):\n"
-                         "    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.25)\n")
-    rc, out, whole = run(plan, tmp_path / "whole", 4, model=scheduled)
+    scheduled.write_text(MODEL.read_text() + "\n\ndef build_lr_scheduler(optimizer, gamma=1.0):\n"
+                         "    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=gamma)\n")
+    rc, out, _ = run(tmp_path / "plan", tmp_path / "compile", 1, model=scheduled)
     assert rc == 0, out
+
+    def follow(folder: str, iters: int, *extra: str) -> dict:
+        rc, out, report = run(tmp_path / "plan", tmp_path / folder, iters, "--plan", str(tmp_path / "plan"),
+                              "--arg", "gamma=0.25", *extra, model=scheduled, compile_into=False)
+        assert rc == 0, out
+        return report
+
+    rc, out, plain = run(tmp_path / "plan", tmp_path / "plain", 4, "--plan", str(tmp_path / "plan"),
+                         model=scheduled, compile_into=False)
+    assert rc == 0, out
+    whole = follow("whole", 4)
     assert losses(whole)[0] == losses(plain)[0] and losses(whole)[2] != losses(plain)[2]
-    rc, out, _ = run(plan, tmp_path / "half", 2, model=scheduled)
-    assert rc == 0, out
-    rc, out, resumed = run(plan, tmp_path / "half", 4, "--resume", model=scheduled)
-    assert rc == 0, out
+    follow("half", 2)
+    resumed = follow("half", 4, "--resume")
     assert losses(resumed) == {2: losses(whole)[2], 3: losses(whole)[3]}
     assert checkpoint.read(tmp_path / "half" / "step-000004.pt")["lr_scheduler"]["scheduler"]["last_epoch"] == 4
