@@ -28,6 +28,7 @@ from harmony.scheduler.devicespec import load_spec
 from harmony.scheduler.estimator import chrome_trace, estimate, promise
 from harmony.scheduler.machine import Machine
 from harmony.scheduler.memory import fused_update, memory_plan
+from harmony.profiling.casts import low_copies
 from harmony.profiling.profiles import PackSample, Profile, TiedWeight
 from harmony.scheduler.comparison import compare_modes, row
 from harmony.scheduler.search import NoFeasibleConfiguration, SearchResult, search
@@ -378,6 +379,7 @@ def profile_graph(graph, get_batch, build_optimizer, options: CompileOptions, on
     profile.graph_hash = graph.fingerprint()
     profile.machine = machine
     profile.ties = tied_weights(graph, build_optimizer)
+    profile.carry(low_copies(graph, options.device_type, precision.compute_dtype(options.precision)))
     return profile, machine
 
 

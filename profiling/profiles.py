@@ -179,6 +179,18 @@ class TiedWeight:
 
 
 @dataclass
+class LowCopy:
+    """A frozen weight the devices receive in low precision (``profiling/casts.py``): its canonical
+    name, the layer holding it, the dtype it travels in and the device bytes that saves against its
+    float32 master."""
+
+    name: str
+    layer: int
+    dtype: str
+    saved: int
+
+
+@dataclass
 class LossSample:
     """The model's last layer run alone as a loss task at microbatch size ``u`` (forward, loss,
     backward): its peak device bytes beyond the layer's weights, buffers, gradient buffers and
@@ -208,6 +220,16 @@ class PackSample:
     bwd_first_peak: int = 0  # a group's first microbatch (0: as ``bwd_peak``)
     upd_bytes: int = 0  # (u = 0) what the step holds beyond weights, gradients and state K
     fwd_layer_peaks: list[int] = field(default_factory=list)  # the FWD task's peak during each layer
+
+
+def _lower_peaks(sample: "LayerSample | PackSample", saved: int) -> None:
+    """A sample's peaks with ``saved`` bytes of resident weights less (``Profile.carry``)."""
+    for name in ("fwd_peak", "bwd_peak", "bwd_first_peak"):
+        value = getattr(sample, name)
+        if value:
+            setattr(sample, name, max(0, value - saved))
+    if isinstance(sample, PackSample):
+        sample.fwd_layer_peaks = [max(0, peak - saved) for peak in sample.fwd_layer_peaks]
 
 
 def _measured_fwd_memory(sample: PackSample, beside: list[float]) -> int:
@@ -240,6 +262,36 @@ class Profile:
     # how a pack's optimizer temporaries grow with its layers: 0 when the optimizer steps one
     # parameter at a time (the largest layer's), 1 when it steps the whole group at once (their sum)
     update_growth: float = 1.0
+    # frozen weights carried in low precision (``carry``): ``w_bytes`` and the peaks count their copies
+    low_copies: list[LowCopy] = field(default_factory=list)
+
+    def carry(self, copies: list[LowCopy]) -> None:
+        """Count ``copies`` as the devices will hold them: each layer's weights, and the peaks that
+        include them, smaller by their saving. The peaks were measured (or counted) with float32
+        weights that autocast cast op by op; with the copies cast on the host those casts never
+        happen, so the peaks only fall further: what the plan counts bounds what runs."""
+        if self.low_copies:
+            raise ValueError("the profile already counts its weights' low-precision copies")
+        self.low_copies = list(copies)
+        for layer in self.layers:
+            saved = self._saved(layer.index, layer.index)
+            if not saved:
+                continue
+            layer.w_bytes -= saved
+            for sample in layer.fwd_samples + layer.bwd_samples:
+                _lower_peaks(sample, saved)
+            layer.__dict__.pop("_fits", None)
+            layer.__dict__.pop("_at", None)
+        for sample in self.packs:
+            if sample.u:
+                _lower_peaks(sample, self._saved(sample.first, sample.last))
+        for memo in ("_prefix", "_packs"):
+            self.__dict__.pop(memo, None)
+        self.__dict__["_memory_version"] = self.__dict__.get("_memory_version", 0) + 1
+
+    def _saved(self, first: int, last: int) -> int:
+        """Device bytes the low-precision copies of layers first..last save."""
+        return sum(c.saved for c in self.low_copies if first <= c.layer <= last)
 
     def fit_errors(self) -> dict[str, float]:
         """The worst relative fit error per quantity over all layers (reported, not hidden)."""
@@ -276,6 +328,8 @@ class Profile:
         """Record packs measured whole; later estimates use them instead of composing layers."""
         known = {(p.first, p.last, p.u): i for i, p in enumerate(self.packs)}
         for sample in samples:
+            if sample.u:  # measured with float32 weights; held with their low-precision copies (``carry``)
+                _lower_peaks(sample, self._saved(sample.first, sample.last))
             key = (sample.first, sample.last, sample.u)
             if key in known:
                 self.packs[known[key]] = sample
@@ -417,9 +471,10 @@ class Profile:
             ties = [TiedWeight(**check(TiedWeight, t, f"tie {i}")) for i, t in enumerate(body.get("ties", []))]
             losses = [LossSample(**check(LossSample, x, f"loss sample {i}")) for i, x in enumerate(body.get("loss_samples", []))]
             packs = [PackSample(**check(PackSample, x, f"pack {i}")) for i, x in enumerate(body.get("packs", []))]
-            nested = ("layers", "machine", "ties", "loss_samples", "packs")
+            copies = [LowCopy(**check(LowCopy, x, f"low copy {i}")) for i, x in enumerate(body.get("low_copies", []))]
+            nested = ("layers", "machine", "ties", "loss_samples", "packs", "low_copies")
             profile = cls(**{k: v for k, v in body.items() if k not in nested}, layers=layers,
-                          machine=machine, ties=ties, loss_samples=losses, packs=packs)
+                          machine=machine, ties=ties, loss_samples=losses, packs=packs, low_copies=copies)
         except serialization.MALFORMED as exc:
             raise FormatError(f"profile is malformed ({type(exc).__name__}: {exc})") from exc
         if any(layer.index != i or not layer.fwd_samples or not layer.bwd_samples for i, layer in enumerate(layers)):

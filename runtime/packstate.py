@@ -114,7 +114,7 @@ class PackState:
             if spec.kind == "parameter":
                 canon = self.layers.canonical(name)
                 if canon not in copies:
-                    copies[canon] = self._to_device(self.store.weight(canon), "SWAP", "W", wait, count=False, room=room,
+                    copies[canon] = self._to_device(self._carried(canon), "SWAP", "W", wait, count=False, room=room,
                                                     owner=(task.id, STATE))
                 state[name] = copies[canon]
             else:
@@ -129,6 +129,17 @@ class PackState:
             if group:
                 self._moved("swap-in", "LOAD", (task.id, tensor), tensor_bytes(group))
         return state
+
+    def _carried(self, name: str) -> torch.Tensor:
+        """The weight as it travels: its host master, or for a frozen weight that autocast only
+        casts (``TaskGraph.low_copies``, ``profiling/casts.py``) a low-precision copy cast on the
+        host, with the rounding autocast's own cast would apply on the device."""
+        master = self.store.weight(name)
+        dtype = self.routes.graph.low_copies.get(name)
+        if dtype is None:
+            return master
+        with torch.no_grad(), self.device.host_side():
+            return master.to(getattr(torch, dtype))
 
     def _pack_state(self, task: Task) -> dict[str, torch.Tensor]:
         """The running task's state on the device: the prefetched copy if one came, else loaded now."""

@@ -599,12 +599,16 @@ def with_norm(graph: TaskGraph) -> TaskGraph:
 def generate(mode: str, profile: Profile, config: Configuration, devices: int, minibatch: int, gated: bool = False,
              **options) -> TaskGraph:
     """The task graph of one iteration of ``config`` in ``mode``; ``gated``: one whose updates wait
-    for the whole gradient (``with_norm``: clipping needs its norm, fp16 whether it overflowed)."""
-    if not gated:
-        return _generate(mode, profile, config, devices, minibatch, **options)
-    if mode == "pp" and options.get("update", "device") == "device":
+    for the whole gradient (``with_norm``: clipping needs its norm, fp16 whether it overflowed).
+    Frozen weights the profile counts in low precision (``Profile.low_copies``) travel so."""
+    if gated and mode == "pp" and options.get("update", "device") == "device":
         options = {**options, "jit_update": False}
-    return with_norm(_generate(mode, profile, config, devices, minibatch, **options))
+    graph = _generate(mode, profile, config, devices, minibatch, **options)
+    if gated:
+        graph = with_norm(graph)
+    # the weights' bytes are the profile's, which counts these copies in low precision: the runtime moves them so
+    graph.low_copies = {c.name: c.dtype for c in profile.low_copies}
+    return graph
 
 
 def _generate(mode: str, profile: Profile, config: Configuration, devices: int, minibatch: int, **options) -> TaskGraph:

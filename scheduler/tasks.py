@@ -196,6 +196,8 @@ class TaskGraph:
     tasks: list[Task]
     memory: MemoryPlan | None = None  # set once estimated (search, compile)
     precision: str = "fp32"  # what the devices compute in: fp32, or bf16 under autocast (runtime/precision.py)
+    # frozen weights the devices receive cast on the host, canonical name -> dtype (profiling/casts.py)
+    low_copies: dict[str, str] = field(default_factory=dict)
 
     def __iter__(self) -> Iterator[Task]:
         return iter(self.tasks)
@@ -268,7 +270,8 @@ class TaskGraph:
                 tasks.append(Task(**{**t, "kind": Kind(t["kind"]), "inputs": inputs, "outputs": outputs}))
             memory = MemoryPlan.from_dict(body["memory"]) if body.get("memory") else None
             return cls(mode=body["mode"], devices=body["devices"], minibatch=body["minibatch"], config=config, tasks=tasks,
-                       memory=memory, precision=body.get("precision", "fp32"))
+                       memory=memory, precision=body.get("precision", "fp32"),
+                       low_copies=dict(body.get("low_copies", {})))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise FormatError(f"task graph is malformed ({type(exc).__name__}: {exc})") from exc
 

@@ -1,0 +1,92 @@
+"""Frozen weights in low precision (``profiling/casts.py``): a bf16 plan moves and holds the frozen
+weights autocast only casts as bf16 copies cast on the host, half their float32 bytes in the
+plan's swaps and in what the run counts, and trains as eager autocast training of the same partly
+frozen model (2 emulated devices below a third of the training footprint, pp and dp; the
+tolerance of ``test_precision.py``, whose module docs say why)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from test_precision import LOSS_TOLERANCE, MINIBATCH, TOLERANCE, adam, relative_distance
+
+import harmony
+from harmony.models import gpt2
+from harmony.profiling.sweep import training_footprint
+from harmony.runtime.reference import microbatches_of, reference_train
+from harmony.scheduler.tasks import Channel, Kind
+
+FROZEN = ("wte.", "wpe.", "h.0.")  # the embeddings (tied to the head: float32) and the first block
+FROZEN_MATRIX = "h.1.attn.c_attn.weight"  # and one matrix of the second (its bias trains)
+
+
+def build() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = gpt2.build_model("tiny", dtype="float32")
+    for name, p in model.named_parameters():
+        p.requires_grad_(not (name.startswith(FROZEN) or name == FROZEN_MATRIX))
+    return model
+
+
+@functools.lru_cache(maxsize=None)
+def plan_at(mode: str, precision: str = "bf16"):
+    get_batch = functools.partial(gpt2.get_batch, preset="tiny")
+    graph = harmony.decompose(build(), get_batch(2, 0)[0])
+    capacity = int(0.3 * training_footprint(graph, get_batch, MINIBATCH))
+    return harmony.compile(build(), gpt2.loss_fn, get_batch, minibatch_size=MINIBATCH, devices=2, mode=mode,
+                           device_memory=capacity, build_optimizer=adam, probe=False, precision=precision)
+
+
+def test_the_frozen_linear_weights_and_no_others_travel_in_bf16():
+    plan = plan_at("pp")
+    low = plan.tasks.low_copies
+    linears = [n for n, _ in build().named_parameters() if n.startswith("h.0.") and ".ln_" not in n]
+    assert sorted(low) == sorted(linears + [FROZEN_MATRIX]) and set(low.values()) == {"bfloat16"}
+    assert plan_at("pp", "fp32").tasks.low_copies == {}
+
+
+@pytest.mark.parametrize("mode", ["pp", "dp"])
+def test_a_task_receives_its_frozen_weights_at_half_their_float32_bytes(mode):
+    plan = plan_at(mode)
+    params = dict(build().named_parameters())
+    checked = 0
+    for task in plan.tasks.tasks:
+        if task.kind != Kind.FWD:
+            continue
+        names = {plan.graph.canonical(n) for layer in plan.graph.layers[task.first:task.last + 1] for n in layer.state
+                 if plan.graph.state[n].kind == "parameter"}
+        expected = sum(params[n].numel() * (2 if n in plan.tasks.low_copies else 4) for n in names)
+        swapped = [t.nbytes for t in task.inputs if t.tensor == "W" and t.channel == Channel.SWAP]
+        assert swapped in ([expected], []), task
+        checked += len(swapped)
+    assert checked
+
+
+def test_the_low_copies_are_part_of_the_saved_plan(tmp_path):
+    plan = plan_at("pp")
+    plan.save(tmp_path / "plan")
+    loaded = harmony.load_plan(tmp_path / "plan")
+    assert loaded.tasks.low_copies == plan.tasks.low_copies
+    assert [c.name for c in loaded.profile.low_copies] == [c.name for c in plan.profile.low_copies]
+
+
+@pytest.mark.parametrize("mode", ["pp", "dp"])
+def test_a_bf16_run_with_frozen_weights_in_bf16_equals_eager_autocast_training(mode):
+    plan = plan_at(mode)
+    get_batch = functools.partial(gpt2.get_batch, preset="tiny")
+    batches = [get_batch(MINIBATCH, step) for step in range(3)]
+    with harmony.Trainer(plan, optimizer=adam, timeout=30) as trainer:
+        losses = [trainer.step(x, y) for x, y in batches]
+        state, history = trainer.state_dict(), trainer.history
+    reference = build()
+    expected = reference_train(reference, gpt2.loss_fn, adam, batches, microbatches_of(plan.tasks), precision="bf16")
+    assert losses == pytest.approx(expected, rel=LOSS_TOLERANCE)
+    assert relative_distance(state, reference.state_dict()) <= TOLERANCE
+    # the frozen weights come back as they were: the masters never see the bf16 copies
+    untouched = build().state_dict()
+    assert all(torch.equal(state[n], untouched[n]) for n in plan.tasks.low_copies)
+    planned = {k: v for k, v in plan.tasks.bytes_by_channel().items() if v}
+    assert all(step.bytes_by_channel() == planned for step in history)
+    assert all(max(w.peak for w in step.workers) <= plan.options["device_memory"] for step in history)
