@@ -1,15 +1,17 @@
 """bf16 against fp32 (issue 17): estimated throughput on modelled GPUs, and the swap volume planned
 and counted.
 
-Harmony's bf16 runs every layer under ``torch.autocast`` with float32 weights, gradients and
-optimizer state (``runtime/precision.py``): the matmuls run at the bf16 peak, but weights still
-move in float32, so the swap volume barely changes. This benchmark shows both, so that the day the
-weights move as bf16 copies the gain appears here.
+Harmony's bf16 runs every layer under ``torch.autocast`` with float32 masters, gradients and
+optimizer state (``runtime/precision.py``): the matmuls run at the bf16 peak. Frozen weights that
+autocast only casts (a fine-tuned model's frozen linear layers) move and stay on the devices as
+bf16 copies (``profiling/casts.py``), half their bytes; trainable weights still move in float32, so
+full training's swap volume barely changes. This benchmark shows both.
 
     python -m bench.precision [--quick]
 
-Estimated: GPT-2 1.5B and Llama 3.2 1B on 4 modelled H100s (analytic profiles), pp, minibatch 16.
-Counted: the tiny GPT-2 on 2 emulated devices, one iteration each.
+Estimated: GPT-2 1.5B and Llama 3.2 1B on 4 modelled H100s (analytic profiles), pp, minibatch 16;
+Llama also with its first 12 of 16 blocks frozen (fine-tuning the top). Counted: the tiny GPT-2 on
+2 emulated devices, one iteration each, whole and with its first block frozen.
 """
 
 from __future__ import annotations
@@ -27,26 +29,38 @@ import harmony
 from harmony.modelfile import load_model_file
 from harmony.models import gpt2
 from harmony.profiling.analytic import analytic_profile
+from harmony.profiling.casts import low_copies
 from harmony.profiling.sweep import training_footprint
 from harmony.runtime.precision import compute_dtype
 from harmony.scheduler.machine import Machine
 from harmony.scheduler.search import NoFeasibleConfiguration, search
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
-CASES = [("GPT-2 1.5B", "gpt2", "1.5b", {}), ("Llama 3.2 1B", "llama", "1b", {"seq_len": 1024})]
+# (name, model file, preset, options, prefixes of the parameters frozen)
+CASES = [("GPT-2 1.5B", "gpt2", "1.5b", {}, ()), ("Llama 3.2 1B", "llama", "1b", {"seq_len": 1024}, ()),
+         ("Llama 3.2 1B, blocks 0-11 frozen", "llama", "1b", {"seq_len": 1024},
+          ("model.embed_tokens.", *(f"model.layers.{i}." for i in range(12))))]
+
+
+def freeze(model: torch.nn.Module, prefixes: tuple[str, ...]) -> torch.nn.Module:
+    for name, p in model.named_parameters():
+        if name.startswith(prefixes):
+            p.requires_grad_(False)
+    return model
 
 
 def estimated(cases=CASES, spec: str = "h100", devices: int = 4, minibatch: int = 16) -> list[dict]:
     """Per model and precision: the searched pp plan's estimated iteration and swap bytes."""
     machine = Machine.from_spec(spec, devices)
     rows = []
-    for name, file, preset, extra in cases:
+    for name, file, preset, extra, frozen in cases:
         mf = load_model_file(MODELS / f"{file}.py", {"preset": preset, **extra})
         with torch.device("meta"):
-            model = mf.build_model()
+            model = freeze(mf.build_model(), frozen)
         graph = harmony.decompose(model, mf.get_batch(1, 0)[0])
         for precision in ("fp32", "bf16"):
             profile = analytic_profile(graph, spec, max_microbatch=minibatch, compute=compute_dtype(precision))
+            profile.carry(low_copies(graph, "cuda", compute_dtype(precision)))  # as compile_plan does
             try:
                 result = search(profile, machine, "pp", devices, minibatch)
             except NoFeasibleConfiguration as exc:
@@ -59,21 +73,25 @@ def estimated(cases=CASES, spec: str = "h100", devices: int = 4, minibatch: int 
 
 
 def counted(minibatch: int = 8) -> list[dict]:
-    """The tiny GPT-2 compiled at each precision: swap bytes planned and counted in one iteration."""
-    torch.manual_seed(0)
-    model = gpt2.build_model("tiny")
+    """The tiny GPT-2 compiled at each precision, whole and with its first block frozen: swap bytes
+    planned and counted in one iteration, and the weights' share of them."""
     get_batch = functools.partial(gpt2.get_batch, preset="tiny")
-    capacity = int(0.3 * training_footprint(harmony.decompose(copy.deepcopy(model), get_batch(2, 0)[0]),
-                                            get_batch, minibatch))
     rows = []
-    for precision in ("fp32", "bf16"):
-        plan = harmony.compile(copy.deepcopy(model), gpt2.loss_fn, get_batch, minibatch_size=minibatch, devices=2,
-                               device_memory=capacity, probe=False, precision=precision)
-        with harmony.Trainer(plan, timeout=60) as trainer:
-            trainer.step(*get_batch(minibatch, 0))
-            moved = trainer.history[-1].bytes_by_channel()
-        rows.append({"precision": precision, "planned": plan.tasks.swap_bytes(),
-                     "counted": moved.get("SWAP in", 0) + moved.get("SWAP out", 0), "config": str(plan.tasks.config)})
+    for name, frozen in (("gpt2-tiny", ()), ("gpt2-tiny, block 0 frozen", ("h.0.",))):
+        torch.manual_seed(0)
+        model = freeze(gpt2.build_model("tiny"), frozen)
+        capacity = int(0.3 * training_footprint(harmony.decompose(copy.deepcopy(model), get_batch(2, 0)[0]),
+                                                get_batch, minibatch))
+        for precision in ("fp32", "bf16"):
+            plan = harmony.compile(copy.deepcopy(model), gpt2.loss_fn, get_batch, minibatch_size=minibatch,
+                                   devices=2, device_memory=capacity, probe=False, precision=precision)
+            with harmony.Trainer(plan, timeout=60) as trainer:
+                trainer.step(*get_batch(minibatch, 0))
+                moved = trainer.history[-1].bytes_by_channel()
+            rows.append({"model": name, "precision": precision, "planned": plan.tasks.swap_bytes(),
+                         "planned_w": plan.tasks.swap_bytes("W"),
+                         "counted": moved.get("SWAP in", 0) + moved.get("SWAP out", 0),
+                         "config": str(plan.tasks.config)})
     return rows
 
 
@@ -96,11 +114,12 @@ def main() -> None:
                       f"{ref['iteration_s'] / r['iteration_s']:.2f}x" if ref else "-", f"{r['swap_bytes'] / 1e9:.1f}",
                       r["config"])
     console.print(table)
-    table = Table(title="gpt2-tiny on 2 emulated devices, minibatch 8: swap bytes per iteration")
-    for col in ("precision", "planned", "counted", "configuration"):
+    table = Table(title="2 emulated devices, minibatch 8: swap bytes per iteration")
+    for col in ("model", "precision", "planned", "of which weights", "counted", "configuration"):
         table.add_column(col, justify="right")
     for r in counted():
-        table.add_row(r["precision"], f"{r['planned']:,}", f"{r['counted']:,}", r["config"])
+        table.add_row(r["model"], r["precision"], f"{r['planned']:,}", f"{r['planned_w']:,}", f"{r['counted']:,}",
+                      r["config"])
     console.print(table)
 
 

@@ -314,8 +314,9 @@ def precision_speedups(rows: list[dict]) -> dict[str, float]:
 
 def _section_precision(r: dict[str, Any]) -> list[str]:
     lines = ["## 8. bf16 against fp32 (issue 17)", "",
-             "bf16 runs every layer under torch.autocast with float32 weights, gradients and optimizer state, so the "
-             "matmuls run at the bf16 peak but the weights still move in float32: the swap volume barely changes.", "",
+             "bf16 runs every layer under torch.autocast with float32 masters, gradients and optimizer state, so the "
+             "matmuls run at the bf16 peak. Frozen weights that autocast only casts move as bf16 copies (half their "
+             "bytes); trainable ones still move in float32, so full training's swap volume barely changes.", "",
              "| model | precision | estimated iteration s | samples/s | swap GB | configuration |",
              "|---|---|---:|---:|---:|---|"]
     for x in r["estimated"]:
@@ -324,9 +325,11 @@ def _section_precision(r: dict[str, Any]) -> list[str]:
             continue
         lines.append(f"| {x['model']} | {x['precision']} | {x['iteration_s']:.2f} | {x['samples_per_s']:.2f} | "
                      f"{x['swap_bytes'] / 1e9:.1f} | {x['config']} |")
-    lines += ["", "Swap bytes per iteration on 2 emulated devices (gpt2-tiny, minibatch 8):", "",
-              "| precision | planned | counted | configuration |", "|---|---:|---:|---|"]
-    lines += [f"| {x['precision']} | {x['planned']:,} | {x['counted']:,} | {x['config']} |" for x in r["counted"]]
+    lines += ["", "Swap bytes per iteration on 2 emulated devices (minibatch 8):", "",
+              "| model | precision | planned | of which weights | counted | configuration |",
+              "|---|---|---:|---:|---:|---|"]
+    lines += [f"| {x.get('model', 'gpt2-tiny')} | {x['precision']} | {x['planned']:,} | {x.get('planned_w', 0):,} | "
+              f"{x['counted']:,} | {x['config']} |" for x in r["counted"]]
     return lines + [""]
 
 

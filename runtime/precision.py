@@ -3,9 +3,11 @@
 ``precision`` is "fp32" (no autocast), "bf16" or "fp16": every layer's forward (and recompute) and
 the loss run under ``torch.autocast(device_type, dtype)``, so the ops eager autocast runs in low
 precision (matmuls, convolutions, linear layers) run so here, and the rest (norms, softmax,
-reductions, the loss) in float32, exactly as the reference does. Weights, gradients and optimizer
-state stay in the model's dtype (float32) on the device, in host memory and over the links; only
-activations that autocast makes low precision move as such. Autocast leaves float64 alone.
+reductions, the loss) in float32, exactly as the reference does. Masters, gradients and optimizer
+state stay in the model's dtype (float32); trainable weights move in it too. Frozen weights that
+autocast only casts move and stay on the devices as low-precision copies cast on the host
+(``profiling/casts.py``), and activations that autocast makes low precision move as such. Autocast
+leaves float64 alone.
 
 fp16 also scales the loss (``lossscale.py``), as ``torch.amp.GradScaler`` does.
 
