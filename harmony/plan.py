@@ -168,6 +168,10 @@ class Plan:
         if self.tasks.precision != "fp32":
             lines.append(f"- precision: {self.tasks.precision} under torch.autocast (weights, gradients and optimizer "
                          "state float32)")
+        if self.tasks.low_copies:
+            saved = sum(c.saved for c in self.profile.low_copies)
+            lines.append(f"- {len(self.tasks.low_copies)} frozen weights move as {self.tasks.precision} copies cast on "
+                         f"the host ({saved:,} bytes less per copy of the model)")
         if self.options.get("clip_grad_norm") is not None:
             lines.append(f"- gradient clipping: global 2-norm {self.options['clip_grad_norm']:g}; every update waits "
                          "for the host's NORM task")

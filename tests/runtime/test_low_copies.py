@@ -70,6 +70,7 @@ def test_the_low_copies_are_part_of_the_saved_plan(tmp_path):
     loaded = harmony.load_plan(tmp_path / "plan")
     assert loaded.tasks.low_copies == plan.tasks.low_copies
     assert [c.name for c in loaded.profile.low_copies] == [c.name for c in plan.profile.low_copies]
+    assert f"- {len(plan.tasks.low_copies)} frozen weights move as bf16 copies" in (tmp_path / "plan" / "summary.md").read_text()
 
 
 @pytest.mark.parametrize("mode", ["pp", "dp"])
