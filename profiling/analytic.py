@@ -312,11 +312,13 @@ class LayerCostModel:
 
 # --------------------------------------------------------------------------- one layer on meta
 class _LayerRunner:
-    """Builds meta state and meta inputs for one layer and counts it at a given u."""
+    """Builds meta state and meta inputs for one layer and counts it at a given u. ``device``: where
+    the tensors are made (meta; or a device type under a FakeTensorMode, ``casts.py``)."""
 
     def __init__(self, graph: LayerGraph, index: int, module: torch.nn.Module, dtype: torch.dtype | None,
-                 batch: int | None) -> None:
+                 batch: int | None, device: str = "meta") -> None:
         self.graph, self.index, self.module, self.dtype, self.batch = graph, index, module, dtype, batch
+        self.device = device
         self.spec = graph.layers[index]
 
     def _cast(self, dt: torch.dtype) -> torch.dtype:
@@ -327,12 +329,12 @@ class _LayerRunner:
         made: dict[int, torch.Tensor] = {}
         for name, p in self.module.named_parameters(remove_duplicate=False):
             if id(p) not in made:
-                t = torch.empty(p.shape, dtype=self._cast(p.dtype), device="meta")
+                t = torch.empty(p.shape, dtype=self._cast(p.dtype), device=self.device)
                 made[id(p)] = t.requires_grad_(p.requires_grad) if t.is_floating_point() else t
             state[name] = made[id(p)]
         for name, b in self.module.named_buffers(remove_duplicate=False):
             if id(b) not in made:
-                made[id(b)] = torch.empty(b.shape, dtype=self._cast(b.dtype), device="meta")
+                made[id(b)] = torch.empty(b.shape, dtype=self._cast(b.dtype), device=self.device)
             state[name] = made[id(b)]
         return state
 
@@ -352,7 +354,7 @@ class _LayerRunner:
             shape = list(v.shape)
             if v.batch_dim is not None:  # the samples' dim, as the decomposer probed it
                 shape[v.batch_dim] = u
-            t = torch.empty(shape, dtype=self._cast(dtype_from_str(v.dtype)), device="meta")
+            t = torch.empty(shape, dtype=self._cast(dtype_from_str(v.dtype)), device=self.device)
             if grad and v.requires_grad and t.is_floating_point():
                 t.requires_grad_(True)
             values.append(t)

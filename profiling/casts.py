@@ -20,9 +20,7 @@ the dispatch mode sits below autocast, so it sees autocast's casts as ``aten._to
 
 from __future__ import annotations
 
-import ast
 import logging
-from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -30,7 +28,8 @@ from torch.func import functional_call
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from harmony.decomposer.layer_graph import LayerGraph, dtype_from_str
+from harmony.decomposer.layer_graph import LayerGraph
+from harmony.profiling.analytic import _LayerRunner
 from harmony.profiling.profiles import LowCopy
 
 log = logging.getLogger(__name__)
@@ -92,29 +91,10 @@ def _cast_only(graph: LayerGraph, index: int, module: torch.nn.Module, device_ty
                names: set[str]) -> dict[str, bool]:
     """Per frozen weight of the layer, whether its forward under autocast only casts it to ``dtype``."""
     with FakeTensorMode(allow_non_fake_inputs=True):
-        state: dict[str, torch.Tensor] = {}
-        made: dict[int, torch.Tensor] = {}
-        for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
-            if id(t) not in made:
-                made[id(t)] = torch.empty(t.shape, dtype=t.dtype, device=device_type).requires_grad_(t.requires_grad)
-            state[name] = made[id(t)]
-        inputs = _inputs(graph, index, device_type)
+        layer = _LayerRunner(graph, index, module, None, None, device=device_type)
+        state = layer.meta_state()
+        inputs = layer.meta_inputs(1, grad=False)
         uses = _Uses({id(state[n]): n for n in names}, dtype)
         with torch.no_grad(), torch.autocast(device_type, dtype=dtype), uses:
             functional_call(module, state, tuple(inputs))
     return uses.cast
-
-
-def _inputs(graph: LayerGraph, index: int, device_type: str) -> list[Any]:
-    """The layer's inputs at one sample, as fake tensors of the shapes the decomposer recorded."""
-    values = []
-    for name in graph.layers[index].inputs:
-        v = graph.values[name]
-        if v.kind != "tensor":
-            values.append(ast.literal_eval(v.text))
-            continue
-        shape = list(v.shape)
-        if v.batch_dim is not None:
-            shape[v.batch_dim] = 1
-        values.append(torch.zeros(shape, dtype=dtype_from_str(v.dtype), device=device_type))
-    return values
