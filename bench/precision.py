@@ -2,10 +2,11 @@
 and counted.
 
 Harmony's bf16 runs every layer under ``torch.autocast`` with float32 masters, gradients and
-optimizer state (``runtime/precision.py``): the matmuls run at the bf16 peak. Frozen weights that
-autocast only casts (a fine-tuned model's frozen linear layers) move and stay on the devices as
-bf16 copies (``profiling/casts.py``), half their bytes; trainable weights still move in float32, so
-full training's swap volume barely changes. This benchmark shows both.
+optimizer state (``runtime/precision.py``): the matmuls run at the bf16 peak. Weights that autocast
+only casts (linear layers) move and stay on the devices as bf16 copies (``profiling/casts.py``),
+half their bytes: frozen ones always, trainable ones where the host steps them. The search weighs
+a device update (float32 weights) against a host one (bf16 weights); the updates column says which
+it picked. This benchmark shows both.
 
     python -m bench.precision [--quick]
 
@@ -34,6 +35,7 @@ from harmony.profiling.sweep import training_footprint
 from harmony.runtime.precision import compute_dtype
 from harmony.scheduler.machine import Machine
 from harmony.scheduler.search import NoFeasibleConfiguration, search
+from harmony.scheduler.tasks import HOST, Kind
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 # (name, model file, preset, options, prefixes of the parameters frozen)
@@ -68,8 +70,14 @@ def estimated(cases=CASES, spec: str = "h100", devices: int = 4, minibatch: int 
                 continue
             rows.append({"model": name, "precision": precision, "iteration_s": result.estimate.iteration_time,
                          "samples_per_s": minibatch / result.estimate.iteration_time,
-                         "swap_bytes": result.graph.swap_bytes(), "config": str(result.config)})
+                         "swap_bytes": result.graph.swap_bytes(), "updates": updates_of(result.graph),
+                         "config": str(result.config)})
     return rows
+
+
+def updates_of(graph) -> str:
+    """Where a plan steps its weights: "host" (offloaded updates) or "device" (jit or UPD tasks)."""
+    return "host" if any(t.kind == Kind.UPD and t.device == HOST for t in graph.tasks) else "device"
 
 
 def counted(minibatch: int = 8) -> list[dict]:
@@ -91,7 +99,7 @@ def counted(minibatch: int = 8) -> list[dict]:
             rows.append({"model": name, "precision": precision, "planned": plan.tasks.swap_bytes(),
                          "planned_w": plan.tasks.swap_bytes("W"),
                          "counted": moved.get("SWAP in", 0) + moved.get("SWAP out", 0),
-                         "config": str(plan.tasks.config)})
+                         "updates": updates_of(plan.tasks), "config": str(plan.tasks.config)})
     return rows
 
 
@@ -101,25 +109,25 @@ def main() -> None:
     ns = parser.parse_args()
     console = Console(width=160)
     table = Table(title="estimated, pp on 4 modelled H100s (analytic), minibatch 16: bf16 against fp32")
-    for col in ("model", "precision", "iteration s", "samples/s", "speedup", "swap GB", "configuration"):
+    for col in ("model", "precision", "iteration s", "samples/s", "speedup", "swap GB", "updates", "configuration"):
         table.add_column(col, justify="right")
     rows = estimated(CASES[:1] if ns.quick else CASES)
     base = {r["model"]: r for r in rows if r["precision"] == "fp32" and "error" not in r}
     for r in rows:
         if "error" in r:
-            table.add_row(r["model"], r["precision"], "does not fit", *[""] * 4)
+            table.add_row(r["model"], r["precision"], "does not fit", *[""] * 5)
             continue
         ref = base.get(r["model"])
         table.add_row(r["model"], r["precision"], f"{r['iteration_s']:.2f}", f"{r['samples_per_s']:.2f}",
                       f"{ref['iteration_s'] / r['iteration_s']:.2f}x" if ref else "-", f"{r['swap_bytes'] / 1e9:.1f}",
-                      r["config"])
+                      r["updates"], r["config"])
     console.print(table)
     table = Table(title="2 emulated devices, minibatch 8: swap bytes per iteration")
-    for col in ("model", "precision", "planned", "of which weights", "counted", "configuration"):
+    for col in ("model", "precision", "planned", "of which weights", "counted", "updates", "configuration"):
         table.add_column(col, justify="right")
     for r in counted():
         table.add_row(r["model"], r["precision"], f"{r['planned']:,}", f"{r['planned_w']:,}", f"{r['counted']:,}",
-                      r["config"])
+                      r["updates"], r["config"])
     console.print(table)
 
 

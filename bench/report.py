@@ -315,21 +315,22 @@ def precision_speedups(rows: list[dict]) -> dict[str, float]:
 def _section_precision(r: dict[str, Any]) -> list[str]:
     lines = ["## 8. bf16 against fp32 (issue 17)", "",
              "bf16 runs every layer under torch.autocast with float32 masters, gradients and optimizer state, so the "
-             "matmuls run at the bf16 peak. Frozen weights that autocast only casts move as bf16 copies (half their "
-             "bytes); trainable ones still move in float32, so full training's swap volume barely changes.", "",
-             "| model | precision | estimated iteration s | samples/s | swap GB | configuration |",
-             "|---|---|---:|---:|---:|---|"]
+             "matmuls run at the bf16 peak. Weights that autocast only casts move as bf16 copies (half their bytes): "
+             "frozen ones always, trainable ones where the host steps them (the updates column: where the searched "
+             "plan steps its weights).", "",
+             "| model | precision | estimated iteration s | samples/s | swap GB | updates | configuration |",
+             "|---|---|---:|---:|---:|---|---|"]
     for x in r["estimated"]:
         if "error" in x:
-            lines.append(f"| {x['model']} | {x['precision']} | does not fit | - | - | - |")
+            lines.append(f"| {x['model']} | {x['precision']} | does not fit | - | - | - | - |")
             continue
         lines.append(f"| {x['model']} | {x['precision']} | {x['iteration_s']:.2f} | {x['samples_per_s']:.2f} | "
-                     f"{x['swap_bytes'] / 1e9:.1f} | {x['config']} |")
+                     f"{x['swap_bytes'] / 1e9:.1f} | {x.get('updates', '-')} | {x['config']} |")
     lines += ["", "Swap bytes per iteration on 2 emulated devices (minibatch 8):", "",
-              "| model | precision | planned | of which weights | counted | configuration |",
-              "|---|---|---:|---:|---:|---|"]
+              "| model | precision | planned | of which weights | counted | updates | configuration |",
+              "|---|---|---:|---:|---:|---|---|"]
     lines += [f"| {x.get('model', 'gpt2-tiny')} | {x['precision']} | {x['planned']:,} | {x.get('planned_w', 0):,} | "
-              f"{x['counted']:,} | {x['config']} |" for x in r["counted"]]
+              f"{x['counted']:,} | {x.get('updates', '-')} | {x['config']} |" for x in r["counted"]]
     return lines + [""]
 
 

@@ -169,9 +169,11 @@ class Plan:
             lines.append(f"- precision: {self.tasks.precision} under torch.autocast (weights, gradients and optimizer "
                          "state float32)")
         if self.tasks.low_copies:
-            saved = sum(c.saved for c in self.profile.low_copies)
-            lines.append(f"- {len(self.tasks.low_copies)} frozen weights move as {self.tasks.precision} copies cast on "
-                         f"the host ({saved:,} bytes less per copy of the model)")
+            copies = self.profile.for_graph(self.tasks).low_copies
+            trainable = sum(c.trainable for c in copies)
+            lines.append(f"- {len(copies)} weights ({len(copies) - trainable} frozen, {trainable} trainable and stepped "
+                         f"on the host) move as {self.tasks.precision} copies cast on the host "
+                         f"({sum(c.saved for c in copies):,} bytes less per copy of the model)")
         if self.options.get("clip_grad_norm") is not None:
             lines.append(f"- gradient clipping: global 2-norm {self.options['clip_grad_norm']:g}; every update waits "
                          "for the host's NORM task")

@@ -1,4 +1,4 @@
-"""Which frozen weights may travel in low precision: those autocast only ever casts (issue 17).
+"""Which weights may travel in low precision: those autocast only ever casts (issue 17).
 
 Under ``torch.autocast`` an op on autocast's lower-precision list (a linear layer, a matmul, a
 convolution) casts its float32 weight to bf16/fp16 before it runs. If every use of a weight is such
@@ -7,11 +7,11 @@ the same rounding) gives the op the very values eager autocast gives it, at half
 and hold. A weight any op reads as it is (a LayerNorm's, which autocast runs in float32; an
 embedding table) keeps its float32 copy.
 
-Only frozen weights (``requires_grad=False``) are carried so: a trainable weight stepped on the
-device needs its float32 master there, and one stepped on the host would need its gradient kept in
-float32 through the low copy; both are left for later. Fine-tuning is the case that gains: the
-frozen base model is nearly all of the weights a LoRA run swaps. Tied weights keep float32 (their
-bytes are accounted once per pack, in ``TiedWeight``).
+A frozen weight (``requires_grad=False``) always travels so. A trainable one (``LowCopy.trainable``)
+does only where the host steps it (``Profile.for_update``): a device step needs the float32 master
+on the device. Its gradient then reaches float32 as eager's does, through the backward of the cast
+(``runtime/compute.py``'s ``_GradInFloat32``), and adds up in a float32 buffer. Tied weights keep
+float32 (their bytes are accounted once per pack, in ``TiedWeight``).
 
 The uses are found by running each layer once on fake tensors (no memory, no arithmetic) of the plan's
 device type under autocast, recording the ops that read each weight with a ``TorchDispatchMode``:
@@ -58,9 +58,9 @@ class _Uses(TorchDispatchMode):
 
 
 def low_copies(graph: LayerGraph, device_type: str, dtype: torch.dtype | None) -> list[LowCopy]:
-    """The frozen weights of ``graph`` that every use casts to ``dtype`` under autocast on
-    ``device_type`` (none for float32). Where that device type cannot run here (an analytic CUDA
-    plan on a machine without CUDA), CPU autocast's op lists stand in for it."""
+    """The weights of ``graph`` that every use casts to ``dtype`` under autocast on ``device_type``
+    (none for float32), frozen and trainable (``LowCopy.trainable``). Where that device type cannot
+    run here (an analytic CUDA plan on a machine without CUDA), CPU autocast's op lists stand in."""
     if dtype is None:
         return []
     if device_type == "cuda" and not torch.cuda.is_available():
@@ -68,28 +68,27 @@ def low_copies(graph: LayerGraph, device_type: str, dtype: torch.dtype | None) -
     tied = {graph.canonical(n) for canon, aliases in graph.ties.items() for n in (canon, *aliases)}
     copies: dict[str, LowCopy] = {}
     for index, module in enumerate(graph.modules):
-        frozen = {name: p for name, p in module.named_parameters(remove_duplicate=False)
-                  if not p.requires_grad and p.is_floating_point() and p.dtype.itemsize > dtype.itemsize
-                  and graph.canonical(name) not in tied}
-        if not frozen:
+        weights = {name: p for name, p in module.named_parameters(remove_duplicate=False)
+                   if p.is_floating_point() and p.dtype.itemsize > dtype.itemsize and graph.canonical(name) not in tied}
+        if not weights:
             continue
         try:
-            cast = _cast_only(graph, index, module, device_type, dtype, set(frozen))
+            cast = _cast_only(graph, index, module, device_type, dtype, set(weights))
         except Exception as exc:  # a layer fake tensors cannot run: its weights keep float32
-            log.info("layer %d (%s): uses of its frozen weights unknown (%s: %s); they travel in %s",
-                     index, graph.layers[index].name, type(exc).__name__, exc, str(next(iter(frozen.values())).dtype))
+            log.info("layer %d (%s): uses of its weights unknown (%s: %s); they travel in %s",
+                     index, graph.layers[index].name, type(exc).__name__, exc, str(next(iter(weights.values())).dtype))
             continue
         for name in sorted(n for n, only in cast.items() if only):
-            p = frozen[name]
+            p = weights[name]
             copies.setdefault(graph.canonical(name), LowCopy(
                 name=graph.canonical(name), layer=index, dtype=str(dtype).removeprefix("torch."),
-                saved=p.numel() * (p.element_size() - dtype.itemsize)))
+                saved=p.numel() * (p.element_size() - dtype.itemsize), trainable=p.requires_grad))
     return list(copies.values())
 
 
 def _cast_only(graph: LayerGraph, index: int, module: torch.nn.Module, device_type: str, dtype: torch.dtype,
                names: set[str]) -> dict[str, bool]:
-    """Per frozen weight of the layer, whether its forward under autocast only casts it to ``dtype``."""
+    """Per named weight of the layer, whether its forward under autocast only casts it to ``dtype``."""
     with FakeTensorMode(allow_non_fake_inputs=True):
         layer = _LayerRunner(graph, index, module, None, None, device=device_type)
         state = layer.meta_state()

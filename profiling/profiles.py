@@ -180,14 +180,16 @@ class TiedWeight:
 
 @dataclass
 class LowCopy:
-    """A frozen weight the devices receive in low precision (``profiling/casts.py``): its canonical
+    """A weight the devices may receive in low precision (``profiling/casts.py``): its canonical
     name, the layer holding it, the dtype it travels in and the device bytes that saves against its
-    float32 master."""
+    float32 master. A ``trainable`` one travels so only where its update runs on the host
+    (``Profile.for_update``); a frozen one always does."""
 
     name: str
     layer: int
     dtype: str
     saved: int
+    trainable: bool = False
 
 
 @dataclass
@@ -262,19 +264,48 @@ class Profile:
     # how a pack's optimizer temporaries grow with its layers: 0 when the optimizer steps one
     # parameter at a time (the largest layer's), 1 when it steps the whole group at once (their sum)
     update_growth: float = 1.0
-    # frozen weights carried in low precision (``carry``): ``w_bytes`` and the peaks count their copies
+    # weights carried in low precision (``carry``): ``w_bytes`` and the peaks count their copies
     low_copies: list[LowCopy] = field(default_factory=list)
+    # trainable weights that could be carried so too, where the host steps them (``for_update``)
+    host_copies: list[LowCopy] = field(default_factory=list)
+
+    def for_update(self, update: str) -> "Profile":
+        """The profile of a plan whose updates run on ``update`` ("host" or "device"). A trainable
+        weight travels in low precision only where the host steps it: a device step needs the
+        float32 master on the device. The host variant is a copy with ``host_copies`` carried as
+        well, made once and kept; this profile stays the one saved and searched from."""
+        if update != "host" or not self.host_copies:
+            return self
+        hosted = self.__dict__.get("_hosted")
+        if hosted is None:
+            hosted = Profile.from_dict(self.to_dict())
+            hosted.host_copies = []
+            hosted._carry_more(self.host_copies)
+            self.__dict__["_hosted"] = hosted
+        return hosted
+
+    def for_graph(self, graph) -> "Profile":
+        """The profile a task graph was generated with (``for_update``): the host variant where it
+        carries a trainable weight in low precision (``TaskGraph.low_copies``)."""
+        trainable = {c.name for c in self.host_copies}
+        hosted = bool(trainable) and any(name in trainable for name in getattr(graph, "low_copies", {}))
+        return self.for_update("host") if hosted else self
 
     def carry(self, copies: list[LowCopy]) -> None:
         """Count ``copies`` as the devices will hold them: each layer's weights, and the peaks that
         include them, smaller by their saving. The peaks were measured (or counted) with float32
         weights that autocast cast op by op; with the copies cast on the host those casts never
         happen, so the peaks only fall further: what the plan counts bounds what runs."""
-        if self.low_copies:
+        if self.low_copies or self.host_copies:
             raise ValueError("the profile already counts its weights' low-precision copies")
-        self.low_copies = list(copies)
+        self.host_copies = [c for c in copies if c.trainable]
+        self._carry_more([c for c in copies if not c.trainable])
+
+    def _carry_more(self, copies: list[LowCopy]) -> None:
+        """Count ``copies`` in low precision beside those counted already (``carry``)."""
+        self.low_copies = self.low_copies + list(copies)
         for layer in self.layers:
-            saved = self._saved(layer.index, layer.index)
+            saved = sum(c.saved for c in copies if c.layer == layer.index)
             if not saved:
                 continue
             layer.w_bytes -= saved
@@ -284,7 +315,7 @@ class Profile:
             layer.__dict__.pop("_at", None)
         for sample in self.packs:
             if sample.u:
-                _lower_peaks(sample, self._saved(sample.first, sample.last))
+                _lower_peaks(sample, sum(c.saved for c in copies if sample.first <= c.layer <= sample.last))
         for memo in ("_prefix", "_packs"):
             self.__dict__.pop(memo, None)
         self.__dict__["_memory_version"] = self.__dict__.get("_memory_version", 0) + 1
@@ -325,7 +356,11 @@ class Profile:
         return index[1].get((first, last, u))
 
     def add_packs(self, samples: list[PackSample]) -> None:
-        """Record packs measured whole; later estimates use them instead of composing layers."""
+        """Record packs measured whole; later estimates use them instead of composing layers (and
+        those of the host variant, ``for_update``)."""
+        hosted = self.__dict__.get("_hosted")
+        if hosted is not None:
+            hosted.add_packs([PackSample(**asdict(s)) for s in samples])
         known = {(p.first, p.last, p.u): i for i, p in enumerate(self.packs)}
         for sample in samples:
             if sample.u:  # measured with float32 weights; held with their low-precision copies (``carry``)
@@ -471,10 +506,11 @@ class Profile:
             ties = [TiedWeight(**check(TiedWeight, t, f"tie {i}")) for i, t in enumerate(body.get("ties", []))]
             losses = [LossSample(**check(LossSample, x, f"loss sample {i}")) for i, x in enumerate(body.get("loss_samples", []))]
             packs = [PackSample(**check(PackSample, x, f"pack {i}")) for i, x in enumerate(body.get("packs", []))]
-            copies = [LowCopy(**check(LowCopy, x, f"low copy {i}")) for i, x in enumerate(body.get("low_copies", []))]
-            nested = ("layers", "machine", "ties", "loss_samples", "packs", "low_copies")
+            copies = {key: [LowCopy(**check(LowCopy, x, f"low copy {i}")) for i, x in enumerate(body.get(key, []))]
+                      for key in ("low_copies", "host_copies")}
+            nested = ("layers", "machine", "ties", "loss_samples", "packs", "low_copies", "host_copies")
             profile = cls(**{k: v for k, v in body.items() if k not in nested}, layers=layers,
-                          machine=machine, ties=ties, loss_samples=losses, packs=packs, low_copies=copies)
+                          machine=machine, ties=ties, loss_samples=losses, packs=packs, **copies)
         except serialization.MALFORMED as exc:
             raise FormatError(f"profile is malformed ({type(exc).__name__}: {exc})") from exc
         if any(layer.index != i or not layer.fwd_samples or not layer.bwd_samples for i, layer in enumerate(layers)):

@@ -102,6 +102,8 @@ class Compute:
         params = self._params(state)
         for p in params.values():
             p.requires_grad_(True)
+        sinks = {n: p for n, t in state.items()
+                 if (p := params.get(self.layers.canonical(n))) is not None and p is not t}
         overwrite = self._load_running_gradient(task, params)
         layers = stash_layers(task)
         streams = ["X"] if task.loss else ["dY"] + [f"Xs{l}" for l in layers]
@@ -117,7 +119,7 @@ class Compute:
                 xs = _leaves(xs)
                 if gen is not None:
                     rng.restore(device, gen)
-                outputs = self._run_pack(task, state, xs)
+                outputs = self._run_pack(task, _through_sinks(state, sinks), xs)
                 target = self._target(start, size)
                 with autocast(self.device.torch_device.type, self.routes.graph.precision):
                     loss = self.loss_fn(pytree.tree_unflatten(outputs, self._out_spec), target) * (size / self.minibatch)
@@ -133,6 +135,7 @@ class Compute:
                 # on (a plan stepping layer by layer counts it in that layer's step, not in earlier ones)
                 grads = got.pop("dY")[0]
                 scratch = {n: (t.clone() if self.layers.state[n].kind != "parameter" else t) for n, t in state.items()}
+                scratch = _through_sinks(scratch, sinks)
                 for layer in reversed(layers):
                     xs, gen = got[f"Xs{layer}"]
                     xs = _leaves(xs)
@@ -169,6 +172,30 @@ class Compute:
             target = self.device.to_device(target)
             self.counters.add("TARGET", "in", "T", target.numel() * target.element_size())
         return target
+
+
+class _GradInFloat32(torch.autograd.Function):
+    """A low-precision weight copy read as eager autocast reads its cast of the float32 weight: the
+    forward is the copy itself; the backward casts the copy's gradient (summed over its uses in
+    the layer, in the low dtype, as over a cached cast's) to the sink's float32, as the cast's
+    backward does, and the sink's ``.grad`` adds it up across microbatches."""
+
+    @staticmethod
+    def forward(ctx, sink: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
+        ctx.dtype = sink.dtype
+        return copy.view_as(copy)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.to(ctx.dtype), None
+
+
+def _through_sinks(state: dict[str, torch.Tensor], sinks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A backward microbatch's pack state: each low-precision copy of a trainable weight read
+    through ``_GradInFloat32`` into its sink (a new node per microbatch, as eager casts anew)."""
+    if not sinks:
+        return state
+    return {n: (_GradInFloat32.apply(sinks[n], t) if n in sinks else t) for n, t in state.items()}
 
 
 def _leaves(values: Values) -> Values:

@@ -131,9 +131,9 @@ class PackState:
         return state
 
     def _carried(self, name: str) -> torch.Tensor:
-        """The weight as it travels: its host master, or for a frozen weight that autocast only
-        casts (``TaskGraph.low_copies``, ``profiling/casts.py``) a low-precision copy cast on the
-        host, with the rounding autocast's own cast would apply on the device."""
+        """The weight as it travels: its host master, or for a weight that autocast only casts and
+        no device steps (``TaskGraph.low_copies``, ``profiling/casts.py``) a low-precision copy cast
+        on the host, with the rounding autocast's own cast would apply on the device."""
         master = self.store.weight(name)
         dtype = self.routes.graph.low_copies.get(name)
         if dtype is None:
@@ -152,13 +152,23 @@ class PackState:
         return state
 
     def _params(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Canonical name -> device tensor of the trainable parameters in a pack state."""
+        """Canonical name -> the device tensor whose ``.grad`` collects a trainable parameter's
+        gradient: the parameter itself, or for one travelling as a low-precision copy (a host-stepped
+        weight, ``TaskGraph.low_copies``) a float32 sink its gradient reaches through the cast's
+        backward (``compute._GradInFloat32``), adding up in float32 as eager's does."""
         out = {}
         for name, t in state.items():
             spec = self.layers.state[name]
-            if spec.kind == "parameter" and spec.requires_grad:
-                out.setdefault(self.layers.canonical(name), t)
+            canon = self.layers.canonical(name)
+            if spec.kind == "parameter" and spec.requires_grad and canon not in out:
+                out[canon] = self._grad_sink(canon, t) if canon in self.routes.graph.low_copies else t
         return out
+
+    def _grad_sink(self, name: str, copy: torch.Tensor) -> torch.Tensor:
+        """A leaf of the master's dtype and the copy's shape that holds no memory of its own (one
+        element, broadcast): autograd accumulates the gradient into its ``.grad``."""
+        dtype = self.store.weight(name).dtype
+        return torch.zeros((), dtype=dtype, device=copy.device).expand(copy.shape)
 
     def _write_buffers(self, task: Task, state: dict[str, torch.Tensor]) -> None:
         """B -> SWAP: buffers changed by the forward (running statistics) go back to the host."""

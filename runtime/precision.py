@@ -4,9 +4,11 @@
 the loss run under ``torch.autocast(device_type, dtype)``, so the ops eager autocast runs in low
 precision (matmuls, convolutions, linear layers) run so here, and the rest (norms, softmax,
 reductions, the loss) in float32, exactly as the reference does. Masters, gradients and optimizer
-state stay in the model's dtype (float32); trainable weights move in it too. Frozen weights that
-autocast only casts move and stay on the devices as low-precision copies cast on the host
-(``profiling/casts.py``), and activations that autocast makes low precision move as such. Autocast
+state stay in the model's dtype (float32). Weights that autocast only casts move and stay on the
+devices as low-precision copies cast on the host (``profiling/casts.py``): frozen ones always,
+trainable ones where the host steps them, their gradients cast up to float32 as the cast's
+backward does (``compute._GradInFloat32``). Activations that autocast makes low precision move as
+such. Autocast
 leaves float64 alone.
 
 fp16 also scales the loss (``lossscale.py``), as ``torch.amp.GradScaler`` does.

@@ -372,6 +372,7 @@ def estimate(
 
     ``capacity`` (bytes per device; ``machine.capacity`` when not given) is what ``fits`` is judged
     against and what prefetching may use."""
+    profile = profile.for_graph(graph)  # the one ``generate`` sized the graph's weights with
     # The simulation allocates tens of thousands of small objects; in a process that holds a big
     # heap (torch, a model) the cyclic collector's full passes would triple the run time.
     enabled = gc.isenabled()

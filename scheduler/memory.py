@@ -190,6 +190,7 @@ def memory_plan(graph, device_peaks: dict[int, int], task_peaks: dict[int, int],
     runs (estimated) and its ``reserve``, the most it holds at once; and the tasks whose state
     the estimate loads while the task before them computes, with the unit of that task it loads
     during."""
+    profile = profile.for_graph(graph)
     consumers = {t.id: t for t in graph.tasks}
     units = {t.id: unit_holds(t, profile, stash_layers(t, consumers), consumers) for t in graph.tasks
              if t.device != HOST}

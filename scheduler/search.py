@@ -222,6 +222,7 @@ def shortfall_of(graph: TaskGraph, profile: Profile, machine: Machine, capacity:
     """What ``graph`` (a configuration that did not fit ``capacity``) needs: the bytes per device at
     which it fits, found by re-estimating at its own peak (more room lets prefetches start earlier,
     which can raise the peak again), and its peak task's own share of that peak."""
+    profile = profile.for_graph(graph)
     est = estimate(graph, profile, machine, capacity=capacity, record_events=True)
     needed = max(est.peak_memory.values(), default=0)
     for _ in range(8):

@@ -600,15 +600,27 @@ def generate(mode: str, profile: Profile, config: Configuration, devices: int, m
              **options) -> TaskGraph:
     """The task graph of one iteration of ``config`` in ``mode``; ``gated``: one whose updates wait
     for the whole gradient (``with_norm``: clipping needs its norm, fp16 whether it overflowed).
-    Frozen weights the profile counts in low precision (``Profile.low_copies``) travel so."""
+    Weights the profile counts in low precision travel so: frozen ones always, trainable ones
+    where the host steps them (``Profile.for_update``)."""
     if gated and mode == "pp" and options.get("update", "device") == "device":
         options = {**options, "jit_update": False}
+    profile = profile.for_update(update_side(mode, options))
     graph = _generate(mode, profile, config, devices, minibatch, **options)
     if gated:
         graph = with_norm(graph)
     # the weights' bytes are the profile's, which counts these copies in low precision: the runtime moves them so
     graph.low_copies = {c.name: c.dtype for c in profile.low_copies}
     return graph
+
+
+def update_side(mode: str, options: dict) -> str:
+    """Where ``mode``'s updates run with generator ``options``: "host" (every pack stepped in host
+    memory) or "device" (a device steps some; the per-GPU-swap baselines step all on the devices)."""
+    if mode == "pp":
+        return options.get("update", "device")
+    if mode == "dp":
+        return options.get("update", "host")
+    return "device"
 
 
 def _generate(mode: str, profile: Profile, config: Configuration, devices: int, minibatch: int, **options) -> TaskGraph:

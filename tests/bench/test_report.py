@@ -53,9 +53,10 @@ def test_the_precision_and_clipping_sections_show_each_row_and_the_speedup(tmp_p
     from bench.report import precision_speedups
 
     precision = {"estimated": [{"model": "M", "precision": p, "iteration_s": t, "samples_per_s": 16 / t,
-                                "swap_bytes": 2 * 10**9, "config": "c"} for p, t in (("fp32", 4.0), ("bf16", 1.0))],
+                                "swap_bytes": 2 * 10**9, "updates": "host", "config": "c"}
+                               for p, t in (("fp32", 4.0), ("bf16", 1.0))],
                  "counted": [{"model": "T", "precision": "bf16", "planned": 1000, "planned_w": 400, "counted": 1000,
-                              "config": "c"}]}
+                              "updates": "device", "config": "c"}]}
     clipping = {"estimated": [{"model": "M", "mode": "pp", "unclipped_s": 1.0, "clipped_s": 1.01, "norm_s": 0.002,
                                "speculation_bound_s": 1.002}],
                 "measured": [{"mode": "pp", "unclipped_s": 0.01, "clipped_s": 0.011}]}
@@ -63,5 +64,6 @@ def test_the_precision_and_clipping_sections_show_each_row_and_the_speedup(tmp_p
     results = {"machine": MACHINE, "quick": True, "failures": {}, "seconds": {}, "wall_seconds": 1.0,
                "precision": precision, "clipping": clipping}
     text = write(results, tmp_path, quick=True).read_text()
-    assert "| M | bf16 | 1.00 | 16.00 | 2.0 | c |" in text and "| T | bf16 | 1,000 | 400 | 1,000 | c |" in text
+    assert "| M | bf16 | 1.00 | 16.00 | 2.0 | host | c |" in text
+    assert "| T | bf16 | 1,000 | 400 | 1,000 | device | c |" in text
     assert "| M | pp | 1.00 | 1.01 | 1.010 | 2.0 | 1.00 |" in text and "| pp | 10.0 | 11.0 | 1.100 |" in text

@@ -1,6 +1,7 @@
-"""Which frozen weights travel in low precision (``profiling/casts.py``): those whose every use
-under autocast is a cast to the low dtype (a linear layer's), not one an op reads in float32 (a
-LayerNorm's, an embedding table), not a trainable or tied one, and none in float32 plans."""
+"""Which weights travel in low precision (``profiling/casts.py``): those whose every use under
+autocast is a cast to the low dtype (a linear layer's), not one an op reads in float32 (a
+LayerNorm's, an embedding table), not a tied one, and none in float32 plans; a trainable one only
+in the profile of plans whose host steps it (``Profile.for_update``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from torch import nn
 
 import harmony
 from harmony.profiling.casts import low_copies
+from harmony.profiling.profiles import LayerProfile, LayerSample, PackSample, Profile
 
 
 class Transposed(nn.Module):
@@ -34,18 +36,35 @@ def model() -> nn.Module:
                          nn.Linear(8, 4))
 
 
-def test_frozen_weights_that_autocast_only_casts_travel_in_bf16_and_the_rest_in_float32():
+def test_weights_that_autocast_only_casts_travel_in_bf16_and_the_rest_in_float32():
     copies = low_copies(graph_of(model()), "cpu", torch.bfloat16)
-    assert {c.name: (c.layer, c.dtype, c.saved) for c in copies} == {
-        "1.weight": (1, "bfloat16", 8 * 8 * 2), "1.bias": (1, "bfloat16", 8 * 2),
-        "4.weight": (4, "bfloat16", 8 * 8 * 2), "4.bias": (4, "bfloat16", 8 * 2),
+    assert {c.name: (c.layer, c.dtype, c.saved, c.trainable) for c in copies} == {
+        "1.weight": (1, "bfloat16", 8 * 8 * 2, False), "1.bias": (1, "bfloat16", 8 * 2, False),
+        "4.weight": (4, "bfloat16", 8 * 8 * 2, False), "4.bias": (4, "bfloat16", 8 * 2, False),
+        "5.weight": (5, "bfloat16", 8 * 4 * 2, True), "5.bias": (5, "bfloat16", 4 * 2, True),
     }
 
 
-def test_a_trainable_linear_keeps_its_float32_copy():
+def test_a_trainable_copy_is_counted_low_only_in_the_profile_of_host_updates():
     copies = low_copies(graph_of(model(), trainable=("1.", "5.")), "cpu", torch.float16)
-    assert sorted(c.name for c in copies) == ["4.bias", "4.weight"]
     assert {c.dtype for c in copies} == {"float16"}
+    profile = Profile(source="analytic", device="test", capacity=1 << 20, u_fmax=1, u_bmax=1, layers=[
+        LayerProfile(index=i, name=str(i), w_bytes=1000, dw_bytes=1000, k_bytes=0, b_bytes=0, upd_time_device=0.0,
+                     upd_time_host=0.0, fwd_samples=[LayerSample(1, 0.0, 0.0, 0.0, 5000, 6000, 8, 8, 8)],
+                     bwd_samples=[LayerSample(1, 0.0, 0.0, 0.0, 5000, 6000, 8, 8, 8)]) for i in range(6)])
+    profile.carry(copies)
+    device, host = profile.for_update("device"), profile.for_update("host")
+    assert device is profile and host is profile.for_update("host")  # made once
+    assert [c.name for c in device.low_copies] == ["4.bias", "4.weight"]
+    assert sorted(c.name for c in host.low_copies) == ["1.bias", "1.weight", "4.bias", "4.weight", "5.bias", "5.weight"]
+    saved = {layer: sum(c.saved for c in copies if c.layer == layer) for layer in range(6)}
+    assert [layer.w_bytes for layer in device.layers] == [1000 - saved[i] * (i == 4) for i in range(6)]
+    assert [layer.w_bytes for layer in host.layers] == [1000 - saved[i] for i in range(6)]
+    assert [layer.bwd_samples[0].bwd_peak for layer in host.layers] == [6000 - saved[i] for i in range(6)]
+    profile.add_packs([PackSample(first=4, last=5, u=1, fwd_peak=9000, bwd_peak=9000)])  # measured in float32
+    assert (device.packs[0].bwd_peak, host.packs[0].bwd_peak) == (9000 - saved[4], 9000 - saved[4] - saved[5])
+    assert profile.for_graph(type("G", (), {"low_copies": {"4.weight": "float16"}})) is device
+    assert profile.for_graph(type("G", (), {"low_copies": {"5.weight": "float16"}})) is host
 
 
 def test_a_float32_plan_carries_nothing_low():
@@ -58,4 +77,4 @@ def test_a_tied_frozen_weight_keeps_float32():
     tied[2].weight = tied[0].weight
     graph = graph_of(tied, trainable=("1.",))
     assert graph.ties
-    assert [c.name for c in low_copies(graph, "cpu", torch.bfloat16)] == []
+    assert [c.name for c in low_copies(graph, "cpu", torch.bfloat16)] == ["1.bias", "1.weight"]

@@ -1,11 +1,13 @@
-"""Frozen weights in low precision (``profiling/casts.py``): a bf16 plan moves and holds the frozen
-weights autocast only casts as bf16 copies cast on the host, half their float32 bytes in the
-plan's swaps and in what the run counts, and trains as eager autocast training of the same partly
-frozen model (2 emulated devices below a third of the training footprint, pp and dp; the
-tolerance of ``test_precision.py``, whose module docs say why)."""
+"""Weights in low precision (``profiling/casts.py``): a bf16 plan moves and holds the weights
+autocast only casts as bf16 copies cast on the host (frozen ones always, trainable ones where the
+host steps them), half their float32 bytes in the plan's swaps and in what the run counts, and
+trains as eager autocast training of the same partly frozen model (2 emulated devices below a
+third of the training footprint, pp and dp; the tolerance of ``test_precision.py``, whose module
+docs say why)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -13,9 +15,11 @@ import torch
 from test_precision import LOSS_TOLERANCE, MINIBATCH, TOLERANCE, adam, relative_distance
 
 import harmony
+from harmony.compiler import CompileOptions, _nominal_machine
 from harmony.models import gpt2
 from harmony.profiling.sweep import training_footprint
 from harmony.runtime.reference import microbatches_of, reference_train
+from harmony.scheduler.search import search
 from harmony.scheduler.tasks import Channel, Kind
 
 FROZEN = ("wte.", "wpe.", "h.0.")  # the embeddings (tied to the head: float32) and the first block
@@ -39,21 +43,40 @@ def plan_at(mode: str, precision: str = "bf16"):
                            device_memory=capacity, build_optimizer=adam, probe=False, precision=precision)
 
 
-def test_the_frozen_linear_weights_and_no_others_travel_in_bf16():
-    plan = plan_at("pp")
-    low = plan.tasks.low_copies
-    linears = [n for n, _ in build().named_parameters() if n.startswith("h.0.") and ".ln_" not in n]
-    assert sorted(low) == sorted(linears + [FROZEN_MATRIX]) and set(low.values()) == {"bfloat16"}
+@functools.lru_cache(maxsize=None)
+def plan_updating_at(mode: str, update: str):
+    """``plan_at``'s plan with its updates where ``update`` says (the search picks either)."""
+    plan = plan_at(mode)
+    machine = _nominal_machine(CompileOptions(minibatch=MINIBATCH, devices=2), plan.profile.capacity)
+    tasks = search(plan.profile, machine, mode, 2, MINIBATCH, capacity=plan.options["planned_memory"],
+                   same_u=bool(plan.options["same_u"]), update=update).graph
+    tasks.precision = plan.tasks.precision
+    return dataclasses.replace(plan, tasks=tasks)
+
+
+def linear_weights(*prefixes: str) -> list[str]:
+    return [n for n, _ in build().named_parameters() if n.startswith(prefixes) and ".ln_" not in n]
+
+
+def test_the_frozen_linear_weights_and_no_others_travel_in_bf16_where_a_device_steps():
+    low = plan_updating_at("pp", "device").tasks.low_copies
+    assert sorted(low) == sorted(linear_weights("h.0.") + [FROZEN_MATRIX]) and set(low.values()) == {"bfloat16"}
     assert plan_at("pp", "fp32").tasks.low_copies == {}
 
 
 @pytest.mark.parametrize("mode", ["pp", "dp"])
-def test_a_task_receives_its_frozen_weights_at_half_their_float32_bytes(mode):
-    plan = plan_at(mode)
+def test_trainable_linear_weights_travel_in_bf16_too_where_the_host_steps_them(mode):
+    low = plan_updating_at(mode, "host").tasks.low_copies
+    assert sorted(low) == sorted(linear_weights("h.")) and set(low.values()) == {"bfloat16"}
+
+
+@pytest.mark.parametrize("mode,update", [("pp", "device"), ("pp", "host"), ("dp", "device"), ("dp", "host")])
+def test_a_task_receives_its_low_copies_at_half_their_float32_bytes(mode, update):
+    plan = plan_updating_at(mode, update)
     params = dict(build().named_parameters())
     checked = 0
     for task in plan.tasks.tasks:
-        if task.kind != Kind.FWD:
+        if task.kind not in (Kind.FWD, Kind.BWD):
             continue
         names = {plan.graph.canonical(n) for layer in plan.graph.layers[task.first:task.last + 1] for n in layer.state
                  if plan.graph.state[n].kind == "parameter"}
@@ -65,17 +88,21 @@ def test_a_task_receives_its_frozen_weights_at_half_their_float32_bytes(mode):
 
 
 def test_the_low_copies_are_part_of_the_saved_plan(tmp_path):
-    plan = plan_at("pp")
+    plan = plan_updating_at("pp", "host")
     plan.save(tmp_path / "plan")
     loaded = harmony.load_plan(tmp_path / "plan")
     assert loaded.tasks.low_copies == plan.tasks.low_copies
-    assert [c.name for c in loaded.profile.low_copies] == [c.name for c in plan.profile.low_copies]
-    assert f"- {len(plan.tasks.low_copies)} frozen weights move as bf16 copies" in (tmp_path / "plan" / "summary.md").read_text()
+    # the plan keeps the profile it searched from; the host variant's follows from it
+    assert loaded.profile.to_dict() == plan.profile.to_dict()
+    assert [c.name for c in loaded.profile.for_graph(loaded.tasks).low_copies] == list(plan.tasks.low_copies)
+    frozen = len(linear_weights("h.0.")) + 1
+    assert (f"- {len(plan.tasks.low_copies)} weights ({frozen} frozen, {len(plan.tasks.low_copies) - frozen} trainable "
+            "and stepped on the host) move as bf16 copies") in (tmp_path / "plan" / "summary.md").read_text()
 
 
-@pytest.mark.parametrize("mode", ["pp", "dp"])
-def test_a_bf16_run_with_frozen_weights_in_bf16_equals_eager_autocast_training(mode):
-    plan = plan_at(mode)
+@pytest.mark.parametrize("mode,update", [("pp", "device"), ("pp", "host"), ("dp", "host")])
+def test_a_bf16_run_with_weights_in_bf16_equals_eager_autocast_training(mode, update):
+    plan = plan_updating_at(mode, update)
     get_batch = functools.partial(gpt2.get_batch, preset="tiny")
     batches = [get_batch(MINIBATCH, step) for step in range(3)]
     with harmony.Trainer(plan, optimizer=adam, timeout=30) as trainer:
@@ -87,7 +114,8 @@ def test_a_bf16_run_with_frozen_weights_in_bf16_equals_eager_autocast_training(m
     assert relative_distance(state, reference.state_dict()) <= TOLERANCE
     # the frozen weights come back as they were: the masters never see the bf16 copies
     untouched = build().state_dict()
-    assert all(torch.equal(state[n], untouched[n]) for n in plan.tasks.low_copies)
+    frozen = [n for n, p in build().named_parameters() if not p.requires_grad]
+    assert all(torch.equal(state[n], untouched[n]) for n in frozen)
     planned = {k: v for k, v in plan.tasks.bytes_by_channel().items() if v}
     assert all(step.bytes_by_channel() == planned for step in history)
     assert all(max(w.peak for w in step.workers) <= plan.options["device_memory"] for step in history)
