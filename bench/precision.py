@@ -33,6 +33,7 @@ from harmony.profiling.analytic import analytic_profile
 from harmony.profiling.casts import low_copies
 from harmony.profiling.sweep import training_footprint
 from harmony.runtime.precision import compute_dtype
+from harmony.scheduler.devicespec import load_spec
 from harmony.scheduler.machine import Machine
 from harmony.scheduler.search import NoFeasibleConfiguration, search
 from harmony.scheduler.tasks import HOST, Kind
@@ -62,7 +63,8 @@ def estimated(cases=CASES, spec: str = "h100", devices: int = 4, minibatch: int 
         graph = harmony.decompose(model, mf.get_batch(1, 0)[0])
         for precision in ("fp32", "bf16"):
             profile = analytic_profile(graph, spec, max_microbatch=minibatch, compute=compute_dtype(precision))
-            profile.carry(low_copies(graph, "cuda", compute_dtype(precision)))  # as compile_plan does
+            # as compile_plan does
+            profile.carry(low_copies(graph, "cuda", compute_dtype(precision), load_spec(spec).host_memory_bandwidth))
             try:
                 result = search(profile, machine, "pp", devices, minibatch)
             except NoFeasibleConfiguration as exc:

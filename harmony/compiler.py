@@ -346,6 +346,7 @@ def profile_graph(graph, get_batch, build_optimizer, options: CompileOptions, on
                   loss_fn: Callable | None = None) -> tuple[Profile, Machine]:
     """The profile (measured on one device, or analytic) and the machine description, tied to the graph."""
     capacity = options.capacity()
+    host_bandwidth = None  # a measured profile times the host's casts of low-precision copies
     if options.analytic:
         spec = load_spec(options.analytic)
         if capacity is not None:
@@ -354,6 +355,7 @@ def profile_graph(graph, get_batch, build_optimizer, options: CompileOptions, on
         profile = analytic_profile(graph, spec, max_microbatch=options.minibatch,
                                    compute=precision.compute_dtype(options.precision))
         machine = Machine.from_spec(spec, options.devices)
+        host_bandwidth = spec.host_memory_bandwidth
     else:
         if capacity is None and options.device_type == "cpu":
             # a quarter of the training footprint, so that a default run needs the swaps a GPU run needs
@@ -379,7 +381,7 @@ def profile_graph(graph, get_batch, build_optimizer, options: CompileOptions, on
     profile.graph_hash = graph.fingerprint()
     profile.machine = machine
     profile.ties = tied_weights(graph, build_optimizer)
-    profile.carry(low_copies(graph, options.device_type, precision.compute_dtype(options.precision)))
+    profile.carry(low_copies(graph, options.device_type, precision.compute_dtype(options.precision), host_bandwidth))
     return profile, machine
 
 

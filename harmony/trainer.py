@@ -82,7 +82,8 @@ class Trainer:
             from harmony.compiler import promise_memory  # the compiler only for a plan searched by hand
 
             promise_memory(plan)
-        self.store = HostStore.create(graph, plan.tasks.devices, self.build_optimizer, state_dict)
+        self.store = HostStore.create(graph, plan.tasks.devices, self.build_optimizer, state_dict,
+                                      low_copies=plan.tasks.low_copies)
         self.schedule = None if lr_scheduler is None else Schedule(
             _trainable_shapes(graph), self.build_optimizer, lr_scheduler)
         device_type = plan.options.get("device_type", "cpu")

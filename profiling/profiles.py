@@ -183,13 +183,15 @@ class LowCopy:
     """A weight the devices may receive in low precision (``profiling/casts.py``): its canonical
     name, the layer holding it, the dtype it travels in and the device bytes that saves against its
     float32 master. A ``trainable`` one travels so only where its update runs on the host
-    (``Profile.for_update``); a frozen one always does."""
+    (``Profile.for_update``), which then casts it anew after each step in ``cast_time`` seconds; a
+    frozen one always does, cast once when the weights are loaded."""
 
     name: str
     layer: int
     dtype: str
     saved: int
     trainable: bool = False
+    cast_time: float = 0.0
 
 
 @dataclass
@@ -305,6 +307,8 @@ class Profile:
         """Count ``copies`` in low precision beside those counted already (``carry``)."""
         self.low_copies = self.low_copies + list(copies)
         for layer in self.layers:
+            # the host update that steps a trainable copy's master casts the copy anew
+            layer.upd_time_host += sum(c.cast_time for c in copies if c.layer == layer.index and c.trainable)
             saved = sum(c.saved for c in copies if c.layer == layer.index)
             if not saved:
                 continue

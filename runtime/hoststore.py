@@ -16,6 +16,10 @@ What lives here, by key:
 - ``G/<device>/<name>``: the gradient a device left in host memory for a parameter (dp's
   reduction, the per-GPU-swap baselines' running gradient, a tied weight's share). ``stamp``
   marks which iteration wrote a slot, so stale slots read as zero without being cleared.
+- ``L/<name>``: the low-precision copy a bf16/fp16 plan moves of a weight (``TaskGraph.low_copies``),
+  cast from ``W/<name>`` whenever that changes: when weights are loaded, and by the host update
+  that steps it. A swap-in then copies it as it is, from the same pinned buffer, instead of casting
+  the master anew each time.
 """
 
 from __future__ import annotations
@@ -121,9 +125,11 @@ class HostStore:
     # ------------------------------------------------------------ building
     @classmethod
     def create(cls, graph: LayerGraph, devices: int, build_optimizer: Callable,
-               tensors: dict[str, torch.Tensor], path: str | None = None) -> "HostStore":
+               tensors: dict[str, torch.Tensor], path: str | None = None,
+               low_copies: dict[str, str] | None = None) -> "HostStore":
         """A store for ``graph`` filled from ``tensors`` (original names -> values: parameters,
-        buffers and constants), with optimizer-state and gradient slots for ``devices`` devices.
+        buffers and constants), with optimizer-state and gradient slots for ``devices`` devices
+        and the low-precision copies ``low_copies`` names (canonical name -> dtype).
         With ``path``, the store is the files ``<path>-store`` and ``<path>-flags`` (in /dev/shm),
         which processes not forked from this one map with ``open``."""
         layout = Layout(devices=devices)
@@ -146,6 +152,8 @@ class HostStore:
             if spec.requires_grad:
                 for d in range(devices):
                     layout.add(f"G/{d}/{canon}", spec.shape, dtype_from_str(spec.dtype))
+        for canon, dtype in (low_copies or {}).items():
+            layout.add(f"L/{canon}", graph.state[canon].shape, dtype_from_str(f"torch.{dtype}"))
         store = cls.open(layout, path) if path else cls(
             layout, torch.zeros(max(layout.size, ALIGN), dtype=torch.uint8).share_memory_(),
             torch.zeros(len(layout.params) * (1 + devices), dtype=torch.int64).share_memory_())
@@ -179,6 +187,16 @@ class HostStore:
                 self.view(key).copy_(source.detach().reshape(spec.shape))
         if missing:
             raise KeyError(f"no value for {len(missing)} tensor(s) of the model, e.g. {missing[:3]}")
+        self.refresh_low_copies()
+
+    def refresh_low_copies(self, names: Iterable[str] | None = None) -> None:
+        """Cast the masters of ``names`` (all with a copy, by default) into their low-precision
+        copies: round to nearest even, as autocast's cast on a device rounds."""
+        names = self.layout.params if names is None else names
+        with torch.no_grad():
+            for name in names:
+                if f"L/{name}" in self.layout.entries:
+                    self.view(f"L/{name}").copy_(self.weight(name))
 
     # ------------------------------------------------------------ access
     def view(self, key: str) -> torch.Tensor:
@@ -193,6 +211,10 @@ class HostStore:
 
     def weight(self, name: str) -> torch.Tensor:
         return self.view(f"W/{name}")
+
+    def low_copy(self, name: str) -> torch.Tensor | None:
+        """The weight's low-precision copy (``L/<name>``), if the store keeps one."""
+        return self.view(f"L/{name}") if f"L/{name}" in self.layout.entries else None
 
     def state(self, name: str) -> dict[str, torch.Tensor]:
         return {key: self.view(f"K/{name}/{key}") for key in self.layout.state_keys.get(name, [])}

@@ -54,6 +54,7 @@ class PackState:
     _prefetched: dict[int, Future]  # task -> its state, prefetched
     _prefetches: dict[int, int]  # per task loaded ahead, the unit of the task before that it loads at
     _next: Task | None  # the next task, while its state may still be prefetched
+    _zeros: dict[torch.dtype, torch.Tensor]  # per dtype, the element gradient sinks broadcast
 
     def _state_names(self, task: Task) -> list[str]:
         names: list[str] = []
@@ -132,14 +133,16 @@ class PackState:
 
     def _carried(self, name: str) -> torch.Tensor:
         """The weight as it travels: its host master, or for a weight that autocast only casts and
-        no device steps (``TaskGraph.low_copies``, ``profiling/casts.py``) a low-precision copy cast
-        on the host, with the rounding autocast's own cast would apply on the device."""
-        master = self.store.weight(name)
-        dtype = self.routes.graph.low_copies.get(name)
-        if dtype is None:
-            return master
-        with torch.no_grad(), self.device.host_side():
-            return master.to(getattr(torch, dtype))
+        no device steps (``TaskGraph.low_copies``, ``profiling/casts.py``) its low-precision copy,
+        cast on the host (``HostStore.refresh_low_copies``) with the rounding autocast's own cast
+        would apply on the device."""
+        if name not in self.routes.graph.low_copies:
+            return self.store.weight(name)
+        copy = self.store.low_copy(name)
+        if copy is None:
+            raise RuntimeError(f"the host store keeps no low-precision copy of {name}, which the plan moves as one; "
+                               "the store was made for another plan: make it with HostStore.create(low_copies=)")
+        return copy
 
     def _pack_state(self, task: Task) -> dict[str, torch.Tensor]:
         """The running task's state on the device: the prefetched copy if one came, else loaded now."""
@@ -166,9 +169,13 @@ class PackState:
 
     def _grad_sink(self, name: str, copy: torch.Tensor) -> torch.Tensor:
         """A leaf of the master's dtype and the copy's shape that holds no memory of its own (one
-        element, broadcast): autograd accumulates the gradient into its ``.grad``."""
+        element of the run, broadcast): autograd accumulates the gradient into its ``.grad``."""
         dtype = self.store.weight(name).dtype
-        return torch.zeros((), dtype=dtype, device=copy.device).expand(copy.shape)
+        zero = self._zeros.get(dtype)
+        if zero is None:
+            with self.device.host_side():  # made once, outside the plan's tensors
+                zero = self._zeros[dtype] = torch.zeros((), dtype=dtype, device=copy.device)
+        return zero.expand(copy.shape)
 
     def _write_buffers(self, task: Task, state: dict[str, torch.Tensor]) -> None:
         """B -> SWAP: buffers changed by the forward (running statistics) go back to the host."""

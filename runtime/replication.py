@@ -66,8 +66,8 @@ class Writes:
 def task_writes(task: Task, routes: Routes, layers: LayerGraph, store: HostStore) -> Writes:
     """The regions ``task`` writes, as the executor writes them: buffers (a forward or loss task with
     B outputs), its device's gradient slots and their stamps (deposits), and weights, optimizer
-    state and state-initialized flags of the parameters it steps (jit-update, the writing replica
-    of an update, a host update)."""
+    state (and a host update's low-precision copies of them) and state-initialized flags of the
+    parameters it steps (jit-update, the writing replica of an update, a host update)."""
     layout = store.layout
     keys: list[str] = []
     flags: list[int] = []
@@ -85,6 +85,7 @@ def task_writes(task: Task, routes: Routes, layers: LayerGraph, store: HostStore
     if _steps_master(task, routes):
         for name in routes.updates.get(task.id, []):
             keys.append(f"W/{name}")
+            keys += [f"L/{name}"] if f"L/{name}" in layout.entries else []
             keys += [f"K/{name}/{key}" for key in layout.state_keys.get(name, [])]
             flags.append(index[name])
     spans = sorted((layout.entries[k].offset, layout.entries[k].nbytes) for k in keys if layout.entries[k].nbytes)

@@ -326,7 +326,8 @@ def _node_state(topo: Topology, plan, build_optimizer: Callable, build_model: Ca
     layout: list[Any] = [None]
     if topo.rank == 0:
         torch.manual_seed(seed)
-        host = HostStore.create(graph, world, build_optimizer, build_model().state_dict(), path=prefix)
+        host = HostStore.create(graph, world, build_optimizer, build_model().state_dict(), path=prefix,
+                                low_copies=plan.tasks.low_copies)
         layout = [host.layout.to_dict()]
     dist.broadcast_object_list(layout, src=0)
     if topo.leader:

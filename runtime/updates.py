@@ -211,6 +211,7 @@ def host_update(task: Task, layers: LayerGraph, routes: Routes, store: HostStore
                 if isinstance(v, torch.Tensor) and v.data_ptr() != slots[key].data_ptr():
                     slots[key].copy_(v)
             store.mark_state_initialized(name)
+        store.refresh_low_copies(leaves)  # the devices receive the new weights as these copies
     shared.mark_done(task.id, iteration)
     return began
 

@@ -38,6 +38,8 @@ def model() -> nn.Module:
 
 def test_weights_that_autocast_only_casts_travel_in_bf16_and_the_rest_in_float32():
     copies = low_copies(graph_of(model()), "cpu", torch.bfloat16)
+    # the host casts a trainable copy after each step of it (timed here); a frozen one once
+    assert all((c.cast_time > 0) == c.trainable for c in copies)
     assert {c.name: (c.layer, c.dtype, c.saved, c.trainable) for c in copies} == {
         "1.weight": (1, "bfloat16", 8 * 8 * 2, False), "1.bias": (1, "bfloat16", 8 * 2, False),
         "4.weight": (4, "bfloat16", 8 * 8 * 2, False), "4.bias": (4, "bfloat16", 8 * 2, False),
@@ -58,6 +60,10 @@ def test_a_trainable_copy_is_counted_low_only_in_the_profile_of_host_updates():
     assert [c.name for c in device.low_copies] == ["4.bias", "4.weight"]
     assert sorted(c.name for c in host.low_copies) == ["1.bias", "1.weight", "4.bias", "4.weight", "5.bias", "5.weight"]
     saved = {layer: sum(c.saved for c in copies if c.layer == layer) for layer in range(6)}
+    # the host update of a trainable copy's layer casts it anew
+    cast = {layer: sum(c.cast_time for c in copies if c.layer == layer) for layer in range(6)}
+    assert [layer.upd_time_host for layer in device.layers] == [0.0] * 6
+    assert [layer.upd_time_host for layer in host.layers] == [cast[i] for i in range(6)] and cast[1] > 0
     assert [layer.w_bytes for layer in device.layers] == [1000 - saved[i] * (i == 4) for i in range(6)]
     assert [layer.w_bytes for layer in host.layers] == [1000 - saved[i] for i in range(6)]
     assert [layer.bwd_samples[0].bwd_peak for layer in host.layers] == [6000 - saved[i] for i in range(6)]
@@ -65,6 +71,11 @@ def test_a_trainable_copy_is_counted_low_only_in_the_profile_of_host_updates():
     assert (device.packs[0].bwd_peak, host.packs[0].bwd_peak) == (9000 - saved[4], 9000 - saved[4] - saved[5])
     assert profile.for_graph(type("G", (), {"low_copies": {"4.weight": "float16"}})) is device
     assert profile.for_graph(type("G", (), {"low_copies": {"5.weight": "float16"}})) is host
+
+
+def test_an_analytic_plan_prices_the_hosts_casts_at_its_memory_bandwidth():
+    copies = low_copies(graph_of(model()), "cpu", torch.bfloat16, host_bandwidth=1e9)
+    assert {c.name: c.cast_time for c in copies if c.trainable} == {"5.weight": 32 * 6 / 1e9, "5.bias": 4 * 6 / 1e9}
 
 
 def test_a_float32_plan_carries_nothing_low():

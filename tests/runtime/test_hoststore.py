@@ -1,4 +1,5 @@
-"""The host store seen from a device's stream threads: looking a slot up must not touch the device.
+"""The host store: the low-precision copies it keeps follow their masters, and seen from a device's
+stream threads, looking a slot up must not touch the device.
 
 A swap-out thread runs inside its device's memory tracker. Anything it allocates while finding a
 host slot is counted as device memory, and lands on top of whatever the compute thread holds at
@@ -8,6 +9,7 @@ only to read a dtype's element size.
 
 import torch
 
+import harmony
 from harmony.runtime.hoststore import HostStore, Layout
 from harmony.runtime.memory import MemoryTracker
 
@@ -33,6 +35,18 @@ def test_looking_up_host_slots_allocates_nothing_on_the_device():
     assert tracker.peak == 0
     assert (slot.shape, slot.dtype) == (torch.Size([3, 5]), torch.float32)
     assert (weight.shape, state.dtype) == (torch.Size([3, 5]), torch.float64)
+
+
+def test_low_precision_copies_follow_their_masters_as_loaded():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    graph = harmony.decompose(model, (torch.zeros(2, 4),))
+    store = HostStore.create(graph, 1, lambda ps: torch.optim.SGD(ps, lr=0.1), model.state_dict(),
+                             low_copies={"0.weight": "bfloat16"})
+    assert store.low_copy("0.weight").dtype == torch.bfloat16 and store.low_copy("1.weight") is None
+    assert torch.equal(store.low_copy("0.weight"), model[0].weight.detach().to(torch.bfloat16))
+    store.load_tensors(graph, {k: v + 1 for k, v in model.state_dict().items()})
+    assert torch.equal(store.low_copy("0.weight"), (model[0].weight.detach() + 1).to(torch.bfloat16))
 
 
 def test_entry_bytes_follow_the_dtype():

@@ -108,6 +108,9 @@ def test_a_bf16_run_with_weights_in_bf16_equals_eager_autocast_training(mode, up
     with harmony.Trainer(plan, optimizer=adam, timeout=30) as trainer:
         losses = [trainer.step(x, y) for x, y in batches]
         state, history = trainer.state_dict(), trainer.history
+        # the copies the devices receive are the stepped masters cast as autocast casts
+        store = trainer.store
+        assert all(torch.equal(store.low_copy(n), store.weight(n).to(torch.bfloat16)) for n in plan.tasks.low_copies)
     reference = build()
     expected = reference_train(reference, gpt2.loss_fn, adam, batches, microbatches_of(plan.tasks), precision="bf16")
     assert losses == pytest.approx(expected, rel=LOSS_TOLERANCE)
