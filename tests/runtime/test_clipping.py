@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
 from test_frozen import build as build_frozen
 from test_frozen import compiled as compiled_frozen
 from test_training import MINIBATCH, adam, assert_same_training, compiled
@@ -79,13 +80,23 @@ def test_clipping_leaves_frozen_parameters_out_of_the_norm():
 
 
 def test_a_threshold_above_every_norm_changes_nothing():
+    """Bitwise against the same configuration unclipped (the gradients add up in the same order);
+    against eager unclipped training to float64 rounding (dp adds each device's microbatches
+    before the devices' sums, eager adds them one by one: equal only where each device runs one)."""
     model, get_batch, base = compiled("gpt2")
     plan = clipped_plan(base, "dp", "host")
-    clipped, *_ = train_both(model, get_batch, plan, max_norm=1e6)
-    reference = copy.deepcopy(model)
+    clipped, _, state, *_ = train_both(model, get_batch, plan, max_norm=1e6)
+    unclipped = Plan(graph=base.graph, profile=base.profile, estimate={}, options={**base.options, "mode": "dp"},
+                     tasks=generate("dp", base.profile, plan.tasks.config, 2, MINIBATCH, update="host"))
+    unclipped.loss_fn = base.loss_fn
+    promise_memory(unclipped)
     batches = [get_batch(MINIBATCH, step) for step in range(ITERATIONS)]
+    with harmony.Trainer(unclipped, optimizer=adam, timeout=30) as trainer:
+        assert [trainer.step(x, y) for x, y in batches] == clipped
+        assert all(torch.equal(v, state[k]) for k, v in trainer.state_dict().items())
+    reference = copy.deepcopy(model)
     plain = reference_train(reference, plan.loss_fn, adam, batches, microbatches_of(plan.tasks))
-    assert clipped == plain
+    assert_same_training(clipped, plain, state, reference.state_dict(), tolerance=1e-9)
 
 
 @pytest.mark.parametrize("mode, update", [("pp", "device"), ("pp", "host"), ("dp", "device"), ("dp", "host"),
