@@ -31,11 +31,29 @@ def torchrun(*args: str) -> subprocess.CompletedProcess:
     return done
 
 
+FREEZE_BLOCK_0 = """
+
+_build_model = build_model
+
+
+def build_model(preset: str = "tiny", **kwargs):
+    model = _build_model(preset, **kwargs)
+    for name, p in model.named_parameters():
+        p.requires_grad_(not name.startswith("h.0."))
+    return model
+"""
+
+
 @needs_torchrun
-def test_torchrun_run_matches_the_forked_launcher(tmp_path, capsys):
-    plan = tmp_path / "plan"
-    common = ["run", str(MODEL), "--arg", "preset=tiny", "--minibatch", "8", "--iters", "3", "--no-probe",
-              "--device", "cpu",
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_torchrun_run_matches_the_forked_launcher(tmp_path, capsys, precision):
+    """bf16 with block 0 frozen: its linear weights travel as the host store's bf16 copies."""
+    plan, model = tmp_path / "plan", MODEL
+    if precision == "bf16":
+        model = tmp_path / "gpt2_frozen.py"
+        model.write_text(MODEL.read_text() + FREEZE_BLOCK_0)
+    common = ["run", str(model), "--arg", "preset=tiny", "--minibatch", "8", "--iters", "3", "--no-probe",
+              "--device", "cpu", "--precision", precision,
               "--out", str(plan)]
     assert main([*common, "--report", str(tmp_path / "local.json")]) == 0
     before = set(Path("/dev/shm").glob("harmony-*"))
@@ -46,6 +64,7 @@ def test_torchrun_run_matches_the_forked_launcher(tmp_path, capsys):
     assert [i["loss"] for i in spmd["iterations"]] == [i["loss"] for i in local["iterations"]]
     assert spmd["bytes_by_channel"] == local["bytes_by_channel"] == local["planned_bytes_by_channel"]
     assert set(Path("/dev/shm").glob("harmony-*")) <= before, "shared-memory files left behind"
+    assert (precision == "bf16") == ("move as bf16 copies" in (plan / "summary.md").read_text())
 
 
 @needs_torchrun
