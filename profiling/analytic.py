@@ -11,7 +11,9 @@ the measuring profiler does (``source="analytic"``), without running anything re
    its FLOPs (backward FLOPs are counted from the real backward ops, not taken as 2x forward), the
    bytes it reads and writes (tensor arguments + results; views and aliases move nothing) and the
    bytes alive after it (every new storage is tracked until its last tensor dies, through weakref
-   finalizers).
+   finalizers). A mixed-precision profile counts each layer under ``torch.autocast`` instead, on
+   fake tensors of an autocast device type: low-precision outputs and the weights' casts are
+   counted as eager autocast makes them.
 2. **Time** is a roofline summed *per op*: ``max(flops / (peak(dtype) * efficiency), bytes /
    memory_bandwidth)``, so a layer's matmuls may be compute-bound while its layer norm, softmax and
    element-wise ops are bandwidth-bound. ``fwd_time`` is the no-grad forward, ``bwd_time`` only the
@@ -58,6 +60,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -313,12 +316,17 @@ class LayerCostModel:
 # --------------------------------------------------------------------------- one layer on meta
 class _LayerRunner:
     """Builds meta state and meta inputs for one layer and counts it at a given u. ``device``: where
-    the tensors are made (meta; or a device type under a FakeTensorMode, ``casts.py``)."""
+    the tensors are made (meta; or a device type under a FakeTensorMode, ``casts.py``). With
+    ``autocast`` (mixed precision's low dtype) the layer is counted as it runs under autocast: on
+    fake tensors of an autocast device type (CUDA's op lists where CUDA is here, else the CPU's,
+    as ``casts.py`` does), so that the ops autocast runs low move and keep half the bytes, and the
+    weights' casts are counted as eager autocast makes them."""
 
     def __init__(self, graph: LayerGraph, index: int, module: torch.nn.Module, dtype: torch.dtype | None,
-                 batch: int | None, device: str = "meta") -> None:
+                 batch: int | None, device: str = "meta", autocast: torch.dtype | None = None) -> None:
         self.graph, self.index, self.module, self.dtype, self.batch = graph, index, module, dtype, batch
         self.device = device
+        self.autocast = autocast
         self.spec = graph.layers[index]
 
     def _cast(self, dt: torch.dtype) -> torch.dtype:
@@ -362,6 +370,8 @@ class _LayerRunner:
 
     def count(self, u: int) -> _Counts:
         try:
+            if self.autocast is not None:
+                return self._count_autocast(u)
             return self._count(u)
         except AnalyticProfileError:
             raise
@@ -370,6 +380,20 @@ class _LayerRunner:
                 f"counting layer {self.index} ({self.spec.name}) on meta tensors at microbatch size {u} failed: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
+
+    def _count_autocast(self, u: int) -> _Counts:
+        """``_count`` under autocast on fake tensors; a layer fake tensors cannot run is counted
+        without autocast (logged): float32 sizes, an upper bound of what it holds."""
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        runner = _LayerRunner(self.graph, self.index, self.module, self.dtype, self.batch, device=device)
+        try:
+            with FakeTensorMode(allow_non_fake_inputs=True), torch.autocast(device, dtype=self.autocast):
+                return runner._count(u)
+        except Exception as exc:
+            log.info("layer %d (%s): not countable under autocast on fake tensors (%s: %s); counted in float32",
+                     self.index, self.spec.name, type(exc).__name__, exc)
+            self.autocast = None
+            return self._count(u)
 
     def _count(self, u: int) -> _Counts:
         # forward, as the FWD task runs it: no autograd, outputs and temporaries only
@@ -390,7 +414,7 @@ class _LayerRunner:
         xs = self.meta_inputs(u, grad=True)
         x_tensors = _tensors(xs)
         dx_bytes = _unique_bytes([t for t in x_tensors if t.requires_grad])
-        dys = [torch.empty(shape, dtype=dt, device="meta") for shape, dt in y_meta]
+        dys = [torch.empty(shape, dtype=dt, device=self.device) for shape, dt in y_meta]
         with FlopCounterMode(display=False) as counter, _OpRecorder(counter, list(state.values()) + x_tensors + dys) as bwd:
             ys = _tensors(functional_call(self.module, state, tuple(xs)))
             pairs = [(y, dy) for y, dy in zip(ys, dys) if y.requires_grad]
@@ -509,12 +533,17 @@ def layer_cost_models(
         key = _signature(graph, i, module, override, batch)
         model = cache.get(key)
         if model is None:
-            runner = _LayerRunner(graph, i, module, override, batch)
+            runner = _LayerRunner(graph, i, module, override, batch, autocast=_autocast_dtype(compute))
             w, dw, b = _state_bytes(graph, i, module, override)
             model = LayerCostModel(runner.count, w + b, peak, spec.memory_bandwidth, graph.layers[i].name, grad_bytes=dw)
             cache[key] = model
         models.append(model)
     return models
+
+
+def _autocast_dtype(compute: torch.dtype | None) -> torch.dtype | None:
+    """The dtype the layers are counted under autocast in: mixed precision's bf16 or fp16."""
+    return compute if compute in (torch.bfloat16, torch.float16) else None
 
 
 def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
@@ -725,9 +754,10 @@ def analytic_profile(
 
     ``dtype`` is the training dtype (default: that of most parameter bytes); a dtype other than the
     graph's casts its floating-point state and inputs. ``compute`` is mixed precision's autocast
-    dtype: the FLOPs run at its peak rate while tensors keep their sizes (an approximation: autocast
-    also halves the matmuls' outputs and keeps low-precision copies of the weights, which this
-    model does not count). ``optimizer`` is a key of ``OPTIMIZERS``.
+    dtype: the FLOPs run at its peak rate, and each layer is counted under autocast (``_LayerRunner``):
+    the ops autocast runs low make low-precision outputs, and each weight's cast is a copy. The
+    layers' inputs keep the traced dtypes (a layer boundary autocast makes low counts float32: an
+    upper bound). ``optimizer`` is a key of ``OPTIMIZERS``.
     ``microbatch_sizes`` are the sizes sampled (default: 1, 2, 4, ... and each maximum); sizes above
     a maximum are left out of that direction's samples.
     """

@@ -90,6 +90,24 @@ def test_dtype_changes_peak_and_sizes(linear_graph):
     assert c16.fwd_flops == c32.fwd_flops and c16.fwd_time < c32.fwd_time
 
 
+def test_a_mixed_precision_profile_counts_the_layers_as_autocast_runs_them(linear_graph):
+    fp32 = analytic_profile(linear_graph, "a100", optimizer="sgd", max_microbatch=64)
+    amp = analytic_profile(linear_graph, "a100", optimizer="sgd", compute=torch.bfloat16, max_microbatch=64)
+    u = 8
+    # masters stay float32; the linear layer's output is bf16 under autocast; its input as traced
+    assert amp.layers[1].w_bytes == fp32.layers[1].w_bytes
+    assert amp.layers[1].at("y_bytes", u) * 2 == fp32.layers[1].at("y_bytes", u) == 4 * u * OUT
+    assert amp.layers[1].at("x_bytes", u) == fp32.layers[1].at("x_bytes", u)
+    # the forward holds the weight's bf16 cast and the bf16 input's cast beside a bf16 output:
+    # W + X + cast(W) + cast(X) + Y
+    w, x = 4 * OUT * OUT, 4 * u * OUT
+    assert amp.layers[1].at("fwd_peak", u) == w + x + w // 2 + x // 2 + 2 * u * OUT
+    # at a large batch the bf16 peak and the halved output win over the weight's cast
+    c32 = layer_cost_models(linear_graph, "a100")[1].at(4096)
+    c16 = layer_cost_models(linear_graph, "a100", compute=torch.bfloat16)[1].at(4096)
+    assert c16.fwd_flops == c32.fwd_flops and c16.fwd_time < c32.fwd_time
+
+
 def test_state_sizes_and_optimizers(linear_graph):
     w = 4 * (IN * OUT + OUT)
     for name, (states, _) in OPTIMIZERS.items():
