@@ -21,8 +21,6 @@ the dispatch mode sits below autocast, so it sees autocast's casts as ``aten._to
 from __future__ import annotations
 
 import logging
-import statistics
-import time
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -32,8 +30,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from harmony.decomposer.layer_graph import LayerGraph
 from harmony.profiling.analytic import _LayerRunner
+from harmony.profiling.measure import measure_cast
 from harmony.profiling.profiles import LowCopy
-from harmony.runtime.device import torch_threads
 
 log = logging.getLogger(__name__)
 
@@ -91,30 +89,12 @@ def low_copies(graph: LayerGraph, device_type: str, dtype: torch.dtype | None,
             cast_time = 0.0
             if p.requires_grad:
                 cast_time = (p.numel() * (p.element_size() + dtype.itemsize) / host_bandwidth if host_bandwidth
-                             else time_cast(p, dtype))
+                             else measure_cast(p, dtype))
             copies.setdefault(graph.canonical(name), LowCopy(
                 name=graph.canonical(name), layer=index, dtype=str(dtype).removeprefix("torch."),
                 saved=p.numel() * (p.element_size() - dtype.itemsize), trainable=p.requires_grad,
                 cast_time=cast_time))
     return list(copies.values())
-
-
-def time_cast(weight: torch.Tensor, dtype: torch.dtype, trials: int = 3) -> float:
-    """Seconds the host takes to cast ``weight`` into a low-precision copy, as a host update does
-    after its step (``HostStore.refresh_low_copies``): on one thread, as host updates run; the
-    median of ``trials``. A weight without values (meta, in an analytic plan) is 0."""
-    if weight.is_meta:
-        return 0.0
-    master = weight.detach().to("cpu")
-    copy = torch.empty_like(master, dtype=dtype)
-    times = []
-    with torch_threads(1), torch.no_grad():
-        copy.copy_(master)  # first touch of the copy's pages
-        for _ in range(trials):
-            start = time.perf_counter()
-            copy.copy_(master)
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _cast_only(graph: LayerGraph, index: int, module: torch.nn.Module, device_type: str, dtype: torch.dtype,

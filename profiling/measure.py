@@ -20,7 +20,7 @@ import torch
 from torch.func import functional_call
 
 from harmony.errors import DeviceOutOfMemoryError
-from harmony.runtime.device import Device, torch_threads  # noqa: F401  (measured runs use it)
+from harmony.runtime.device import Device, torch_threads
 
 log = logging.getLogger(__name__)
 
@@ -272,6 +272,24 @@ def measure_update(
             for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0
         )
     return _median(times), k_bytes
+
+
+def measure_cast(weight: torch.Tensor, dtype: torch.dtype, trials: int = 3) -> float:
+    """Seconds the host takes to cast ``weight`` into its low-precision copy, as a host update does
+    after its step (``HostStore.refresh_low_copies``), on one thread as host updates run. A weight
+    without values (meta, in an analytic plan) is 0."""
+    if weight.is_meta:
+        return 0.0
+    master = weight.detach().to("cpu")
+    copy = torch.empty_like(master, dtype=dtype)
+    times: list[float] = []
+    with torch_threads(1), torch.no_grad():
+        for trial in _trial_indices(trials, times):
+            start = time.perf_counter()
+            copy.copy_(master)
+            if trial:
+                times.append(time.perf_counter() - start)
+    return _median(times)
 
 
 def measure_norm(params: list[torch.Tensor], trials: int = 3) -> float:

@@ -37,8 +37,20 @@ def build_routes(graph: TaskGraph, layers: LayerGraph) -> Routes:
         r.kept_resident.update(t.task for t in task.inputs
                                if t.tensor == "W" and t.channel == Channel.LOCAL and t.task is not None)
     _parameters(r, layers)
+    _check_low_copies(r)
     r.buffers_after = dict(r.program.after)
     return r
+
+
+def _check_low_copies(r: Routes) -> None:
+    """Refuse a plan that steps on a device a weight it moves as a low-precision copy: the step
+    needs the float32 master there (``generate`` carries a trainable weight low only where the
+    host steps it, so only a plan edited or assembled by hand gets here)."""
+    for tid, names in r.updates.items():
+        low = sorted(set(names) & set(r.graph.low_copies)) if r.by_id[tid].device != HOST else []
+        if low:
+            raise ValueError(f"task {tid} is to step {', '.join(low)} on a device, but the plan moves them as "
+                             "low-precision copies; the plan is inconsistent: compile it again")
 
 
 def _parameters(r: Routes, layers: LayerGraph) -> None:

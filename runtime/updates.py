@@ -111,10 +111,6 @@ class Updates:
         if not params:
             self._write_state(task, {}, {}, write)
             return
-        low = sorted(set(params) & set(self.routes.graph.low_copies))
-        if low:  # ``generate`` carries a trainable weight in low precision only where the host steps it
-            raise RuntimeError(f"task {task.id} is to step {', '.join(low)} on a device, but the plan moves them as "
-                               "low-precision copies; the plan is inconsistent: compile it again")
         sources = sorted(_waits_for(task, params, self.routes))
         self._wait_done(sources, f"updating task {task.id}")
         if self.shared.step_skipped(self.iteration):  # fp16 overflowed: nothing steps, nothing changes

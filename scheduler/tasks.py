@@ -196,7 +196,8 @@ class TaskGraph:
     tasks: list[Task]
     memory: MemoryPlan | None = None  # set once estimated (search, compile)
     precision: str = "fp32"  # what the devices compute in: fp32, or bf16 under autocast (runtime/precision.py)
-    # frozen weights the devices receive cast on the host, canonical name -> dtype (profiling/casts.py)
+    # weights the devices receive as low-precision copies cast on the host, canonical name -> dtype:
+    # frozen ones, and trainable ones the host steps (profiling/casts.py)
     low_copies: dict[str, str] = field(default_factory=dict)
 
     def __iter__(self) -> Iterator[Task]:
