@@ -2,8 +2,11 @@
 # The checks to run on a lent GPU machine (.library/device): install the package against the
 # machine's own torch (no network there), run the CUDA tests, train from the CLI on the GPU (its own
 # and with workers sharing it), then the CPU suite under that torch as long as time allows. Full
-# logs go to $OUT (./out when run elsewhere). Usage: bash bench/cuda_check.sh [quick|tests]
-# (quick: no CPU suite; tests: no CLI runs)
+# logs go to $OUT (./out when run elsewhere). Usage: bash bench/cuda_check.sh [quick|tests|gpu ARGS]
+# (quick: no CPU suite; tests: no CLI runs; gpu: only `python -m bench.gpu ARGS`, e.g.
+# `gpu --cases gpt2-large --systems eager,harmony`, one case per call of a machine whose commands end
+# in ten minutes, with DeepSpeed installed from the wheels in .whl/ (bench/gpu_wheels.sh) when they
+# travelled; its results folder, bench/results/gpu-<device>, is copied to $OUT)
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -13,6 +16,18 @@ nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv
 python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.cuda.device_count(), 'GPU(s)')"
 log install
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
+if [ "${1:-}" = gpu ]; then
+  shift
+  if [ -d .whl ]; then
+    log install carried wheels
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      && export PYTHONPATH=/tmp/site || exit 1
+  fi
+  log "bench.gpu $*"
+  python3 -m bench.gpu "$@" 2>&1 | tee "$OUT/gpu.log"
+  cp -r bench/results/gpu-* "$OUT"/ 2>/dev/null
+  exit 0
+fi
 log cuda tests
 timeout 300 python3 -m pytest -q -rs -p no:cacheprovider --log-level=INFO tests/runtime/test_cuda_training.py \
   tests/runtime/test_device.py 2>&1 | tee "$OUT/cuda_tests.log" | grep -v "^  " | tail -30

@@ -45,6 +45,8 @@ PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(n_layer=3, n_head=4, n_embd=32, vocab_size=96, block_size=16),
     # GPT2-Medium: 354,823,168 parameters.
     "medium": GPTConfig(n_layer=24, n_head=16, n_embd=1024),
+    # GPT2-Large: 774,030,080 parameters.
+    "large": GPTConfig(n_layer=36, n_head=20, n_embd=1280),
     # GPT2 (XL), the paper's default "GPT2": 1,557,611,200 parameters.
     "1.5b": GPTConfig(n_layer=48, n_head=25, n_embd=1600),
     # ZeRO's 10B GPT-2: 10,279,047,168 parameters.

@@ -25,6 +25,7 @@ MODEL_DIR = Path(gpt2.__file__).parent
 PARAM_COUNTS = {
     ("gpt2", "tiny"): 41_760,
     ("gpt2", "medium"): 354_823_168,
+    ("gpt2", "large"): 774_030_080,
     ("gpt2", "1.5b"): 1_557_611_200,
     ("gpt2", "10b"): 10_279_047_168,
     ("gpt2", "20b"): 20_555_431_936,
@@ -40,6 +41,7 @@ PARAM_COUNTS = {
 # Nominal sizes the preset names promise, to +-5%.
 NOMINAL = {
     ("gpt2", "medium"): 0.35e9,
+    ("gpt2", "large"): 0.774e9,
     ("gpt2", "1.5b"): 1.5e9,
     ("gpt2", "10b"): 10e9,
     ("gpt2", "20b"): 20e9,
@@ -57,7 +59,7 @@ def tiny(name: str, dtype: str = "float32", dropout: float | None = 0.0) -> nn.M
 
 def test_presets_table_is_complete():
     assert set(PARAM_COUNTS) == set(ALL_PRESETS)
-    assert set(gpt2.PRESETS) == {"tiny", "medium", "1.5b", "10b", "20b", "40b"}
+    assert set(gpt2.PRESETS) == {"tiny", "medium", "large", "1.5b", "10b", "20b", "40b"}
     assert set(bert.PRESETS) == {"tiny", "large", "96"}
     assert set(vgg.PRESETS) == {"tiny", "vgg416"}
     assert set(resnet.PRESETS) == {"tiny", "resnet1k"}
