@@ -106,7 +106,7 @@ def test_report_rows_give_rate_tflops_both_bounds_and_the_ratio_to_deepspeed():
     deepspeed = gpu.figures(results.cases["gpt2-large"], "deepspeed", HARDWARE, "bf16")
     assert deepspeed["bytes_moved"] is None and deepspeed["bound_own"] is None
     text = gpu.report(results, "bf16")
-    assert "| harmony | 4.00 | 0.8 | 3.00 GB | 0.75 | 0.75 | 2.00x | +10.0% |" in text
+    assert "| harmony | 4.00 | 0.8 | 3.00 GB | 0.75 | 0.75 | 0.25 | 2.00x | +10.0% |" in text
     assert "| deepspeed | 2.00 | 0.4 | not counted | - |" in text
     assert "- harmony: `harmony run models/gpt2.py`" in text
 
