@@ -338,10 +338,12 @@ def dry_run(cases: list[Case], precision: str, spec: str) -> list[dict[str, Any]
         result = search(capped, Machine.from_spec(spec_at_cap, 1), "pp", 1, case.minibatch)
         bytes_in, bytes_out = swap_traffic(result.graph)
         seconds = result.estimate.iteration_time
+        eager_s = sum(layer.at("fwd_time", case.minibatch) + layer.at("bwd_time", case.minibatch)
+                      + layer.upd_time_device for layer in profile.layers)
         own = bounds.bound(flops, bytes_in, bytes_out, hardware)
         floor = bounds.bound(flops, *bounds.floor_traffic(trainable, precision), hardware)
         rows.append({"case": case.name, "params": params, "flops": flops, "footprint": footprint, "cap": cap,
-                     "configuration": str(result.config), "estimated_s": seconds,
+                     "configuration": str(result.config), "estimated_s": seconds, "eager_s": eager_s,
                      "samples_per_s": case.minibatch / seconds, "bytes_in": bytes_in, "bytes_out": bytes_out,
                      "bound_s": own.seconds, "bound_own": own.fraction(seconds),
                      "floor_s": floor.seconds, "bound_floor": floor.fraction(seconds), "limit": own.limit})
@@ -369,18 +371,40 @@ def swap_traffic(graph) -> tuple[int, int]:
 
 def print_dry_run(rows: list[dict[str, Any]], hardware: bounds.Hardware) -> None:
     table = Table(title=f"estimated, no GPU: {bounds.describe(hardware)}")
-    for column in ("case", "footprint", "cap", "Harmony s/iter", "GB moved", "bound s", "of bound",
+    for column in ("case", "footprint", "cap", "eager s", "Harmony s/iter", "GB moved", "bound s", "of bound",
                    "floor s", "of floor"):
         table.add_column(column, justify="left" if column == "case" else "right")
     for r in rows:
         table.add_row(r["case"], f"{r['footprint'] / 2**30:.1f} GiB", f"{r['cap'] / 2**30:.2f} GiB",
-                      f"{r['estimated_s']:.3f}", f"{(r['bytes_in'] + r['bytes_out']) / 1e9:.2f}",
+                      f"{r['eager_s']:.3f}", f"{r['estimated_s']:.3f}", f"{(r['bytes_in'] + r['bytes_out']) / 1e9:.2f}",
                       f"{r['bound_s']:.3f}", f"{r['bound_own']:.2f}", f"{r['floor_s']:.3f}",
                       f"{r['bound_floor']:.2f}")
     console = Console(width=WIDTH)
     console.print(table)
     for r in rows:
         console.print(f"{r['case']}: {r['configuration']}, limited by {r['limit']}")
+
+
+def dry_run_report(rows: list[dict[str, Any]], hardware: bounds.Hardware, command: str) -> str:
+    """README.md of a dry run: what the GPU run will be compared with."""
+    lines = ["# Harmony's estimate against the bound on a modelled GPU (`python -m bench.gpu --dry-run`)", "",
+             f"No GPU: {bounds.describe(hardware)}. Footprint: weights, gradients, Adam's state and the "
+             "minibatch's activations from the analytic profile; the device is capped at a quarter of it. "
+             "Harmony's figures are its estimator's, for the pp plan its search picks on one modelled "
+             "device; nothing here was measured.", "",
+             "`eager s` is the same analytic profile's forward, backward and device step of every layer at the "
+             "whole minibatch on an uncapped device: where the per-operation roofline puts plain PyTorch. "
+             "Attention written out (matmul, mask, softmax over sequence x sequence scores) is bound by "
+             "memory traffic, not FLOPs, so eager too stays far below the FLOP bound.", "",
+             "| case | parameters | footprint | cap | eager s (estimated) | eager of bound | Harmony s/iter (estimated) | swapped | bound s | of bound | floor bound s | of floor | configuration |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['case']} | {r['params'] / 1e6:.0f} M | {r['footprint'] / 2**30:.1f} GiB | "
+                     f"{r['cap'] / 2**30:.2f} GiB | {r['eager_s']:.3f} | {r['bound_s'] / r['eager_s']:.2f} | "
+                     f"{r['estimated_s']:.3f} | "
+                     f"{(r['bytes_in'] + r['bytes_out']) / 1e9:.2f} GB | {r['bound_s']:.3f} | {r['bound_own']:.2f} | "
+                     f"{r['floor_s']:.3f} | {r['bound_floor']:.2f} | {r['configuration']} |")
+    return "\n".join(lines + ["", f"Command: `{command}`", ""])
 
 
 # --- the command ----------------------------------------------------------------------------------
@@ -434,7 +458,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iters", type=int, default=6, help="iterations per run, the first left out (default 6)")
     parser.add_argument("--device-memory", type=int, help="cap in bytes instead of a quarter of eager's peak")
     parser.add_argument("--timeout", type=float, default=540, help="seconds per system's run (default 540)")
-    parser.add_argument("--out", help="results folder (default bench/results/gpu-<device>)")
+    parser.add_argument("--out", help="results folder (default bench/results/gpu-<device>; a dry run writes one "
+                                      "only when given)")
     parser.add_argument("--dry-run", action="store_true",
                         help="no GPU: the bound and Harmony's estimate on a modelled device (--spec)")
     parser.add_argument("--spec", default="h100", help="device spec for --dry-run (default h100)")
@@ -449,8 +474,14 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.child_out).write_text(json.dumps(eager_run(CASES[args.eager_child], args.precision, args.iters)))
         return
     if args.dry_run:
-        print_dry_run(dry_run([CASES[c] for c in args.cases], args.precision, args.spec),
-                      bounds.spec_hardware(args.spec, args.precision))
+        hardware = bounds.spec_hardware(args.spec, args.precision)
+        rows = dry_run([CASES[c] for c in args.cases], args.precision, args.spec)
+        print_dry_run(rows, hardware)
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            command = shlex.join(["python", "-m", "bench.gpu", *(argv if argv is not None else sys.argv[1:])])
+            (Path(args.out) / "README.md").write_text(dry_run_report(rows, hardware, command))
+            (Path(args.out) / "results.json").write_text(json.dumps({"hardware": asdict(hardware), "cases": rows}, indent=1))
         return
     if not torch.cuda.is_available():
         raise SystemExit("bench.gpu measures on a CUDA GPU and none is visible here; "

@@ -136,3 +136,5 @@ def test_dry_run_estimates_a_tiny_model_against_the_modelled_bound():
     assert row["cap"] == row["footprint"] // 4 > 0
     assert row["estimated_s"] > 0 and 0 < row["bound_floor"] and row["bound_s"] >= row["floor_s"] > 0
     assert row["bound_own"] == pytest.approx(row["bound_s"] / row["estimated_s"])
+    assert 0 < row["eager_s"] and row["bound_s"] <= row["eager_s"]
+    assert "| gpt2-tiny |" in gpu.dry_run_report([row], bounds.spec_hardware("h100", "bf16"), "cmd")
