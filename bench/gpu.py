@@ -167,10 +167,11 @@ def _child(command: list[str], timeout: float, out: Path) -> dict[str, Any]:
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"did not finish in {timeout:.0f} s", "command": shlex.join(command)}
-    if done.returncode != 0 or not out.exists():
+    if out.exists():  # also after a failure that the child reported (DeepSpeed out of memory: exit 1)
+        result = json.loads(out.read_text())
+    else:
         tail = (done.stdout + done.stderr).strip().splitlines()[-6:]
-        return {"error": f"exit {done.returncode}: " + " | ".join(tail), "command": shlex.join(command)}
-    result = json.loads(out.read_text())
+        result = {"error": f"exit {done.returncode}: " + " | ".join(tail)}
     result["command"] = shlex.join(command)
     return result
 
