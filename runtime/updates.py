@@ -188,7 +188,9 @@ def host_update(task: Task, layers: LayerGraph, routes: Routes, store: HostStore
         return began
     leaves = {}
     for name in owned:
-        grad = store.gradient_sum(name, iteration)
+        # summed into the first slot rather than a new tensor: the optimizer only reads a gradient,
+        # and a copy of every gradient on the host's critical path costs what the step itself does
+        grad = store.merge_slots(name, iteration)
         if grad is None:
             continue
         leaf = torch.nn.Parameter(store.weight(name), requires_grad=True)
