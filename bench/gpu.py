@@ -420,6 +420,7 @@ def measure(args) -> None:
 
     cases = [CASES[name] for name in args.cases]
     hardware = bounds.measure_hardware(args.precision)
+    torch.cuda.empty_cache()  # the systems run in child processes: leave them the whole GPU
     out = Path(args.out or ROOT / "bench" / "results" / f"gpu-{_slug(hardware.name)}")
     work = Path(os.environ.get("OUT", out)) / "work"
     work.mkdir(parents=True, exist_ok=True)
