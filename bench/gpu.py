@@ -456,9 +456,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--systems", type=lambda s: s.split(","), default=list(SYSTEMS),
                         help="comma-separated, of eager, harmony, deepspeed (default all); eager runs anyway "
                              "when a case has no footprint yet")
-    parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+                        help="compute precision of every system (default bf16: autocast, float32 masters)")
     parser.add_argument("--iters", type=int, default=6, help="iterations per run, the first left out (default 6)")
-    parser.add_argument("--device-memory", type=int, help="cap in bytes instead of a quarter of eager's peak")
+    parser.add_argument("--device-memory", type=int, help="cap in bytes, instead of a quarter of the training footprint eager measured")
     parser.add_argument("--timeout", type=float, default=540, help="seconds per system's run (default 540)")
     parser.add_argument("--out", help="results folder (default bench/results/gpu-<device>; a dry run writes one "
                                       "only when given)")
