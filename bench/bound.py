@@ -36,11 +36,16 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from harmony.modelfile import ModelFile
+from harmony.runtime.precision import compute_dtype
 from harmony.scheduler.devicespec import load_spec
 
 log = logging.getLogger(__name__)
 
-LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def dtype_of(precision: str) -> torch.dtype:
+    """The dtype a run at ``precision`` multiplies in (``runtime/precision.py``'s table)."""
+    return compute_dtype(precision) or torch.float32
 
 
 @dataclass(frozen=True)
@@ -103,7 +108,7 @@ def training_flops(model_file: ModelFile, minibatch: int) -> tuple[float, int, i
 def floor_traffic(trainable: int, precision: str) -> tuple[int, int]:
     """(bytes in, bytes out) that a host-stepped iteration cannot avoid: each trainable weight in
     once and its gradient out once, both at the compute precision."""
-    size = torch.empty((), dtype=LOW_PRECISION[precision]).element_size()
+    size = torch.empty((), dtype=dtype_of(precision)).element_size()
     return trainable * size, trainable * size
 
 
@@ -111,8 +116,8 @@ def spec_hardware(spec: str, precision: str) -> Hardware:
     """The bound's figures from a device spec (``scheduler/devicespec.py``): the dense tensor-core
     peak and the derated PCIe rates, for planning without the device."""
     s = load_spec(spec)
-    dtype = str(LOW_PRECISION[precision]).removeprefix("torch.")
-    return Hardware(name=s.name, dtype=dtype, peak_flops=s.flops_for(LOW_PRECISION[precision]),
+    dtype = str(dtype_of(precision)).removeprefix("torch.")
+    return Hardware(name=s.name, dtype=dtype, peak_flops=s.flops_for(dtype_of(precision)),
                     host_to_device=s.host_to_device, device_to_host=s.device_to_host,
                     duplex=s.host_to_device + s.device_to_host, source=f"spec {s.name}")
 
@@ -122,7 +127,7 @@ def measure_hardware(precision: str, size: int = 8192, copy_bytes: int = 1 << 30
     warm-ups, then the best of ``repeats``), and pinned copies of ``copy_bytes`` each way and both
     ways at once on two streams (the best of ``repeats``). The best, not the median: the bound is
     what the hardware can do."""
-    dtype = LOW_PRECISION[precision]
+    dtype = dtype_of(precision)
     matmul_s = _matmul_seconds(size, dtype, repeats)
     host = torch.empty(copy_bytes, dtype=torch.uint8, pin_memory=True)
     back = torch.empty(copy_bytes, dtype=torch.uint8, pin_memory=True)

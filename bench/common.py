@@ -12,6 +12,7 @@ import datetime
 import functools
 import os
 import platform
+import socket
 import statistics
 import time
 from dataclasses import dataclass
@@ -133,6 +134,13 @@ def machine_info() -> dict[str, Any]:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "load_average": os.getloadavg()[0],
     }
+
+
+def free_port() -> int:
+    """A TCP port on the loopback that nothing listens on now, for a rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class Stopwatch:

@@ -28,7 +28,6 @@ import importlib.util
 import json
 import logging
 import os
-import socket
 import statistics
 import sys
 import time
@@ -142,18 +141,14 @@ def missing_requirements(device: str = "cuda") -> list[str]:
     return missing
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _single_process_env() -> None:
     """A one-process "world" for torch.distributed, which DeepSpeed needs even on one GPU."""
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
     if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(_free_port())
+        from bench.common import free_port
+
+        os.environ["MASTER_PORT"] = str(free_port())
 
 
 def load_cpu_adam() -> tuple[bool, str | None, float]:

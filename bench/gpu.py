@@ -131,7 +131,7 @@ def _next_divisor(n: int, below: int) -> int:
 
 
 def _eager_steps(mf, model, optimizer, minibatch: int, micro: int, precision: str, iterations: int) -> dict[str, Any]:
-    dtype = bounds.LOW_PRECISION[precision]
+    dtype = bounds.dtype_of(precision)
     seconds, losses, state = [], [], 0
     torch.cuda.reset_peak_memory_stats()
     for step in range(iterations):
@@ -194,9 +194,9 @@ def run_harmony(case: Case, cap: int, args, work: Path) -> dict[str, Any]:
     if "error" in result:
         return result
     moved = result.get("bytes_by_channel", {})
-    kept = [it["seconds"] for it in result["iterations"][1:]] or [it["seconds"] for it in result["iterations"]]
-    return {"system": "harmony", "samples_per_s": case.minibatch / statistics.median(kept),
-            "iteration_s": [it["seconds"] for it in result["iterations"]],
+    seconds = [it["seconds"] for it in result["iterations"]]
+    return {"system": "harmony", "samples_per_s": case.minibatch / statistics.median(seconds[1:] or seconds),
+            "iteration_s": seconds,
             "losses": [it["loss"] for it in result["iterations"]],
             "bytes_in": moved.get("SWAP in", 0), "bytes_out": moved.get("SWAP out", 0),
             "estimated_s": result.get("estimated_iteration_seconds"), "configuration": result.get("configuration"),
@@ -314,11 +314,7 @@ def dry_run(cases: list[Case], precision: str, spec: str) -> list[dict[str, Any]
     quarter, Harmony's searched pp plan at that cap (estimate and swap bytes), and the fractions of
     the bound the estimate stands for. What a GPU run will be compared with."""
     import harmony
-    from harmony.profiling.analytic import analytic_profile
-    from harmony.profiling.casts import low_copies
-    from harmony.runtime.precision import compute_dtype
-    from harmony.scheduler.devicespec import load_spec
-    from harmony.scheduler.machine import Machine
+    from harmony.compiler import CompileOptions, profile_graph
     from harmony.scheduler.search import search
 
     hardware = bounds.spec_hardware(spec, precision)
@@ -329,18 +325,23 @@ def dry_run(cases: list[Case], precision: str, spec: str) -> list[dict[str, Any]
         with torch.device("meta"):
             model = mf.build_model()
         graph = harmony.decompose(model, mf.get_batch(1, 0)[0])
-        profile = analytic_profile(graph, spec, max_microbatch=case.minibatch, compute=compute_dtype(precision))
-        footprint = analytic_footprint(profile, case.minibatch)
+
+        def profiled(device_memory: int | None):
+            """The analytic profile and machine ``harmony compile --analytic`` plans with."""
+            options = CompileOptions(minibatch=case.minibatch, devices=1, device_memory=device_memory,
+                                     analytic=spec, precision=precision, compare=False, probe=False)
+            return profile_graph(graph, mf.get_batch, mf.build_optimizer, options)
+
+        uncapped, _ = profiled(None)
+        footprint = analytic_footprint(uncapped, case.minibatch)
         cap = footprint // 4
-        spec_at_cap = load_spec(spec)
-        spec_at_cap.capacity = cap
-        capped = analytic_profile(graph, spec_at_cap, max_microbatch=case.minibatch, compute=compute_dtype(precision))
-        capped.carry(low_copies(graph, "cuda", compute_dtype(precision), spec_at_cap.host_memory_bandwidth))
-        result = search(capped, Machine.from_spec(spec_at_cap, 1), "pp", 1, case.minibatch)
-        bytes_in, bytes_out = swap_traffic(result.graph)
+        profile, machine = profiled(cap)
+        result = search(profile, machine, "pp", 1, case.minibatch)
+        moved = result.estimate.bytes_by_channel
+        bytes_in, bytes_out = moved.get("SWAP in", 0), moved.get("SWAP out", 0)
         seconds = result.estimate.iteration_time
         eager_s = sum(layer.at("fwd_time", case.minibatch) + layer.at("bwd_time", case.minibatch)
-                      + layer.upd_time_device for layer in profile.layers)
+                      + layer.upd_time_device for layer in uncapped.layers)
         own = bounds.bound(flops, bytes_in, bytes_out, hardware)
         floor = bounds.bound(flops, *bounds.floor_traffic(trainable, precision), hardware)
         rows.append({"case": case.name, "params": params, "flops": flops, "footprint": footprint, "cap": cap,
@@ -358,16 +359,6 @@ def analytic_footprint(profile, minibatch: int) -> int:
     state = sum(layer.w_bytes + layer.dw_bytes + layer.k_bytes for layer in profile.layers)
     activations = sum(layer.at("act_bytes", minibatch) for layer in profile.layers)
     return int(state + activations)
-
-
-def swap_traffic(graph) -> tuple[int, int]:
-    """(bytes in, bytes out) that the devices' tasks swap per iteration."""
-    from harmony.scheduler.tasks import HOST, Channel
-
-    device_tasks = [t for t in graph.tasks if t.device != HOST]
-    inward = sum(t.nbytes for task in device_tasks for t in task.inputs if t.channel == Channel.SWAP)
-    outward = sum(t.nbytes for task in device_tasks for t in task.outputs if t.channel == Channel.SWAP)
-    return inward, outward
 
 
 def print_dry_run(rows: list[dict[str, Any]], hardware: bounds.Hardware) -> None:

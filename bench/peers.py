@@ -35,7 +35,6 @@ import gc
 import math
 import os
 import queue
-import socket
 import statistics
 import time
 from dataclasses import dataclass
@@ -47,7 +46,7 @@ import torch.multiprocessing as mp
 from rich.console import Console
 from torch import nn
 
-from bench.common import Model, compiled, searched, train
+from bench.common import Model, compiled, free_port, searched, train
 from harmony.errors import HarmonyError
 from harmony.models import gpt2
 from harmony.models.gpt2 import Block, GPTConfig
@@ -214,12 +213,6 @@ def _worker(rank: int, world: int, jobs: list[Job], port: int, out) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class PipeRun:
     job: Job
@@ -235,7 +228,7 @@ def run_pipelining(jobs: list[Job], timeout: float = 900) -> list[PipeRun]:
     left out of its median. Jobs skipped after their group failed are missing from the answer."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     # large allocations always mmapped, so that freed tensors leave the RSS between jobs
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     procs = [ctx.Process(target=_worker, args=(r, 2, jobs, port, out)) for r in range(2)]
