@@ -154,6 +154,11 @@ class Plan:
         )
 
     # ------------------------------------------------------------ people
+    def coarsely_compared(self) -> list[str]:
+        """The comparison's modes searched over fewer pack counts than a compile of that mode tries
+        (``scheduler/comparison.py``, ``COMPARISON_DOUBLINGS``): their rows may be a little slow."""
+        return [row["mode"] for row in self.comparison if row.get("coarse") and row.get("iteration_time") is not None]
+
     def summary(self) -> str:
         est = self.estimate
         lines = [
@@ -197,6 +202,10 @@ class Plan:
                     f"| {row['mode']} | {row.get('iteration_time', float('nan')):.6f} | {row.get('swap_bytes', 0):,} | "
                     f"{row.get('peak_memory', 0):,} | {row.get('config', '')} |"
                 )
+            coarse = self.coarsely_compared()
+            if coarse:
+                lines += ["", f"{', '.join(coarse)}: searched over fewer pack counts than a compile of that mode "
+                          "does (`harmony compile --mode MODE` searches it fully)."]
         lines += ["", "## Tasks", "", "```", self.tasks.to_text().rstrip(), "```", ""]
         return "\n".join(lines)
 

@@ -2,8 +2,10 @@
 beside the chosen plan (``harmony compile`` without ``--no-compare``).
 
 The searches are independent, and those of the per-GPU-swap baselines are nearly all of a
-compile's time (GPT-2 1.5B on four modelled 1080 Ti: 0.07 s for pp, 8-12 s for each baseline, whose
-task graphs hold hundreds of tasks), so they run in worker processes, one per core. Each worker
+compile's time (GPT-2 1.5B on four modelled 1080 Ti: 0.07 s for pp, 8-12 s for each baseline
+searched as its own compile would, whose task graphs hold hundreds of tasks). So the table searches
+them over fewer pack counts (``coarse``, measured in ``search.pack_doublings``; the table says which
+rows), and in worker processes, one per core. Each worker
 answers the table's row, not the search's task graph and estimate. Workers are forked (Linux):
 a spawned one would re-run a user's script that calls ``harmony.compile`` without a main guard.
 They log nothing (``_quiet``); the compiling process logs what they found.
@@ -22,7 +24,7 @@ from typing import Any, Callable
 
 from harmony.profiling.profiles import Profile
 from harmony.scheduler.machine import Machine
-from harmony.scheduler.search import NoFeasibleConfiguration, SearchResult, search
+from harmony.scheduler.search import NoFeasibleConfiguration, SearchResult, pack_doublings, search
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +48,13 @@ def usable_cores() -> int:
 
 
 def _search_row(mode: str, profile: Profile, machine: Machine, devices: int, minibatch: int, capacity: int,
-                same_u: bool, gated: bool = False) -> tuple[dict[str, Any], str | None]:
+                same_u: bool, gated: bool = False, coarse: bool = False) -> tuple[dict[str, Any], str | None]:
     """The mode's row, and why it fits nothing (None where it fits)."""
     try:
         options = {"gated": True} if gated else {}
-        return row(mode, search(profile, machine, mode, devices, minibatch, capacity=capacity, same_u=same_u,
-                                **options)), None
+        result = search(profile, machine, mode, devices, minibatch, capacity=capacity, same_u=same_u,
+                        coarse=coarse, **options)
+        return {**row(mode, result), "coarse": coarse and pack_doublings(mode, True) != pack_doublings(mode)}, None
     except NoFeasibleConfiguration as exc:
         return {"mode": mode, "iteration_time": None, "config": DOES_NOT_FIT}, str(exc)
 
@@ -64,11 +67,13 @@ def _quiet() -> None:
 
 def compare_modes(modes: list[str], profile: Profile, machine: Machine, devices: int, minibatch: int, capacity: int,
                   same_u: bool, workers: int | None = None,
-                  on_done: Callable[[int, int], None] = lambda done, total: None, gated: bool = False) -> list[dict[str, Any]]:
+                  on_done: Callable[[int, int], None] = lambda done, total: None, gated: bool = False,
+                  coarse: bool = True) -> list[dict[str, Any]]:
     """One row per mode, in ``modes``' order, the modes that fit nothing last. ``workers``: processes
     to search in (None: one per usable core, at most one per mode); ``on_done(done, total)`` after
-    each; ``gated``: plans whose updates wait for the whole gradient (``taskgraph.with_norm``)."""
-    args = (profile, machine, devices, minibatch, capacity, same_u, gated)
+    each; ``gated``: plans whose updates wait for the whole gradient (``taskgraph.with_norm``);
+    ``coarse``: the per-GPU-swap baselines searched over fewer pack counts (``search.pack_doublings``)."""
+    args = (profile, machine, devices, minibatch, capacity, same_u, gated, coarse)
     workers = min(len(modes), usable_cores() if workers is None else max(1, workers))
     rows: dict[str, dict[str, Any]] = {}
 

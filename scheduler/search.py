@@ -119,6 +119,7 @@ def search(
     sizes: Callable[[int], list[int]] = ladder,
     keep_candidates: bool = False,
     same_u: bool = False,
+    coarse: bool = False,
     **options,
 ) -> SearchResult:
     """Search configurations for ``mode`` and return the best one with its graph and estimate.
@@ -129,6 +130,9 @@ def search(
 
     ``same_u`` keeps U_F = U_B: for models whose layers draw random numbers or normalize over the
     batch (dropout, BatchNorm), where a recompute must see exactly the forward's microbatches.
+
+    ``coarse`` searches the per-GPU-swap baselines over fewer pack counts (``pack_doublings``):
+    a compile's comparison table, where their whole ladder would take a hundred times pp's search.
 
     Other ``options`` go to the task-graph generator: ``update`` fixes where the update runs, and
     the ablation switches of ``pp`` / ``dp`` (``grouping``, ``jit_update``, ``p2p``; see
@@ -145,7 +149,8 @@ def search(
             continue
         tried.add(extra)
         try:
-            result = _search(profile, machine, mode, devices, minibatch, capacity, extra, sizes, keep_candidates, same_u, options)
+            result = _search(profile, machine, mode, devices, minibatch, capacity, extra, sizes, keep_candidates, same_u,
+                             coarse, options)
         except NoFeasibleConfiguration as exc:
             if exc.closest is not None and (closest is None or exc.closest[0] < closest[0]):
                 closest = exc.closest
@@ -161,19 +166,36 @@ def search(
     raise NoFeasibleConfiguration(message + "; give the devices more memory or cut the model into smaller layers", shortfall)
 
 
-def _search(profile, machine, mode, devices, minibatch, capacity, extra_packs, sizes, keep_candidates, same_u, options) -> SearchResult:
+def pack_doublings(mode: str, coarse: bool = False) -> tuple[int, int]:
+    """How many doublings of the fewest packs that fit ``mode``'s search tries, for the backward
+    packs and the forward ones.
+
+    The per-GPU-swap baselines do best with fine packs (swapping per layer is their nature): they
+    get the whole ladder of pack counts, so that a comparison with them is fair to them. ``coarse``
+    (a compile's comparison table) keeps their backward packs to the fewest that fit and one more, as
+    pp's, and their forward pack counts to three doublings (and one layer per pack). Measured
+    against the whole ladder on four modelled 1080 Ti, minibatch 64 (bench/results/speed.md): GPT-2
+    1.5B's six baselines took 26 s of search instead of 63 s, BERT96's 28 s instead of 138 s; of the
+    twelve estimates found, eight were the same and four 0.3-2.9% slower (the 2.9%: gpipe-swap-r on
+    GPT-2 1.5B).
+    """
+    if mode in ("pp", "dp"):
+        return 0, 0
+    return (0, 3) if coarse else (64, 64)
+
+
+def _search(profile, machine, mode, devices, minibatch, capacity, extra_packs, sizes, keep_candidates, same_u,
+            coarse, options) -> SearchResult:
     start = time.perf_counter()
     per_device = minibatch if mode not in ("dp", "dp-swap", "dp-swap-r") else -(-minibatch // devices)
-    # per-GPU-swap baselines do best with fine packs (swapping per layer is their nature): give
-    # them the whole ladder of pack counts, so that the comparison is fair to them
-    doublings = 0 if mode in ("pp", "dp") else 64
+    bwd_doublings, fwd_doublings = pack_doublings(mode, coarse)
     u_bs = sizes(min(profile.u_bmax, per_device))
     u_fs = sizes(min(profile.u_fmax, per_device))
     pending: list[tuple[float, int, Configuration]] = []
     for u_b in u_bs:
-        for p_b in _packings(profile, u_b, capacity, "bwd", None, extra_packs, doublings):
+        for p_b in _packings(profile, u_b, capacity, "bwd", None, extra_packs, bwd_doublings):
             for u_f in ([u_b] if u_b <= max(u_fs) else []) if same_u else u_fs:
-                for p_f in _packings(profile, u_f, capacity, "fwd", p_b[-1], extra_packs, doublings):
+                for p_f in _packings(profile, u_f, capacity, "fwd", p_b[-1], extra_packs, fwd_doublings):
                     config = Configuration(u_f=u_f, packs_f=p_f, u_b=u_b, packs_b=p_b)
                     pending.append((quick_bound(mode, profile, config, devices, minibatch, machine), len(pending), config))
     # equal bounds, U_F = U_B first: where the forward is one pack (the loss task's, run at U_B) U_F

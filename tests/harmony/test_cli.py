@@ -88,7 +88,11 @@ def test_compile_writes_a_plan_that_show_prints_and_a_changed_model_file_is_refu
     assert "dev1" in printed and "dev0:" not in printed and "p2p-in:" in printed and " RECV " in printed
     from harmony.plan import Plan, StalePlanError
 
-    Plan.load(out, model_file=model_file)
+    plan = Plan.load(out, model_file=model_file)
+    # the per-GPU-swap baselines' rows are searched coarsely, and the summary says which
+    coarse = plan.coarsely_compared()
+    assert coarse and not {"pp", "dp"} & set(coarse)
+    assert f"{', '.join(coarse)}: searched over fewer pack counts" in (out / "summary.md").read_text()
     model_file.write_text(model_file.read_text() + "\n# edited\n")
     with pytest.raises(StalePlanError, match="changed since the plan"):
         Plan.load(out, model_file=model_file)

@@ -9,6 +9,7 @@ import pytest
 
 from harmony.scheduler.comparison import DOES_NOT_FIT, compare_modes
 from harmony.scheduler.machine import Machine
+from harmony.scheduler.search import pack_doublings
 from harmony.scheduler.taskgraph import MODES
 
 from test_search import skewed_profile
@@ -66,3 +67,28 @@ def test_a_daemonic_process_compares_the_modes_itself():
     assert out.get(timeout=60) == ["dp", "dp-swap"]
     worker.join(timeout=10)
     assert worker.exitcode == 0
+
+
+def test_coarse_rows_search_fewer_pack_counts_never_beat_the_full_search_and_say_so():
+    """The table's baselines are searched over a subset of the pack counts a compile of that mode
+    tries (``search.pack_doublings``): never faster than the full search, and marked coarse."""
+    profile = skewed_profile(times=(1.0, 3.0, 1.0, 2.0, 1.5, 1.0, 2.5, 1.0, 1.5, 2.0, 1.0, 3.0), capacity=12_000_000)
+    machine = Machine.from_spec("1080ti", 2)
+    modes = ["dp", "dp-swap", "gpipe-swap-r", "1f1b-swap"]
+    coarse = compare_modes(modes, profile, machine, 2, 8, profile.capacity, False, workers=1)
+    full = compare_modes(modes, profile, machine, 2, 8, profile.capacity, False, workers=1, coarse=False)
+    assert [r["mode"] for r in coarse] == [r["mode"] for r in full] == modes
+    assert [r["coarse"] for r in coarse] == [False, True, True, True]  # dp's search is the same either way
+    assert not any(r["coarse"] for r in full)
+    for c, f in zip(coarse, full):
+        assert f["iteration_time"] <= c["iteration_time"]
+    assert sum(r["explored"] for r in coarse) < sum(r["explored"] for r in full)
+    assert full[0] == {**coarse[0], "search_seconds": full[0]["search_seconds"]}
+
+
+def test_pack_doublings_of_a_coarse_search_are_a_subset_of_the_full_one():
+    for mode in MODES:
+        (cb, cf), (fb, ff) = pack_doublings(mode, coarse=True), pack_doublings(mode)
+        assert cb <= fb and cf <= ff
+        if mode in ("pp", "dp"):
+            assert (cb, cf) == (fb, ff)
