@@ -29,12 +29,8 @@ from rich.table import Table
 import harmony
 from harmony.modelfile import load_model_file
 from harmony.models import gpt2
-from harmony.profiling.analytic import analytic_profile
-from harmony.profiling.casts import low_copies
+from harmony.compiler import CompileOptions, profile_graph
 from harmony.profiling.sweep import training_footprint
-from harmony.runtime.precision import compute_dtype
-from harmony.scheduler.devicespec import load_spec
-from harmony.scheduler.machine import Machine
 from harmony.scheduler.search import NoFeasibleConfiguration, search
 from harmony.scheduler.tasks import HOST, Kind
 
@@ -54,7 +50,6 @@ def freeze(model: torch.nn.Module, prefixes: tuple[str, ...]) -> torch.nn.Module
 
 def estimated(cases=CASES, spec: str = "h100", devices: int = 4, minibatch: int = 16) -> list[dict]:
     """Per model and precision: the searched pp plan's estimated iteration and swap bytes."""
-    machine = Machine.from_spec(spec, devices)
     rows = []
     for name, file, preset, extra, frozen in cases:
         mf = load_model_file(MODELS / f"{file}.py", {"preset": preset, **extra})
@@ -62,9 +57,10 @@ def estimated(cases=CASES, spec: str = "h100", devices: int = 4, minibatch: int 
             model = freeze(mf.build_model(), frozen)
         graph = harmony.decompose(model, mf.get_batch(1, 0)[0])
         for precision in ("fp32", "bf16"):
-            profile = analytic_profile(graph, spec, max_microbatch=minibatch, compute=compute_dtype(precision))
-            # as compile_plan does
-            profile.carry(low_copies(graph, "cuda", compute_dtype(precision), load_spec(spec).host_memory_bandwidth))
+            # as `harmony compile --analytic` profiles: tied weights counted once, low copies carried
+            options = CompileOptions(minibatch=minibatch, devices=devices, device_type="cuda", analytic=spec,
+                                     precision=precision)
+            profile, machine = profile_graph(graph, mf.get_batch, mf.build_optimizer, options)
             try:
                 result = search(profile, machine, "pp", devices, minibatch)
             except NoFeasibleConfiguration as exc:
