@@ -11,6 +11,7 @@ kept as a pytree spec.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import math
@@ -261,6 +262,35 @@ def trace(
     opaque = set(opaque or ())
     if method not in ("auto", "fx", "export"):
         raise DecomposeError(f"unknown tracing method {method!r}; use 'auto', 'fx' or 'export'")
+    with _without_kv_cache(model):
+        return _trace(model, example_inputs, opaque, method)
+
+
+@contextlib.contextmanager
+def _without_kv_cache(model: torch.nn.Module):
+    """Trace a Hugging Face model with its ``config.use_cache`` off, and put it back after.
+
+    ``from_pretrained`` and a fresh config both leave ``use_cache`` on, so a causal LM's forward
+    builds a key/value cache object and returns it beside the logits. Neither tracer can carry it
+    (torch.export: "DynamicCache in output, which is not a known type"; fx fails earlier in the
+    generated forward), and training has no use for it: it serves generation, and would otherwise
+    be relayed between layers as dead output. The user's own model is left as it was.
+    """
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
+               and getattr(c, "use_cache", None) is True}
+    if configs:
+        log.info("tracing %s with config.use_cache=False: a key/value cache serves generation, not training",
+                 type(model).__name__)
+    for c in configs.values():
+        c.use_cache = False
+    try:
+        yield
+    finally:
+        for c in configs.values():
+            c.use_cache = True
+
+
+def _trace(model: torch.nn.Module, example_inputs: tuple, opaque: set[str], method: str) -> TracedModel:
     fx_error: Exception | None = None
     if method in ("auto", "fx"):
         try:

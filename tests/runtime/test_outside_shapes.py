@@ -7,6 +7,8 @@ and dp either plans where pp does or says what it needs.
   tensor b (2)``, a batch size relayed between layers as a number.
 * The GPT-like model of the issue (nn.MultiheadAttention, batch_first=True) in pp with
   U_F != U_B: ``shape '[128, 16, 64]' is invalid``, ``B * heads`` of another microbatch.
+* Hugging Face causal LMs with their key/value cache on (Qwen2, as Mistral, GPT-NeoX, OPT and Phi
+  were): ``cannot trace Qwen2ForCausalLM``, torch.export refusing the ``DynamicCache`` output.
 * Hugging Face ``GPT2LMHeadModel`` in dp, float64: at a third of its training footprint it trains
   exactly; at a third of its weights, gradients and Adam moments (the issue's 2,018,917 planned
   bytes) it either plans and trains exactly, or the refusal names the device memory that fits,
@@ -82,6 +84,18 @@ def gpt2_batch(batch_size: int, step: int) -> tuple:
 
 def gpt2_loss(output, target):
     return nn.functional.cross_entropy(output.logits[:, :-1].reshape(-1, 128), target[:, 1:].reshape(-1))
+
+
+def qwen2_model() -> nn.Module:
+    """A causal LM as ``from_pretrained`` leaves it: ``config.use_cache`` on, so its forward returns a
+    key/value cache object beside the logits (which neither tracer could carry)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(config).double()
 
 
 class Block(nn.Module):
@@ -228,4 +242,13 @@ def test_hf_gpt2_in_dp_at_a_third_of_its_weights_and_adam_state_plans_or_names_w
         fits = re.search(r"--device-memory ([\d,]+) bytes", message)
         assert fits, message
         plan = compile_at(model, gpt2_loss, gpt2_batch, "dp", int(fits.group(1).replace(",", "")))
+    assert_trains_like_eager(model, plan, gpt2_batch)
+
+
+@pytest.mark.slow
+def test_hf_causal_lm_with_its_kv_cache_on_trains_like_eager_and_keeps_its_config():
+    model = qwen2_model()
+    assert model.config.use_cache
+    plan = compile_at(model, gpt2_loss, gpt2_batch, "pp", third_of_footprint(model, gpt2_batch))
+    assert model.config.use_cache  # traced without the cache; the user's model left as it was
     assert_trains_like_eager(model, plan, gpt2_batch)
