@@ -114,6 +114,25 @@ def _propagate(gm: fx.GraphModule, inputs: tuple, real: bool) -> dict[fx.Node, A
     return prop.values
 
 
+def _propagate_shapes(gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple,
+                      opaque: set[str]) -> tuple[dict[fx.Node, Any], bool]:
+    """Every node's value at the example batch, and whether they came from real tensors.
+
+    Meta tensors cost nothing, but opaque modules may branch on data, and some operators have no
+    meta kernel (``unique_consecutive``, in Hugging Face BART's check that every sample holds as
+    many end tokens): where the model has real weights, those run on real copies instead."""
+    can_be_real = not any(t.is_meta for t in list(model.parameters()) + list(inputs))
+    real = bool(opaque) and can_be_real
+    try:
+        return _propagate(gm, inputs, real), real
+    except DecomposeError as exc:
+        if real or not can_be_real or not isinstance(exc.__cause__, NotImplementedError):
+            raise
+        log.info("an operator has no meta kernel (%s); propagating shapes on real tensors",
+                 str(exc.__cause__).splitlines()[0])
+        return _propagate(gm, inputs, True), True
+
+
 def _ties(model: torch.nn.Module) -> dict[str, list[str]]:
     names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -157,12 +176,16 @@ def decompose(
     opaque = set(opaque_modules)
     with _without_autocast():  # the model as written: mixed precision applies when its layers run
         traced = tracing.trace(model, inputs, opaque=opaque, method=method)
+    with tracing.lifted_on(model, traced.lifted):
+        return _decompose_traced(model, traced, inputs, gran, opaque)
+
+
+def _decompose_traced(model: torch.nn.Module, traced: tracing.TracedModel, inputs: tuple,
+                      gran: partition.Granularity, opaque: set[str]) -> LayerGraph:
     gm = traced.gm
     if len(traced.input_names) != len(inputs):
         raise DecomposeError(f"the traced model takes {len(traced.input_names)} inputs but {len(inputs)} example inputs were given")
-    # opaque modules may branch on data: give them real tensors when the model has real weights
-    real = bool(opaque) and not any(t.is_meta for t in list(model.parameters()) + list(inputs))
-    values = _propagate(gm, inputs, real)
+    values, real = _propagate_shapes(gm, model, inputs, opaque)
     facts, fixed_batch = batching.probe(gm, inputs, values, lambda resized: _propagate(gm, resized, real))
     batch = batching.batch_size_of(inputs)
     segments = partition.segment(gm, model, gran)
@@ -284,7 +307,7 @@ def _record_state(graph: LayerGraph, layer_modules: list[torch.nn.Module], model
             spec.state.append(name)
             # constants and non-persistent buffers are not in a state_dict: the graph carries them
             if (kind == "constant" or not persistent) and b.device.type != "meta":
-                graph.constants[name] = b.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+                graph.constants[name] = b.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     # tied aliases that no layer names directly still belong to the state table
     for canon, aliases in ties.items():
         if canon in graph.state:

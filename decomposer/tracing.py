@@ -16,7 +16,7 @@ import inspect
 import logging
 import math
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,6 +38,9 @@ class TracedModel:
     tracer: str  # "fx" or "export"
     out_spec: pytree.TreeSpec
     input_names: list[str]
+    # tensors torch.export lifted out of forward() (``torch.tensor(...)`` written there) under names
+    # the model has no attribute for, e.g. ``transformer.h.0.self_attention.lifted_tensor_0``
+    lifted: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def _plain_attrs(module: torch.nn.Module) -> dict[str, Any]:
@@ -170,10 +173,11 @@ def _export(model: torch.nn.Module, example_inputs: tuple) -> TracedModel:
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     root = torch.nn.Module()
-    lifted = {spec.arg.name: spec for spec in sig.input_specs}
+    specs = {spec.arg.name: spec for spec in sig.input_specs}
+    lifted: dict[str, torch.Tensor] = {}
     for node in gm.graph.nodes:
         if node.op == "placeholder":
-            spec = lifted[node.name]
+            spec = specs[node.name]
             if spec.kind == InputKind.USER_INPUT:
                 env[node] = graph.placeholder(node.name)
             elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
@@ -182,6 +186,8 @@ def _export(model: torch.nn.Module, example_inputs: tuple) -> TracedModel:
             elif spec.kind in (InputKind.CONSTANT_TENSOR,):
                 fx.graph_module._assign_attr(ep.constants[spec.target], root, spec.target)
                 env[node] = graph.get_attr(spec.target)
+                if not _has_tensor(model, spec.target):
+                    lifted[spec.target] = ep.constants[spec.target]
             else:
                 raise DecomposeError(f"torch.export produced an input of kind {spec.kind} that Harmony cannot place")
             env[node].meta.update(node.meta)
@@ -228,7 +234,34 @@ def _export(model: torch.nn.Module, example_inputs: tuple) -> TracedModel:
     spec = ep.call_spec.out_spec
     if spec is None or spec.num_leaves != len(leaves):
         spec = pytree.tree_flatten(tuple(leaves))[1]
-    return TracedModel(gm=new_gm, tracer="export", out_spec=spec, input_names=names)
+    return TracedModel(gm=new_gm, tracer="export", out_spec=spec, input_names=names, lifted=lifted)
+
+
+def _has_tensor(model: torch.nn.Module, path: str) -> bool:
+    module_path, _, name = path.rpartition(".")
+    try:
+        owner = model.get_submodule(module_path) if module_path else model
+    except AttributeError:
+        return False
+    return isinstance(getattr(owner, name, None), torch.Tensor)
+
+
+@contextlib.contextmanager
+def lifted_on(model: torch.nn.Module, lifted: dict[str, torch.Tensor]):
+    """The tensors export lifted, set on ``model`` as plain attributes while it is decomposed (code
+    generation and layer binding read every tensor the graph names from the model, and record a
+    constant's value in the layer graph), and taken off after: the user's model is left as it was."""
+    placed = []
+    try:
+        for path, value in lifted.items():
+            module_path, _, name = path.rpartition(".")
+            owner = model.get_submodule(module_path) if module_path else model
+            object.__setattr__(owner, name, value)
+            placed.append((owner, name))
+        yield
+    finally:
+        for owner, name in placed:
+            object.__delattr__(owner, name)
 
 
 def device_of(*values):

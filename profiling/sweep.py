@@ -317,8 +317,9 @@ def training_footprint(graph: LayerGraph, get_batch: Callable[[int, int], tuple]
     inputs, _ = get_batch(1, 0)
     values = inputs if isinstance(inputs, tuple) else (inputs,)
     activations = 0
-    for module in graph.modules:
-        m, values = measure_layer(module, values, device, trials=0, backward=True)
+    for index, module in enumerate(graph.modules):
+        with _naming_failures(index, graph.layers[index].name, 1):
+            m, values = measure_layer(module, values, device, trials=0, backward=True)
         activations += m.act_bytes
     return int((2 + k_per_w) * graph.parameter_bytes() + minibatch * activations)
 
@@ -332,7 +333,11 @@ def _naming_failures(index: int, name: str, u: int):
         raise
     except Exception as exc:
         raise HarmonyError(
-            f"layer {index} ({name}) failed at microbatch size {u}: {type(exc).__name__}: {exc}"
+            f"layer {index} ({name}) failed at microbatch size {u}: {type(exc).__name__}: {exc}. Its code ran at "
+            "the example batch when the model was decomposed; if it fails only at other sizes, the trace fixed "
+            "something there (torch.export asserting what a mask selected, as in Hugging Face BART's "
+            "classification head): keep the module computing it whole (--opaque MODULE) or trace with the other "
+            "method (--method fx or export)"
         ) from exc
 
 

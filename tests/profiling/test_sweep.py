@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import harmony
-from harmony.profiling.sweep import Profiler, stride_sizes
+from harmony.profiling.sweep import Profiler, stride_sizes, training_footprint
 from harmony.runtime.device import CpuDevice
 from harmony.profiling.profiles import Profile, fit_samples
 
@@ -102,6 +102,15 @@ def test_a_layer_that_fails_for_another_reason_is_named():
     profiler = Profiler(graph, lambda b, s: (torch.randn(b, 4), None), lambda p: torch.optim.SGD(p, lr=0.1), CpuDevice("emu", None))
     with pytest.raises(harmony.HarmonyError, match=r"layer 1 \(1\) failed at microbatch size 1: ValueError"):
         profiler.run(1, backward=False, trials=0)
+
+
+def test_the_training_footprint_names_a_layer_that_fails_at_one_sample():
+    """BatchNorm in train mode refuses one sample, as a trace that fixed something at the example
+    batch would: the footprint's one-sample pass names the layer and what to try."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    graph = harmony.decompose(model, torch.randn(2, 4))
+    with pytest.raises(harmony.HarmonyError, match=r"layer 1 \(1\) failed at microbatch size 1: ValueError.*--opaque"):
+        training_footprint(graph, lambda b, s: (torch.randn(b, 4), None), 8)
 
 
 def test_interpolated_time_matches_a_fresh_measurement_within_noise():
