@@ -9,6 +9,8 @@ and dp either plans where pp does or says what it needs.
   U_F != U_B: ``shape '[128, 16, 64]' is invalid``, ``B * heads`` of another microbatch.
 * Hugging Face causal LMs with their key/value cache on (Qwen2, as Mistral, GPT-NeoX, OPT and Phi
   were): ``cannot trace Qwen2ForCausalLM``, torch.export refusing the ``DynamicCache`` output.
+* Hugging Face Falcon, whose attention writes a tensor in forward(): ``'FalconAttention' object has
+  no attribute 'lifted_tensor_0'``.
 * Hugging Face ``GPT2LMHeadModel`` in dp, float64: at a third of its training footprint it trains
   exactly; at a third of its weights, gradients and Adam moments (the issue's 2,018,917 planned
   bytes) it either plans and trains exactly, or the refusal names the device memory that fits,
@@ -96,6 +98,17 @@ def qwen2_model() -> nn.Module:
                          tie_word_embeddings=True)
     torch.manual_seed(0)
     return Qwen2ForCausalLM(config).double()
+
+
+def falcon_model() -> nn.Module:
+    """Falcon's attention writes a tensor in forward(), which torch.export lifts under a name the
+    model has no attribute for (``...self_attention.lifted_tensor_0``): the layers carry its value."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    config = FalconConfig(vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                          hidden_dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    return FalconForCausalLM(config).double()
 
 
 class Block(nn.Module):
@@ -251,4 +264,13 @@ def test_hf_causal_lm_with_its_kv_cache_on_trains_like_eager_and_keeps_its_confi
     assert model.config.use_cache
     plan = compile_at(model, gpt2_loss, gpt2_batch, "pp", third_of_footprint(model, gpt2_batch))
     assert model.config.use_cache  # traced without the cache; the user's model left as it was
+    assert_trains_like_eager(model, plan, gpt2_batch)
+
+
+@pytest.mark.slow
+def test_hf_falcon_whose_forward_writes_a_tensor_trains_like_eager_in_dp():
+    model = falcon_model()
+    plan = compile_at(model, gpt2_loss, gpt2_batch, "dp", third_of_footprint(model, gpt2_batch))
+    assert any("lifted" in name for name in plan.graph.constants)
+    assert not any("lifted" in key for m in model.modules() for key in vars(m))
     assert_trains_like_eager(model, plan, gpt2_batch)
