@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from harmony.decomposer import layer_support
 from harmony.decomposer.partition import Segment
 from harmony.decomposer.tracing import constructor_source, device_of
 from harmony.errors import DecomposeError
