@@ -583,7 +583,10 @@ def _add_compile_parser(sub: argparse._SubParsersAction) -> None:
                    help="pp (wrap-around pipeline), dp (Harmony DP), or a per-GPU-swap baseline (default pp)")
     p.add_argument("--analytic", metavar="SPEC", help="plan for hardware we lack: 1080ti, v100, a100, h100 or a JSON spec")
     p.add_argument("--trials", type=int, default=3, help="timed repetitions per profile measurement (default 3)")
-    p.add_argument("--no-compare", action="store_true", help="search only the chosen mode")
+    p.add_argument("--no-compare", action="store_true",
+                   help="search only the chosen mode (by default every other mode is searched too, for the "
+                        "comparison table; the per-GPU-swap baselines there over fewer pack counts, which is most "
+                        "of a compile's time)")
     p.add_argument("--no-probe", action="store_true", help="do not measure link bandwidths (nominal values)")
     p.add_argument("--batch-size", type=int, default=2, help="batch size of the example inputs used for tracing")
     _training_arguments(p)
