@@ -309,17 +309,22 @@ def _without_kv_cache(model: torch.nn.Module):
     generated forward), and training has no use for it: it serves generation, and would otherwise
     be relayed between layers as dead output. The user's own model is left as it was.
     """
-    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
-               and getattr(c, "use_cache", None) is True}
-    if configs:
+    candidates = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
+                  and getattr(c, "use_cache", None) is True}
+    switched = []
+    for c in candidates.values():
+        try:
+            c.use_cache = False
+        except (AttributeError, TypeError):  # a frozen config of someone else's: trace as it is
+            continue
+        switched.append(c)
+    if switched:
         log.info("tracing %s with config.use_cache=False: a key/value cache serves generation, not training",
                  type(model).__name__)
-    for c in configs.values():
-        c.use_cache = False
     try:
         yield
     finally:
-        for c in configs.values():
+        for c in switched:
             c.use_cache = True
 
 

@@ -5,7 +5,9 @@ kernel, as outside models have them (found on Hugging Face Gemma, Falcon and BAR
 * a tensor written in ``forward`` (Falcon's attention) is lifted by torch.export under a name the
   model has no attribute for; the layers carry it, and the user's model is left without it;
 * an operator with no meta kernel (BART's ``unique_consecutive``) makes shape propagation run on
-  real tensors where the model has real weights, and a clear error where it has none.
+  real tensors where the model has real weights, and a clear error where it has none;
+* a Hugging Face config's `use_cache` is switched off while tracing (see `tracing._without_kv_cache`),
+  but a config that refuses assignment is traced as it is.
 """
 
 from __future__ import annotations
@@ -89,3 +91,31 @@ def test_an_operator_without_a_meta_kernel_on_a_meta_model_is_a_clear_error():
         model = CheckWithoutMetaKernel()
     with pytest.raises(DecomposeError, match="unique_consecutive"):
         harmony.decompose(model, (torch.empty(4, 8, device="meta"),))
+
+
+class FrozenConfig:
+    """A config of someone else's that refuses assignment, with a ``use_cache`` field."""
+
+    use_cache = True
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"{name} is read-only")
+
+
+class WithFrozenConfig(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.config = FrozenConfig()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return x
+
+
+def test_a_config_that_refuses_assignment_is_traced_as_it_is():
+    torch.manual_seed(0)
+    model = WithFrozenConfig().double()
+    assert_layers_match_model(model, (torch.randn(4, 8, dtype=torch.float64),), RTOL)
+    assert model.config.use_cache is True
