@@ -374,12 +374,6 @@ def _shutdown() -> None:
         torch.distributed.destroy_process_group()
 
 
-def _parse_bytes(text: str) -> int:
-    from harmony.runtime.device import parse_bytes
-
-    return parse_bytes(text)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m bench.deepspeed_peer", description=__doc__,
@@ -412,8 +406,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--minibatch {ns.minibatch} must be a positive multiple of --microbatch {ns.microbatch}")
     if ns.iters < 1:
         parser.error("--iters must be at least 1")
+    from harmony.runtime.device import parse_bytes  # here: the peer imports nothing of ours it does not use
+
     try:
-        cap = _parse_bytes(ns.device_memory)
+        cap = parse_bytes(ns.device_memory)
     except ValueError as exc:
         parser.error(f"--device-memory: {exc}")
     missing = missing_requirements("cuda")

@@ -4,6 +4,12 @@ Mode pp, 4 devices, minibatch 64, on the modelled GTX 1080 Ti server. Decomposit
 profiling are timed apart from the search, as Table 1 times the scheduler alone.
 
     python -m bench.search_time [--quick]
+    python -m bench.search_time --comparison [--quick]
+
+``--comparison`` times what a compile's comparison table costs instead: every per-GPU-swap
+baseline searched over its whole ladder of pack counts and coarsely (``search.pack_doublings``),
+profiled as ``harmony compile --analytic 1080ti --device-memory 11GiB`` profiles, with the seconds
+and the estimate each finds.
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ import harmony
 from harmony.modelfile import load_model_file
 from harmony.profiling.analytic import analytic_profile
 from harmony.scheduler.machine import Machine
-from harmony.scheduler.search import search
+from harmony.scheduler.search import NoFeasibleConfiguration, search
+from harmony.scheduler.taskgraph import MODES
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 PAPER_SECONDS = {"BERT96": 1.4, "GPT-2 1.5B": 0.7, "VGG416": 17.7, "ResNet1K": 31.6}
@@ -52,13 +59,64 @@ def search_times(names: tuple[str, ...] | None = None, minibatch: int = 64, devi
     return rows
 
 
+def coarse_against_full(names: tuple[str, ...] | None = None, minibatch: int = 64, devices: int = 4,
+                        device_memory: str = "11GiB") -> list[dict]:
+    """Per model and per-GPU-swap baseline: seconds and estimate of the whole search and of the
+    comparison table's coarse one, on the profile and capacity a compile plans with."""
+    from harmony.compiler import CompileOptions, _two_samples, batch_coupled, profile_graph
+
+    rows = []
+    for name, file, preset in CASES:
+        if names is not None and name not in names:
+            continue
+        mf = load_model_file(MODELS / f"{file}.py", {"preset": preset})
+        with torch.device("meta"):
+            model = mf.build_model()
+        graph = harmony.decompose(model, mf.get_batch(2, 0)[0])
+        options = CompileOptions(minibatch=minibatch, devices=devices, device_memory=device_memory, analytic="1080ti")
+        profile, machine = profile_graph(graph, mf.get_batch, mf.build_optimizer, options)
+        planned = int(profile.capacity * (1 - options.memory_margin))
+        same_u = bool(batch_coupled(graph, _two_samples(graph, mf.get_batch, minibatch)))
+        for mode in (m for m in MODES if m not in ("pp", "dp")):
+            row = {"model": name, "mode": mode}
+            for kind, coarse in (("full", False), ("coarse", True)):
+                start = time.perf_counter()
+                try:
+                    result = search(profile, machine, mode, devices, minibatch, capacity=planned, same_u=same_u,
+                                    coarse=coarse)
+                    row[f"{kind}_estimate_s"] = result.estimate.iteration_time
+                except NoFeasibleConfiguration:
+                    row[f"{kind}_estimate_s"] = None
+                row[f"{kind}_search_s"] = time.perf_counter() - start
+            rows.append(row)
+    return rows
+
+
+def _print_comparison(rows: list[dict], console: Console) -> None:
+    table = Table(title="The comparison table's baselines: whole search against the coarse one")
+    for col in ("model", "mode", "full search s", "coarse s", "full estimate s", "coarse estimate s", "slower by"):
+        table.add_column(col, justify="left" if col in ("model", "mode") else "right")
+    for r in rows:
+        full, coarse = r["full_estimate_s"], r["coarse_estimate_s"]
+        slower = f"{coarse / full - 1:+.1%}" if full and coarse else "-"
+        table.add_row(r["model"], r["mode"], f"{r['full_search_s']:.1f}", f"{r['coarse_search_s']:.1f}",
+                      f"{full:.3f}" if full else "does not fit", f"{coarse:.3f}" if coarse else "does not fit", slower)
+    console.print(table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="GPT-2 1.5B only")
     parser.add_argument("--minibatch", type=int, default=64)
     parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument("--comparison", action="store_true",
+                        help="time the baselines' whole search against the comparison table's coarse one (minutes)")
     ns = parser.parse_args()
     console = Console(width=160)
+    if ns.comparison:
+        names = ("GPT-2 1.5B",) if ns.quick else ("GPT-2 1.5B", "BERT96")
+        _print_comparison(coarse_against_full(names, ns.minibatch, ns.devices), console)
+        return
     table = Table(title=f"Search time, mode pp, {ns.devices} x 1080 Ti (analytic), minibatch {ns.minibatch}")
     for col in ("model", "layers", "decompose s", "profile s", "search s", "paper s", "speed-up", "explored", "estimate s", "configuration"):
         table.add_column(col, justify="left" if col in ("model", "configuration") else "right")

@@ -440,10 +440,7 @@ def _print_comparison(plan) -> None:
             continue
         table.add_row(row["mode"], f"{t * 1e3:.2f}", f"{plan.tasks.minibatch / t:,.1f}" if t else "-",
                       _human_bytes(row["swap_bytes"]), _human_bytes(row["peak_memory"]), row["config"])
-    coarse = plan.coarsely_compared()
-    if coarse:
-        table.caption = (f"{', '.join(coarse)}: searched over fewer pack counts than a compile of that mode does "
-                         "(its estimate may be a little slower); `--mode MODE` searches it fully")
+    table.caption = plan.comparison_note() or None
     console.print(table)
 
 

@@ -156,8 +156,16 @@ class Plan:
     # ------------------------------------------------------------ people
     def coarsely_compared(self) -> list[str]:
         """The comparison's modes searched over fewer pack counts than a compile of that mode tries
-        (``scheduler/comparison.py``, ``COMPARISON_DOUBLINGS``): their rows may be a little slow."""
+        (``search.pack_doublings``): their rows may be a little slow."""
         return [row["mode"] for row in self.comparison if row.get("coarse") and row.get("iteration_time") is not None]
+
+    def comparison_note(self) -> str:
+        """The line under the comparison table that names its coarsely searched rows ("" if none)."""
+        coarse = self.coarsely_compared()
+        if not coarse:
+            return ""
+        return (f"{', '.join(coarse)}: searched over fewer pack counts than a compile of that mode does "
+                "(`harmony compile --mode MODE` searches it fully).")
 
     def summary(self) -> str:
         est = self.estimate
@@ -202,10 +210,8 @@ class Plan:
                     f"| {row['mode']} | {row.get('iteration_time', float('nan')):.6f} | {row.get('swap_bytes', 0):,} | "
                     f"{row.get('peak_memory', 0):,} | {row.get('config', '')} |"
                 )
-            coarse = self.coarsely_compared()
-            if coarse:
-                lines += ["", f"{', '.join(coarse)}: searched over fewer pack counts than a compile of that mode "
-                          "does (`harmony compile --mode MODE` searches it fully)."]
+            if note := self.comparison_note():
+                lines += ["", note]
         lines += ["", "## Tasks", "", "```", self.tasks.to_text().rstrip(), "```", ""]
         return "\n".join(lines)
 

@@ -174,10 +174,10 @@ def pack_doublings(mode: str, coarse: bool = False) -> tuple[int, int]:
     get the whole ladder of pack counts, so that a comparison with them is fair to them. ``coarse``
     (a compile's comparison table) keeps their backward packs to the fewest that fit and one more, as
     pp's, and their forward pack counts to three doublings (and one layer per pack). Measured
-    against the whole ladder on four modelled 1080 Ti, minibatch 64 (bench/results/speed.md): GPT-2
-    1.5B's six baselines took 26 s of search instead of 63 s, BERT96's 28 s instead of 138 s; of the
-    twelve estimates found, eight were the same and four 0.3-2.9% slower (the 2.9%: gpipe-swap-r on
-    GPT-2 1.5B).
+    against the whole ladder on four modelled 1080 Ti, minibatch 64 (``python -m bench.search_time
+    --comparison``, bench/results/speed.md): GPT-2 1.5B's six baselines searched in 19.5 s instead of
+    64.7 s, BERT96's in 22.3 s instead of 110.1 s; of the twelve estimates found, eight were the same
+    and four 0.3-2.9% slower (the 2.9%: gpipe-swap-r on GPT-2 1.5B).
     """
     if mode in ("pp", "dp"):
         return 0, 0
