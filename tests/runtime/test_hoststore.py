@@ -55,3 +55,15 @@ def test_entry_bytes_follow_the_dtype():
     layout.add("b", [2, 3], "torch.bfloat16")
     assert layout.entries["a"].nbytes == 56
     assert layout.entries["b"].nbytes == 12
+
+
+def test_optimizer_state_layout_is_found_without_real_memory_where_the_optimizer_allows():
+    from harmony.runtime.hoststore import state_layout
+
+    param = torch.empty(30, 20, device="meta")
+    adam = state_layout(param, lambda ps: torch.optim.Adam(ps, lr=1e-3, amsgrad=True))
+    assert adam == {"step": ([], torch.float32), "exp_avg": ([30, 20], torch.float32),
+                    "exp_avg_sq": ([30, 20], torch.float32), "max_exp_avg_sq": ([30, 20], torch.float32)}
+    # ASGD reads a value (.item()), which a meta tensor cannot give: stepped on the CPU instead
+    asgd = state_layout(param, lambda ps: torch.optim.ASGD(ps, lr=1e-3))
+    assert asgd["ax"] == ([30, 20], torch.float32) and set(asgd) == {"step", "eta", "mu", "ax"}
