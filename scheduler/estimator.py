@@ -151,6 +151,10 @@ class Estimate:
     # task -> the unit of the task before it on its device during which its state (W, B) began to
     # load (tasks whose state loaded once that task had ended are not in it)
     prefetched: dict[int, int] = field(default_factory=dict)
+    # why the simulation stopped before the iteration's end (``estimate(beat=...)``): "slower" (its
+    # clock passed ``beat``: iteration_time is that clock, a lower bound) or "over capacity" (a
+    # device went past it: fits is False, the peaks are those reached so far); None when played out
+    cut: str | None = None
 
     def utilization(self, device: int, stream: str = "compute") -> float:
         """Fraction of the iteration the stream was busy."""
@@ -367,18 +371,22 @@ def estimate(
     machine: Machine,
     capacity: int | None = None,
     record_events: bool = True,
+    beat: float | None = None,
 ) -> Estimate:
     """Simulate one iteration of ``graph``; see the module docs for the model.
 
     ``capacity`` (bytes per device; ``machine.capacity`` when not given) is what ``fits`` is judged
-    against and what prefetching may use."""
+    against and what prefetching may use. ``beat`` (a search's best time so far): only an estimate
+    that fits and is faster matters, so the simulation stops as soon as a device goes past
+    ``capacity`` or its clock passes ``beat``, and says so in ``Estimate.cut``: most of a search's
+    candidates lose, and most of those that lose overflow early."""
     profile = profile.for_graph(graph)  # the one ``generate`` sized the graph's weights with
     # The simulation allocates tens of thousands of small objects; in a process that holds a big
     # heap (torch, a model) the cyclic collector's full passes would triple the run time.
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _estimate(graph, profile, machine, capacity, record_events)
+        return _estimate(graph, profile, machine, capacity, record_events, beat)
     finally:
         if enabled:
             gc.enable()
@@ -392,8 +400,14 @@ def promise(graph: TaskGraph, profile: Profile, machine: Machine, capacity: int 
     return memory.memory_plan(graph, est.peak_memory, est.task_peaks, est.prefetched, profile)
 
 
-def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: int | None, record_events: bool) -> Estimate:
-    return _Simulation(graph, lower(graph, None, streams=False), profile, machine, capacity, record_events).run()
+def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: int | None, record_events: bool,
+              beat: float | None = None) -> Estimate:
+    simulation = _Simulation(graph, lower(graph, None, streams=False), profile, machine, capacity, record_events)
+    return simulation.run(beat)
+
+
+class _Overflow(Exception):
+    """A device went past capacity in a simulation that stops there (``estimate(beat=...)``)."""
 
 
 _heappush = heapq.heappush
@@ -430,7 +444,7 @@ class _Simulation:
         # the simulation's state
         "heap", "seq", "now", "end_time", "mem", "peak", "caps", "ptr", "computing", "busy_flag", "busy_time",
         "swap_in_q", "swap_out_q", "p2p_in_q", "p2p_out_q", "events", "task_peak", "prefetched",
-        "reclaim", "outbound", "cores", "interference", "running", "cpu_last", "cpu_rate",
+        "reclaim", "outbound", "cores", "interference", "running", "cpu_last", "cpu_rate", "stop_over",
     )
 
     def __init__(self, graph: TaskGraph, program: Program, profile: Profile, machine: Machine,
@@ -809,6 +823,7 @@ class _Simulation:
         # swap-outs and sends) go before it lets an allocation past the plan's peak: there they are not
         # part of the peak the plan promises.
         self.reclaim = machine.kind == "cpu"
+        self.stop_over = False
         self.outbound = [0] * nslots
         cores = machine.cpu_cores
         interference = machine.compute_interference
@@ -821,8 +836,16 @@ class _Simulation:
         self.cpu_rate = 0.0  # the rate of each running unit since
 
     # ------------------------------------------------------------------------------ the event loop
-    def run(self) -> Estimate:
-        """Time zero: everything issued and ready goes; then the events in time order."""
+    def run(self, beat: float | None = None) -> Estimate:
+        """Time zero: everything issued and ready goes; then the events in time order (with ``beat``,
+        until a device overflows or the clock passes it; see ``estimate``)."""
+        self.stop_over = beat is not None and self.cap is not None
+        try:
+            return self.play(math.inf if beat is None else beat)
+        except _Overflow:
+            return self.result("over capacity")
+
+    def play(self, beat: float) -> Estimate:
         enqueue = self.enqueue
         for x in self.xfers:
             if not x.need:
@@ -836,6 +859,9 @@ class _Simulation:
         link_join, cpu_done, link_done = self.link_join, self.cpu_done, self.link_done
         while heap:
             t, _, code, obj, ver = heappop(heap)
+            if t > beat:
+                self.now = t
+                return self.result("slower")
             self.now = t
             if code == _E_UNIT:
                 finish_unit(obj)
@@ -864,6 +890,8 @@ class _Simulation:
         peak = self.peak
         if level > peak[s]:
             peak[s] = level
+            if self.stop_over and s != self.host_slot and level > self.cap:
+                raise _Overflow
         if tid is None:
             ptr = self.ptr
             p = ptr[s] - 1 if self.computing[s] else ptr[s]
@@ -1186,9 +1214,9 @@ class _Simulation:
             self.try_swap_in(s)
 
     # ------------------------------------------------------------------------------ results
-    def result(self) -> Estimate:
+    def result(self, cut: str | None = None) -> Estimate:
         nslots, slot_dev, slot_units, ptr = self.nslots, self.slot_dev, self.slot_units, self.ptr
-        stuck = [s for s in range(nslots) if ptr[s] < len(slot_units[s])]
+        stuck = [s for s in range(nslots) if ptr[s] < len(slot_units[s])] if cut is None else []
         deadlock = (_describe_deadlock(stuck, slot_units, ptr, slot_dev, self.by_id, self.units_of)
                     if stuck else None)
         device_slots = [s for s in range(nslots) if slot_dev[s] != HOST]
@@ -1206,7 +1234,8 @@ class _Simulation:
             events.sort(key=lambda e: (e.start, e.end))
         by_id = self.by_id
         return Estimate(
-            iteration_time=math.inf if deadlock else self.end_time + self.machine.iteration_overhead,
+            iteration_time=(math.inf if deadlock or cut == "over capacity" else
+                            self.now if cut else self.end_time + self.machine.iteration_overhead),
             fits=fits,
             peak_memory=peak_memory,
             bytes_by_channel=self.bytes_by_channel,
@@ -1217,6 +1246,7 @@ class _Simulation:
             capacity=cap,
             task_peaks={t: int(v) for t, v in self.task_peak.items() if by_id[t].device != HOST},
             prefetched=self.prefetched,
+            cut=cut,
         )
 
 

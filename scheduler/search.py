@@ -13,6 +13,7 @@ few more packs per pass, since smaller packs sometimes balance a pipeline better
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -74,10 +75,10 @@ class NoFeasibleConfiguration(ValueError):
     """No configuration fits the device capacity; ``shortfall`` says what the closest one needs."""
 
     def __init__(self, message: str, shortfall: Shortfall | None = None,
-                 closest: tuple[int, TaskGraph] | None = None):
+                 overflowed: list[tuple[Configuration, dict]] | None = None):
         super().__init__(message)
         self.shortfall = shortfall
-        self.closest = closest  # (peak, task graph) of the configuration that came closest to fitting
+        self.overflowed = overflowed or []  # (configuration, generator options) of those that overflowed
 
 
 def ladder(limit: int) -> list[int]:
@@ -143,7 +144,7 @@ def search(
     # the fewest packs that fit the profile's memory can still overflow once prefetching and
     # transfers in flight are simulated: widen to more, smaller packs until something fits
     tried: set[int] = set()
-    closest: tuple[int, TaskGraph] | None = None
+    overflowed: list[tuple[Configuration, dict]] = []
     for extra in (extra_packs, extra_packs + 3, extra_packs + 12, len(profile.layers)):
         if extra in tried:
             continue
@@ -152,14 +153,14 @@ def search(
             result = _search(profile, machine, mode, devices, minibatch, capacity, extra, sizes, keep_candidates, same_u,
                              coarse, options)
         except NoFeasibleConfiguration as exc:
-            if exc.closest is not None and (closest is None or exc.closest[0] < closest[0]):
-                closest = exc.closest
+            overflowed += exc.overflowed
             if extra >= len(profile.layers):
                 break
             continue
         result.seconds = time.perf_counter() - start
         return result
     message = f"no {mode} configuration fits {capacity:,} bytes per device"
+    closest = _closest(overflowed, profile, machine, mode, devices, minibatch, capacity)
     shortfall = shortfall_of(closest[1], profile, machine, capacity) if closest is not None else None
     if shortfall is not None:
         message += f"; {shortfall.describe(mode)}"
@@ -202,7 +203,7 @@ def _search(profile, machine, mode, devices, minibatch, capacity, extra_packs, s
     # changes nothing, and the first of equal estimates is kept; the plan then says U_F = U_B
     pending.sort(key=lambda c: (c[0], c[2].u_f != c[2].u_b, c[1]))
     best: tuple[float, Configuration, TaskGraph, Estimate] | None = None
-    closest: tuple[int, TaskGraph] | None = None  # the lowest peak that did not fit
+    overflowed: list[tuple[Configuration, dict]] = []  # candidates whose simulation stopped at their first overflow
     explored = built = 0
     candidates: list[tuple[float, Configuration]] = []
     for quick, _, config in pending:
@@ -217,13 +218,12 @@ def _search(profile, machine, mode, devices, minibatch, capacity, extra_packs, s
             built += 1
             if best is not None and lower_bound(graph, profile, machine) >= best[0] and not keep_candidates:
                 continue
-            est = estimate(graph, profile, machine, capacity=capacity, record_events=False)
+            beat = None if keep_candidates else best[0] if best is not None else math.inf
+            est = estimate(graph, profile, machine, capacity=capacity, record_events=False, beat=beat)
             explored += 1
             if not est.fits and not est.deadlock:
-                peak = max(est.peak_memory.values(), default=0)
-                if closest is None or peak < closest[0]:
-                    closest = (peak, graph)
-            if not est.fits or est.deadlock:
+                overflowed.append((config, variant))
+            if not est.fits or est.deadlock or est.cut:
                 continue
             if keep_candidates:
                 candidates.append((est.iteration_time, config))
@@ -232,12 +232,30 @@ def _search(profile, machine, mode, devices, minibatch, capacity, extra_packs, s
     if best is None:
         raise NoFeasibleConfiguration(
             f"no {mode} configuration fits {capacity:,} bytes per device (explored {explored}); "
-            "give the devices more memory or cut the model into smaller layers", closest=closest
-        )
+            "give the devices more memory or cut the model into smaller layers", overflowed=overflowed)
     _, config, graph, _ = best
     final = estimate(graph, profile, machine, capacity=capacity, record_events=True)
     pruned = len(pending) * len(_variants(mode, options)) - explored
     return SearchResult(config, graph, final, explored, pruned, time.perf_counter() - start, candidates)
+
+
+def _closest(overflowed: list[tuple[Configuration, dict]], profile: Profile, machine: Machine, mode: str, devices: int,
+             minibatch: int, capacity: int) -> tuple[int, TaskGraph] | None:
+    """(peak, task graph) of the configuration that came closest to fitting: the search stopped each
+    simulation at its first overflow, so these are played out again, once nothing fits."""
+    closest: tuple[int, TaskGraph] | None = None
+    seen: set[str] = set()
+    for config, variant in overflowed:
+        key = f"{config} {sorted(variant.items())}"  # the widening attempts revisit configurations
+        if key in seen:
+            continue
+        seen.add(key)
+        graph = generate(mode, profile, config, devices, minibatch, **variant)
+        peak = max(estimate(graph, profile, machine, capacity=capacity, record_events=False).peak_memory.values(),
+                   default=0)
+        if closest is None or peak < closest[0]:
+            closest = (peak, graph)
+    return closest
 
 
 def shortfall_of(graph: TaskGraph, profile: Profile, machine: Machine, capacity: int) -> Shortfall:

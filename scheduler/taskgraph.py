@@ -24,7 +24,7 @@ device after the whole backward pass instead of right after the pack's backward;
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from harmony.profiling.profiles import Profile
 from harmony.scheduler.tasks import HOST, Channel, Configuration, Kind, Task, TaskGraph, Transfer, microbatch_sizes
@@ -43,11 +43,19 @@ class _Sizes:
     """
 
     profile: Profile
+    # (attribute, first, last) -> bytes: a graph asks for the same pack's sizes once per microbatch
+    _memo: dict[tuple[str, int, int], int] = field(default_factory=dict, repr=False)
 
     def _layer_sum(self, attr: str, first: int, last: int) -> int:
         return sum(getattr(layer, attr) for layer in self.profile.layers[first:last + 1])
 
     def _dedup(self, attr: str, first: int, last: int) -> int:
+        key = (attr, first, last)
+        if key not in self._memo:
+            self._memo[key] = self._deduplicated(attr, first, last)
+        return self._memo[key]
+
+    def _deduplicated(self, attr: str, first: int, last: int) -> int:
         total = self._layer_sum(attr, first, last)
         for tie in self.profile.ties:
             inside = sum(1 for l in tie.layers if first <= l <= last)

@@ -5,6 +5,7 @@ deadlocks, and speed."""
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import pytest
@@ -391,6 +392,28 @@ def test_a_training_iteration_finishes_and_adds_up(profile, capacity):
         free = estimate(g, profile, machine())
         assert est.fits and max(est.peak_memory.values()) <= capacity < max(free.peak_memory.values())
         assert est.iteration_time >= free.iteration_time
+
+
+def test_a_simulation_given_a_time_to_beat_stops_once_its_clock_passes_it(profile):
+    g = _training_graph(8, 2, 4)
+    full = estimate(g, profile, machine(), record_events=False)
+    assert full.cut is None
+    same = estimate(g, profile, machine(), record_events=False, beat=full.iteration_time * 1.01)
+    assert same.cut is None and same.iteration_time == full.iteration_time and same.peak_memory == full.peak_memory
+    beat = full.iteration_time / 2
+    cut = estimate(g, profile, machine(), record_events=False, beat=beat)
+    assert cut.cut == "slower" and beat < cut.iteration_time < full.iteration_time
+
+
+def test_a_simulation_given_a_time_to_beat_stops_at_the_first_overflow(profile):
+    g = _training_graph(8, 2, 4)
+    free = estimate(g, profile, machine(), record_events=False)
+    capacity = max(free.peak_memory.values()) // 4
+    whole = estimate(g, profile, machine(), capacity=capacity, record_events=False)
+    assert not whole.fits and whole.cut is None
+    cut = estimate(g, profile, machine(), capacity=capacity, record_events=False, beat=math.inf)
+    assert cut.cut == "over capacity" and not cut.fits and cut.iteration_time == math.inf
+    assert capacity < max(cut.peak_memory.values()) <= max(whole.peak_memory.values())
 
 
 # ------------------------------------------------------------------------------------ runtime costs
