@@ -176,8 +176,8 @@ def pack_doublings(mode: str, coarse: bool = False) -> tuple[int, int]:
     (a compile's comparison table) keeps their backward packs to the fewest that fit and one more, as
     pp's, and their forward pack counts to three doublings (and one layer per pack). Measured
     against the whole ladder on four modelled 1080 Ti, minibatch 64 (``python -m bench.search_time
-    --comparison``, bench/results/speed.md): GPT-2 1.5B's six baselines searched in 19.5 s instead of
-    64.7 s, BERT96's in 22.3 s instead of 110.1 s; of the twelve estimates found, eight were the same
+    --comparison``, bench/results/speed.md): GPT-2 1.5B's six baselines searched in 17.1 s instead of
+    58.6 s, BERT96's in 20.8 s instead of 100.2 s; of the twelve estimates found, eight were the same
     and four 0.3-2.9% slower (the 2.9%: gpipe-swap-r on GPT-2 1.5B).
     """
     if mode in ("pp", "dp"):
