@@ -303,16 +303,6 @@ def _cmd_run_spmd(ns: argparse.Namespace) -> int:
         if rank != 0:
             with contextlib.redirect_stdout(None):
                 plan, mf = _plan_for_run(ns)
-        if mf.lr_scheduler is not None:
-            raise HarmonyError(f"{mf.path} defines build_lr_scheduler, which a torchrun run does not follow yet; "
-                               "run it without torchrun (one host), or drop the schedule")
-        if ns.clip_grad_norm is not None or plan.options.get("clip_grad_norm") is not None:
-            raise HarmonyError("a torchrun run does not clip gradients yet; run it without torchrun (one host), "
-                               "or without --clip-grad-norm")
-        if plan.tasks.precision == "fp16":
-            raise HarmonyError("a torchrun run does not scale an fp16 loss yet; run it without torchrun (one host), "
-                               "or with --precision bf16")
-
         def on_step(step: int, loss: float, seconds: float) -> None:
             if rank == 0:
                 console.print(f"iteration {step}: loss {loss:.6f}, {plan.tasks.minibatch / seconds:,.1f} samples/s")
@@ -334,7 +324,8 @@ def _cmd_run_spmd(ns: argparse.Namespace) -> int:
 
         history = run_spmd(plan, mf.loss_fn, mf.build_optimizer, mf.get_batch, mf.build_model, ns.iters,
                            seed=ns.seed, timeout=ns.timeout, on_step=on_step, p2p=ns.p2p, resume=resume,
-                           saves=frozenset(every | last), save=save, check_memory=ns.check_memory)
+                           saves=frozenset(every | last), save=save, check_memory=ns.check_memory,
+                           lr_scheduler=mf.lr_scheduler, clip_grad_norm=ns.clip_grad_norm)
         if rank == 0 and not history:
             console.print(f"the checkpoint {resume} is at or past --iters {ns.iters}; nothing to train")
         elif rank == 0:

@@ -84,8 +84,7 @@ class Trainer:
             promise_memory(plan)
         self.store = HostStore.create(graph, plan.tasks.devices, self.build_optimizer, state_dict,
                                       low_copies=plan.tasks.low_copies)
-        self.schedule = None if lr_scheduler is None else Schedule(
-            _trainable_shapes(graph), self.build_optimizer, lr_scheduler)
+        self.schedule = None if lr_scheduler is None else Schedule.for_graph(graph, self.build_optimizer, lr_scheduler)
         device_type = plan.options.get("device_type", "cpu")
         capacity = plan.worker_capacity()
         self.launcher = Launcher(graph, plan.tasks, self.store, self.loss_fn, self.build_optimizer,
@@ -161,12 +160,3 @@ class Trainer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _trainable_shapes(graph) -> dict[str, tuple[int, ...]]:
-    """Canonical name -> shape of every trainable parameter (a tied one once)."""
-    shapes = {}
-    for name, spec in graph.state.items():
-        if spec.kind == "parameter" and spec.requires_grad:
-            shapes.setdefault(graph.canonical(name), tuple(spec.shape))
-    return shapes

@@ -67,7 +67,9 @@ def task_writes(task: Task, routes: Routes, layers: LayerGraph, store: HostStore
     """The regions ``task`` writes, as the executor writes them: buffers (a forward or loss task with
     B outputs), its device's gradient slots and their stamps (deposits), and weights, optimizer
     state (and a host update's low-precision copies of them) and state-initialized flags of the
-    parameters it steps (jit-update, the writing replica of an update, a host update)."""
+    parameters it steps (jit-update, the writing replica of an update, a host update); a NORM task
+    (``clipping.host_norm``) every slot and stamp of every gradient, since which slot holds the sum
+    is known only at run time."""
     layout = store.layout
     keys: list[str] = []
     flags: list[int] = []
@@ -78,6 +80,12 @@ def task_writes(task: Task, routes: Routes, layers: LayerGraph, store: HostStore
             for name in layers.layers[layer].state:
                 if layers.state[name].kind != "parameter" and f"B/{name}" not in keys:
                     keys.append(f"B/{name}")
+    if task.kind == Kind.NORM:  # sums each gradient's slots into the first written, clips it, unstamps the rest
+        for name in routes.owner:
+            for device in range(layout.devices):
+                if f"G/{device}/{name}" in layout.entries:
+                    keys.append(f"G/{device}/{name}")
+                    flags.append(_stamp_index(layout.params, index, device, name))
     for name in routes.deposits.get(task.id, []):
         if f"G/{task.device}/{name}" in layout.entries:
             keys.append(f"G/{task.device}/{name}")
@@ -180,11 +188,14 @@ class Replicator:
 
     # ------------------------------------------------------------ sending
     def done(self, task: int, iteration: int) -> None:
-        """Task ``task`` finished: its regions as they are now, then its flag, to every other node."""
+        """Task ``task`` finished: its regions as they are now, then its flag, to every other node,
+        with whether the iteration's step is skipped (an fp16 overflow the NORM task found; it is
+        set before that task's flag)."""
         w = self.writes.get(task)
         spans = [[o, self._buffer[o:o + n].tobytes()] for o, n in w.spans] if w else []
         flags = [[i, int(self._flags[i])] for i in w.flags] if w else []
-        self._queue(["done", self.rank, task, iteration, spans, flags])
+        skipped = Shared.step_skipped(self.shared, iteration)
+        self._queue(["done", self.rank, task, iteration, spans, flags, skipped])
 
     def read(self, task: int, iteration: int) -> None:
         self._queue(["read", self.rank, task, iteration])
@@ -305,11 +316,13 @@ class Replicator:
     def _apply(self, message: list) -> None:
         kind = message[0]
         if kind == "done":
-            _, _, task, iteration, spans, flags = message
+            _, _, task, iteration, spans, flags, skipped = message
             for offset, data in spans:
                 self._buffer[offset:offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
             for i, value in flags:
                 self._flags[i] = value
+            if skipped:
+                Shared.skip_step(self.shared, iteration)
             Shared.mark_done(self.shared, task, iteration)
         elif kind == "read":
             Shared.mark_read(self.shared, message[2], message[3])

@@ -54,6 +54,15 @@ class Schedule:
             for p in group["params"]:
                 self._group_of[id(p)] = index
 
+    @classmethod
+    def for_graph(cls, graph: Any, build_optimizer: Callable, build_scheduler: Callable) -> "Schedule":
+        """The schedule over a layer graph's trainable parameters (canonical names, a tied one once)."""
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name, spec in graph.state.items():
+            if spec.kind == "parameter" and spec.requires_grad:
+                shapes.setdefault(graph.canonical(name), tuple(spec.shape))
+        return cls(shapes, build_optimizer, build_scheduler)
+
     def rates(self) -> Rates:
         """Per parameter, the settings its group has now (for this minibatch's updates)."""
         out = {}

@@ -51,14 +51,18 @@ from harmony import checkpoint
 from harmony.decomposer.layer_graph import dtype_from_str
 from harmony.errors import HarmonyError
 from harmony.runtime.channels import Aborted, Slabs
+from harmony.runtime.clipping import Verdict, check_clipping, host_norm
 from harmony.runtime.device import cpu_device, cuda_device, memory_checked
 from harmony.runtime.executor import Batch, Executor, IterationResult
 from harmony.runtime.flags import Shared
 from harmony.runtime.hoststore import HostStore, Layout
 from harmony.runtime.launcher import NO_PROMISE, StepResult, WorkerError, slab_sizes
+from harmony.runtime.lossscale import LossScale
 from harmony.runtime.p2p import DistTransport, backend_for, p2p_pairs, pair_groups, resolve, start_default_group
 from harmony.runtime.replication import PeerWatch, ReplicatedShared, Replicator, task_writes
+from harmony.runtime.precision import needs_loss_scaling
 from harmony.runtime.routes import build_routes
+from harmony.runtime.schedule import Schedule
 from harmony.runtime.updates import host_update
 from harmony.scheduler.tasks import HOST, Kind
 
@@ -195,16 +199,20 @@ class RunState:
     host: HostStore
     seed: int
     iteration: int
+    schedule: Schedule | None = None
+    loss_scale: LossScale | None = None
 
     def save_checkpoint(self, path) -> Any:
-        return checkpoint.write(path, checkpoint.snapshot(self.plan, self.host, self.iteration, self.seed))
+        return checkpoint.write(path, checkpoint.snapshot(self.plan, self.host, self.iteration, self.seed,
+                                                          self.schedule, self.loss_scale))
 
 
 def run_spmd(plan, loss_fn: Callable, build_optimizer: Callable, get_batch: Callable, build_model: Callable,
              iterations: int, seed: int = 0, timeout: float = 600.0,
              on_step: Callable[[int, float, float], None] = lambda step, loss, seconds: None,
              p2p: str = "auto", resume: str | os.PathLike | None = None, saves: frozenset[int] = frozenset(),
-             save: Callable[[RunState], None] | None = None, check_memory: bool | None = None) -> list[StepResult]:
+             save: Callable[[RunState], None] | None = None, check_memory: bool | None = None,
+             lr_scheduler: Callable | None = None, clip_grad_norm: float | None = None) -> list[StepResult]:
     """Train up to ``iterations`` minibatches in all as one rank of a torchrun job; returns, on
     rank 0, every iteration's results with every rank's measurements (other ranks get their own
     only). ``p2p``: "shm", "dist" or "auto", and ``check_memory``, as for ``Launcher``.
@@ -212,16 +220,17 @@ def run_spmd(plan, loss_fn: Callable, build_optimizer: Callable, get_batch: Call
     ``resume``: a checkpoint every host can read, loaded into each node's host store; training
     goes on from its step with its seed. ``saves``: the steps (iterations done) after which rank 0
     calls ``save`` with the run's state while every rank waits, so that nothing changes the host
-    store under the save."""
+    store under the save. ``lr_scheduler`` and ``clip_grad_norm`` as for ``harmony.Trainer``: every
+    rank keeps the same schedule and (fp16) loss scale, stepped with the all-reduced loss and the
+    NORM task's verdict, which rank 0 runs beside its host updates (``clipping.py``)."""
     if not dist.is_initialized():
         start_default_group(timeout, init_method="env://")
     rank, world = dist.get_rank(), dist.get_world_size()
     if plan.tasks.memory is None:
         raise HarmonyError(NO_PROMISE)
-    if any(t.kind == Kind.NORM for t in plan.tasks.tasks):
-        raise HarmonyError("this plan checks the whole gradient before any step (it clips gradients or scales an "
-                           "fp16 loss), which a torchrun run does not do yet; run it on one host (harmony run without "
-                           "torchrun, or harmony.Trainer), or compile it without clipping and in fp32 or bf16")
+    # the plan's own threshold unless given, as harmony.Trainer takes it
+    clip_grad_norm = clip_grad_norm if clip_grad_norm is not None else plan.options.get("clip_grad_norm")
+    check_clipping(plan.tasks, clip_grad_norm)
     if world != plan.tasks.devices:
         raise HarmonyError(f"the plan is for {plan.tasks.devices} device(s) but torchrun started {world} process(es); "
                            f"start {plan.tasks.devices} in all (--nnodes times --nproc-per-node)")
@@ -241,15 +250,18 @@ def run_spmd(plan, loss_fn: Callable, build_optimizer: Callable, get_batch: Call
         host, shared, slabs = _node_state(topo, plan, build_optimizer, build_model, seed, prefix, sizes)
         if topo.leader:
             _remove(files)  # every rank of the node mapped them: the memory lives on, the names go
+        schedule = None if lr_scheduler is None else Schedule.for_graph(graph, build_optimizer, lr_scheduler)
+        loss_scale = LossScale() if needs_loss_scaling(tasks.precision) else None
         start = 0
         if resume is not None:
-            start, seed = _resume(topo, plan, host, resume)
+            start, seed = _resume(topo, plan, host, resume, schedule, loss_scale)
         replicator, watch = _replication(topo, plan, routes, store, host, shared, timeout)
-        checkpoints = _Checkpoints(saves, save if rank == 0 else None, RunState(plan, host, seed, start))
+        state = RunState(plan, host, seed, start, schedule, loss_scale)
+        checkpoints = _Checkpoints(saves, save if rank == 0 else None, state)
         try:
             history = _train(topo, plan, routes, host, shared, slabs, store, replicator, loss_fn, build_optimizer,
                              get_batch, range(start, iterations), seed, timeout, on_step, p2p, checkpoints,
-                             memory_checked(check_memory))
+                             memory_checked(check_memory), clip_grad_norm)
         finally:
             if replicator is not None:  # also on failure: a thread left in a store call aborts the exit
                 replicator.close()
@@ -260,15 +272,19 @@ def run_spmd(plan, loss_fn: Callable, build_optimizer: Callable, get_batch: Call
         _remove(files)
 
 
-def _resume(topo: Topology, plan, host: HostStore, path) -> tuple[int, int]:
-    """Each node's lowest rank loads the checkpoint into its node's host store and its generators;
-    every rank learns whether all could, the step and seed to go on from, and (from its node's
-    leader, so that the file is read once per host) the generators' states."""
+def _resume(topo: Topology, plan, host: HostStore, path, schedule: Schedule | None = None,
+            loss_scale: LossScale | None = None) -> tuple[int, int]:
+    """Each node's lowest rank loads the checkpoint into its node's host store, its generators, the
+    learning-rate schedule and the loss scale; every rank learns whether all could, the step and seed
+    to go on from, and (from its node's leader, so that the file is read once per host) the
+    generators', the schedule's and the loss scale's states."""
     outcome: tuple[str, int | None, int | None, dict | None] = ("", None, None, None)
     if topo.leader:
         try:
-            step, seed = checkpoint.restore(path, plan, host)
-            outcome = ("", step, seed, checkpoint.capture_rng())
+            step, seed = checkpoint.restore(path, plan, host, schedule=schedule, loss_scale=loss_scale)
+            outcome = ("", step, seed, {"rng": checkpoint.capture_rng(),
+                                        "schedule": schedule.state_dict() if schedule is not None else None,
+                                        "loss_scale": loss_scale.state_dict() if loss_scale is not None else None})
         except HarmonyError as exc:
             outcome = (f"rank {topo.rank} on {socket.gethostname()}: {exc}", None, None, None)
     outcomes: list[Any] = [None] * sum(len(ranks) for ranks in topo.nodes)
@@ -281,7 +297,12 @@ def _resume(topo: Topology, plan, host: HostStore, path) -> tuple[int, int]:
         raise HarmonyError(f"the hosts' checkpoints are of different steps or seeds {sorted(found)}; give every host "
                            "the same checkpoint file")
     if not topo.leader:
-        checkpoint.restore_rng(outcomes[topo.nodes[topo.node][0]][3], str(path))
+        states = outcomes[topo.nodes[topo.node][0]][3]
+        checkpoint.restore_rng(states["rng"], str(path))
+        if schedule is not None:
+            schedule.load_state_dict(states["schedule"])
+        if loss_scale is not None:
+            loss_scale.load_state_dict(states["loss_scale"])
     return found.pop()
 
 
@@ -378,7 +399,7 @@ def _remove(files: list[str]) -> None:
 
 def _train(topo: Topology, plan, routes, host, shared, slabs, store, replicator, loss_fn, build_optimizer, get_batch,
            steps: range, seed, timeout, on_step, p2p: str, checkpoints: _Checkpoints,
-           check_memory: bool) -> list[StepResult]:
+           check_memory: bool, clip_grad_norm: float | None = None) -> list[StepResult]:
     rank, world = topo.rank, sum(len(ranks) for ranks in topo.nodes)
     tasks = plan.tasks
     capacity = plan.worker_capacity()
@@ -402,24 +423,38 @@ def _train(topo: Topology, plan, routes, host, shared, slabs, store, replicator,
             inputs = list(inputs) if isinstance(inputs, (tuple, list)) else [inputs]
             batch = Batch(inputs=inputs, target=target, size=tasks.minibatch, seed=seed)
             start = time.perf_counter()
+            schedule, loss_scale = checkpoints.state.schedule, checkpoints.state.loss_scale
+            rates = schedule.rates() if schedule is not None else None
+            scale = loss_scale.scale if loss_scale is not None else None
             updater = None
+            verdict: list[Verdict] = []
             if rank == 0:
                 updater = threading.Thread(target=_host_tasks, args=(plan, routes, host, shared, build_optimizer,
-                                                                     step, timeout, errors), daemon=True)
+                                                                     step, timeout, errors, rates, clip_grad_norm,
+                                                                     scale, verdict), daemon=True)
                 updater.start()
-            result = executor.run_iteration(step, batch)
+            result = executor.run_iteration(step, batch, rates, scale)
             if updater is not None:
                 updater.join()
                 if errors:
                     raise errors[0]
             if replicator is not None:
                 replicator.flush()
-            loss = torch.tensor([result.loss], dtype=torch.float64)
-            dist.all_reduce(loss)
+            # the loss summed over the ranks; whether rank 0's NORM task skipped the step (fp16), for every rank
+            skipped = bool(verdict) and verdict[0].skipped
+            totals = torch.tensor([result.loss, float(skipped)], dtype=torch.float64)
+            dist.all_reduce(totals)
+            loss, skipped = totals[0], bool(totals[1])
+            if loss_scale is not None:
+                loss_scale.update(skipped)
+            if schedule is not None:
+                schedule.step(float(loss))
             gathered: list[IterationResult | None] = [None] * world
             dist.all_gather_object(gathered, result)
             seconds = time.perf_counter() - start
-            history.append(StepResult(loss=float(loss), seconds=seconds, workers=list(gathered)))
+            history.append(StepResult(loss=float(loss), seconds=seconds, workers=list(gathered),
+                                      grad_norm=verdict[0].norm if verdict else None, loss_scale=scale,
+                                      skipped=skipped))
             on_step(step, float(loss), seconds)
             checkpoints.after(step)
     except BaseException as exc:
@@ -483,11 +518,21 @@ def _peer_gone(exc: BaseException) -> bool:
             or "Connection closed by peer" in text or "Connection reset by peer" in text)
 
 
-def _host_tasks(plan, routes, host, shared, build_optimizer, iteration, timeout, errors) -> None:
+def _host_tasks(plan, routes, host, shared, build_optimizer, iteration, timeout, errors, rates=None,
+                clip_grad_norm: float | None = None, loss_scale: float | None = None,
+                verdict: list[Verdict] | None = None) -> None:
+    """Rank 0's host tasks in plan order, as the launcher's: offloaded updates at the schedule's
+    ``rates``, and the NORM task of a plan that clips or scales the loss (its verdict to ``verdict``)."""
     try:
         for task in plan.tasks.tasks:
-            if task.device == HOST:
-                host_update(task, plan.graph, routes, host, shared, build_optimizer, iteration, timeout)
+            if task.device != HOST:
+                continue
+            if task.kind == Kind.NORM:
+                found = host_norm(task, routes, host, shared, clip_grad_norm, iteration, timeout, loss_scale)
+                if verdict is not None:
+                    verdict.append(found)
+            else:
+                host_update(task, plan.graph, routes, host, shared, build_optimizer, iteration, timeout, rates)
     except BaseException as exc:  # handed to the training loop, which publishes it
         errors.append(exc if isinstance(exc, Aborted) else HarmonyError(f"the host update failed: {exc!r}"))
         Shared.set_abort(shared)  # this node's workers stop waiting now

@@ -84,16 +84,18 @@ def base_plan(tmp_path_factory) -> Path:
     return out
 
 
-def variant(base: Path, out: Path, mode: str, update: str) -> Path:
+def variant(base: Path, out: Path, mode: str, update: str, clip: float | None = None) -> Path:
     """The base plan rescheduled in ``mode`` with the update where asked (each writes the host
-    store from other tasks: host UPD tasks, BWD tasks' jit-update, dp's replicated UPD tasks)."""
+    store from other tasks: host UPD tasks, BWD tasks' jit-update, dp's replicated UPD tasks);
+    with ``clip``, a plan that clips there (a NORM task on the host every update waits for)."""
     plan = Plan.load(base)
     machine = _nominal_machine(CompileOptions(minibatch=MINIBATCH, devices=2, probe=False), plan.profile.capacity)
+    gated = {"gated": True} if clip is not None else {}
     result = search(plan.profile, machine, mode, 2, MINIBATCH, capacity=plan.options["planned_memory"],
-                    same_u=bool(plan.options["same_u"]), update=update)
+                    same_u=bool(plan.options["same_u"]), update=update, **gated)
     plan.tasks = result.graph
     plan.estimate = {}
-    plan.options = {**plan.options, "mode": mode}
+    plan.options = {**plan.options, "mode": mode, "clip_grad_norm": clip}
     plan.save(out)
     return out
 
@@ -115,6 +117,38 @@ def test_two_nodes_train_exactly_as_one_host(base_plan, tmp_path, mode, update):
     assert [i["loss"] for i in two["iterations"]] == [i["loss"] for i in one["iterations"]]
     assert two["bytes_by_channel"] == one["bytes_by_channel"] == one["planned_bytes_by_channel"]
     assert shm_files() <= before, "shared-memory files left behind"
+
+
+SCHEDULED = """
+import torch
+
+from harmony.models.gpt2 import build_model, build_optimizer, get_batch, loss_fn  # noqa: F401
+
+
+def build_lr_scheduler(optimizer):
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+"""
+
+
+@needs_torchrun
+def test_two_nodes_clip_and_follow_the_schedule_exactly_as_one_host(tmp_path):
+    """pp with its updates on the devices: node 1 steps its packs with the gradient node 0's NORM
+    task summed and clipped, shipped to node 1's replica with the task's flag."""
+    model = tmp_path / "gpt2_scheduled.py"
+    model.write_text(SCHEDULED)
+    assert main(["compile", str(model), *ARGS, "--minibatch", str(MINIBATCH), "--devices", "2", "--device", "cpu",
+                 "--no-probe", "--clip-grad-norm", "0.5", "--out", str(tmp_path / "base")]) == 0
+    plan = variant(tmp_path / "base", tmp_path / "plan", "pp", "device", clip=0.5)
+    assert any(t.kind.value == "UPD" and t.device == 1 for t in Plan.load(plan).tasks.tasks)
+    common = ["run", str(model), *ARGS, "--plan", str(plan), "--iters", str(ITERATIONS)]
+    assert main([*common, "--report", str(tmp_path / "one-host.json")]) == 0
+    nodes = two_nodes([*common, "--report", str(tmp_path / "two-nodes.json")], RUN_LIMIT)
+    for rc, out, _ in nodes:
+        assert rc == 0, out[-4000:]
+    one = json.loads((tmp_path / "one-host.json").read_text())["iterations"]
+    two = json.loads((tmp_path / "two-nodes.json").read_text())["iterations"]
+    assert [(i["loss"], i["grad_norm"]) for i in two] == [(i["loss"], i["grad_norm"]) for i in one]
+    assert all(i["grad_norm"] > 0.5 for i in one)  # every step clipped
 
 
 @needs_torchrun
@@ -194,11 +228,12 @@ def test_a_failure_on_one_node_ends_both_within_seconds_naming_the_rank(tmp_path
     assert shm_files() <= before, "shared-memory files left behind"
 
 
-@pytest.mark.parametrize("mode,update", [("pp", "host"), ("pp", "device"), ("dp", "device")])
-def test_replicated_regions_cover_every_host_store_write(base_plan, tmp_path, mode, update):
+@pytest.mark.parametrize("mode,update,clip", [("pp", "host", None), ("pp", "device", None), ("dp", "device", None),
+                                             ("dp", "device", 0.5)])
+def test_replicated_regions_cover_every_host_store_write(base_plan, tmp_path, mode, update, clip):
     """What ``task_writes`` ships is at least what an iteration changes in the store: a write it
-    did not name would leave the other node's replica stale."""
-    plan = Plan.load(variant(base_plan, tmp_path / "plan", mode, update))
+    did not name would leave the other node's replica stale (a plan that clips: its NORM task's)."""
+    plan = Plan.load(variant(base_plan, tmp_path / "plan", mode, update, clip))
     mf = load_model_file(MODEL, parse_options(ARGS[1::2]))
     torch.manual_seed(0)
     with Trainer(plan, optimizer=mf.build_optimizer, loss_fn=mf.loss_fn,

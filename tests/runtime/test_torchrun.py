@@ -67,6 +67,40 @@ def test_torchrun_run_matches_the_forked_launcher(tmp_path, capsys, precision):
     assert (precision == "bf16") == ("move as bf16 copies" in (plan / "summary.md").read_text())
 
 
+SCHEDULED = """
+import torch
+
+from harmony.models.gpt2 import build_model, build_optimizer, get_batch, loss_fn  # noqa: F401
+
+
+def build_lr_scheduler(optimizer):
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+"""
+
+
+@needs_torchrun
+def test_a_torchrun_run_clips_scales_its_fp16_loss_and_follows_the_schedule_as_the_forked_launcher(tmp_path):
+    """fp16 with GradScaler's scaling, clipping by the global norm and a learning-rate schedule,
+    checkpointed at step 2 and resumed: every iteration's loss, norm and loss scale as the forked
+    launcher's (the schedule and the scale travel in the checkpoint to every rank)."""
+    model = tmp_path / "gpt2_scheduled.py"
+    model.write_text(SCHEDULED)
+    plan, ckpts = tmp_path / "plan", tmp_path / "ckpts"
+    common = ["run", str(model), "--arg", "preset=tiny", "--minibatch", "8", "--no-probe", "--device", "cpu",
+              "--precision", "fp16", "--clip-grad-norm", "0.5", "--out", str(plan)]
+    assert main([*common, "--iters", "4", "--report", str(tmp_path / "local.json")]) == 0
+    torchrun(*common, "--iters", "2", "--checkpoint-every", "2", "--checkpoint-dir", str(ckpts),
+             "--report", str(tmp_path / "first.json"))
+    torchrun(*common, "--iters", "4", "--checkpoint-dir", str(ckpts), "--resume",
+             "--report", str(tmp_path / "second.json"))
+    fields = ("iteration", "loss", "grad_norm", "loss_scale", "skipped")
+    local = [{k: i[k] for k in fields} for i in json.loads((tmp_path / "local.json").read_text())["iterations"]]
+    spmd = [{k: i[k] for k in fields} for name in ("first", "second")
+            for i in json.loads((tmp_path / f"{name}.json").read_text())["iterations"]]
+    assert spmd == local
+    assert len({i["loss"] for i in local}) == 4 and all(i["grad_norm"] > 0.5 for i in local)  # clipped every step
+
+
 @needs_torchrun
 def test_a_torchrun_run_checkpointed_at_step_2_and_resumed_gives_the_uninterrupted_losses(tmp_path):
     """Rank 0 saves the host store while every rank waits; on resume each node's store loads it and
