@@ -30,7 +30,7 @@ from harmony.runtime.channels import Aborted, Counters
 from harmony.runtime.device import Device
 from harmony.runtime.ledger import STATE, Ledger
 from harmony.runtime.streams import Stream
-from harmony.scheduler.tasks import MemoryPlan, Task
+from harmony.scheduler.tasks import MemoryPlan
 
 if TYPE_CHECKING:
     from harmony.runtime.flags import Shared
