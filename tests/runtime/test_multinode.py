@@ -84,15 +84,17 @@ def base_plan(tmp_path_factory) -> Path:
     return out
 
 
-def variant(base: Path, out: Path, mode: str, update: str, clip: float | None = None) -> Path:
+def variant(base: Path, out: Path, mode: str, update: str, clip: float | None = None, gated: bool = False) -> Path:
     """The base plan rescheduled in ``mode`` with the update where asked (each writes the host
     store from other tasks: host UPD tasks, BWD tasks' jit-update, dp's replicated UPD tasks);
-    with ``clip``, a plan that clips there (a NORM task on the host every update waits for)."""
+    with ``clip`` (or ``gated``: fp16's overflow check), a plan whose updates wait for a NORM task
+    on the host."""
     plan = Plan.load(base)
     machine = _nominal_machine(CompileOptions(minibatch=MINIBATCH, devices=2, probe=False), plan.profile.capacity)
-    gated = {"gated": True} if clip is not None else {}
     result = search(plan.profile, machine, mode, 2, MINIBATCH, capacity=plan.options["planned_memory"],
-                    same_u=bool(plan.options["same_u"]), update=update, **gated)
+                    same_u=bool(plan.options["same_u"]), update=update,
+                    **({"gated": True} if gated or clip is not None else {}))
+    result.graph.precision = plan.tasks.precision
     plan.tasks = result.graph
     plan.estimate = {}
     plan.options = {**plan.options, "mode": mode, "clip_grad_norm": clip}
@@ -149,6 +151,40 @@ def test_two_nodes_clip_and_follow_the_schedule_exactly_as_one_host(tmp_path):
     two = json.loads((tmp_path / "two-nodes.json").read_text())["iterations"]
     assert [(i["loss"], i["grad_norm"]) for i in two] == [(i["loss"], i["grad_norm"]) for i in one]
     assert all(i["grad_norm"] > 0.5 for i in one)  # every step clipped
+
+
+OVERFLOWING = """
+from harmony.models import gpt2
+from harmony.models.gpt2 import build_model, build_optimizer, get_batch  # noqa: F401
+
+
+def loss_fn(output, target):
+    return gpt2.loss_fn(output, target) * 1e7  # its fp16 gradient overflows at every scale these steps try
+"""
+
+
+@needs_torchrun
+def test_two_nodes_skip_every_step_whose_fp16_gradient_overflowed(tmp_path):
+    """fp16 (float32 weights), pp with updates on the devices: node 0's NORM task finds the
+    overflow; node 1 must skip its packs' updates too, or its weights turn to inf and NaN."""
+    model = tmp_path / "gpt2_overflowing.py"
+    model.write_text(OVERFLOWING)
+    args = ["--arg", "preset=tiny"]
+    assert main(["compile", str(model), *args, "--minibatch", str(MINIBATCH), "--devices", "2", "--device", "cpu",
+                 "--no-probe", "--precision", "fp16", "--out", str(tmp_path / "base")]) == 0
+    plan = variant(tmp_path / "base", tmp_path / "plan", "pp", "device", clip=None, gated=True)
+    assert any(t.kind.value == "UPD" and t.device == 1 for t in Plan.load(plan).tasks.tasks)
+    common = ["run", str(model), *args, "--plan", str(plan), "--iters", str(ITERATIONS)]
+    assert main([*common, "--report", str(tmp_path / "one-host.json")]) == 0
+    nodes = two_nodes([*common, "--report", str(tmp_path / "two-nodes.json")], RUN_LIMIT)
+    for rc, out, _ in nodes:
+        assert rc == 0, out[-4000:]
+    fields = ("loss", "loss_scale", "skipped")
+    one = [[i[k] for k in fields] for i in json.loads((tmp_path / "one-host.json").read_text())["iterations"]]
+    two = [[i[k] for k in fields] for i in json.loads((tmp_path / "two-nodes.json").read_text())["iterations"]]
+    assert two == one
+    assert [skipped for _, _, skipped in one] == [True] * ITERATIONS
+    assert [scale for _, scale, _ in one] == [2.0 ** 16, 2.0 ** 15, 2.0 ** 14]
 
 
 @needs_torchrun
