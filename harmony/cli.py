@@ -176,7 +176,19 @@ def _cmd_compile(ns: argparse.Namespace) -> int:
     _print_comparison(plan)
     console.print(f"chosen: {plan.tasks.mode} {plan.tasks.config}")
     console.print(f"estimated iteration: {plan.estimate['iteration_time'] * 1e3:.2f} ms; wrote {ns.out}/ (plan.msgpack, program.msgpack, trace.json, summary.md)")
+    _print_host_memory(plan)
     return 0
+
+
+def _print_host_memory(plan) -> None:
+    """What a run of the plan maps in shared memory, and a warning where this machine has less."""
+    from harmony.runtime.hostroom import check_room
+
+    console.print(f"host memory: {plan.host_memory_text()}")
+    try:
+        check_room(plan.estimate["host_store_bytes"], "a run of this plan on this machine")
+    except HarmonyError as exc:
+        console.print(f"[yellow]warning:[/yellow] {escape(str(exc))}")
 
 
 def _check_run_args(ns: argparse.Namespace) -> None:

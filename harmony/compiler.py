@@ -29,6 +29,7 @@ from harmony.scheduler.estimator import chrome_trace, estimate, promise
 from harmony.scheduler.machine import Machine
 from harmony.scheduler.memory import fused_update, memory_plan
 from harmony.profiling.casts import low_copies
+from harmony.runtime.hoststore import Layout
 from harmony.profiling.profiles import PackSample, Profile, TiedWeight
 from harmony.scheduler.comparison import compare_modes, row
 from harmony.scheduler.search import NoFeasibleConfiguration, SearchResult, search
@@ -167,10 +168,12 @@ def _compile_plan(model, get_batch, build_optimizer, options: CompileOptions, mo
     measure = pack_measurer(graph, get_batch, build_optimizer, loss_fn, options, capacity)
     chosen = finish_plan(result, profile, machine, options, planned, bool(same_u), measure)
     est = chosen.estimate
+    host = Layout.for_graph(graph, options.devices, build_optimizer, chosen.graph.low_copies)
     plan = Plan(
         graph=graph, profile=profile, tasks=chosen.graph,
         estimate={
             "iteration_time": est.iteration_time, "fits": est.fits,
+            "host_store_bytes": host.size, "host_store": host.bytes_by_kind(),
             "peak_memory": {str(k): int(v) for k, v in est.peak_memory.items()},
             "task_peak_memory": {str(k): int(v) for k, v in est.task_peaks.items()},
             "bytes_by_channel": {k: int(v) for k, v in est.bytes_by_channel.items()},

@@ -28,6 +28,8 @@ from harmony.decomposer.layer_graph import LayerGraph
 from harmony.errors import FormatError, HarmonyError
 from harmony.modelfile import source_hash
 from harmony.profiling.profiles import PROFILE_FILE, Profile
+from harmony.runtime.hostroom import gib
+from harmony.runtime.hoststore import describe_kinds
 from harmony.scheduler.tasks import HOST, TaskGraph
 
 if TYPE_CHECKING:
@@ -167,6 +169,11 @@ class Plan:
         return (f"{', '.join(coarse)}: searched over fewer pack counts than a compile of that mode does "
                 "(`harmony compile --mode MODE` searches it fully).")
 
+    def host_memory_text(self) -> str:
+        """What the run keeps in host shared memory (``/dev/shm``): the host store, by kind."""
+        parts = describe_kinds(self.estimate.get("host_store", {}))
+        return f"{gib(self.estimate['host_store_bytes'])} of shared memory for the host store ({parts})"
+
     def summary(self) -> str:
         est = self.estimate
         lines = [
@@ -187,6 +194,8 @@ class Plan:
             lines.append(f"- {len(copies)} weights ({len(copies) - trainable} frozen, {trainable} trainable and stepped "
                          f"on the host) move as {self.tasks.precision} copies cast on the host "
                          f"({sum(c.saved for c in copies):,} bytes less per copy of the model)")
+        if "host_store_bytes" in est:
+            lines.append(f"- host memory: {self.host_memory_text()}")
         if self.options.get("clip_grad_norm") is not None:
             lines.append(f"- gradient clipping: global 2-norm {self.options['clip_grad_norm']:g}; every update waits "
                          "for the host's NORM task")

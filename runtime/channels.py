@@ -31,6 +31,7 @@ from typing import Any, Callable, Hashable
 import torch
 
 from harmony.decomposer.layer_graph import dtype_from_str
+from harmony.runtime.hostroom import check_room
 
 log = logging.getLogger(__name__)
 
@@ -175,9 +176,12 @@ class Slabs:
         def make(pair: tuple[int, int], n: int) -> torch.Tensor:
             size = max(int(n), _ALIGN)
             if prefix is None:
-                return torch.empty(size, dtype=torch.uint8).share_memory_()
+                return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(size))
             return torch.from_file(f"{prefix}-slab-{pair[0]}-{pair[1]}", shared=True, size=size, dtype=torch.uint8)
 
+        if create:
+            check_room(sum(max(int(n), _ALIGN) for n in sizes.values() if n > 0),
+                       f"the message slabs between {len([n for n in sizes.values() if n > 0])} pairs of devices")
         self.buffers = {pair: make(pair, n) for pair, n in sizes.items() if n > 0}
         self.spill = spill
         self._used: dict[tuple[int, int], int] = {}

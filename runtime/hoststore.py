@@ -31,6 +31,7 @@ from typing import Callable, Iterable
 import torch
 
 from harmony.decomposer.layer_graph import LayerGraph, dtype_from_str
+from harmony.runtime.hostroom import check_room, gib
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,47 @@ class Layout:
         entry = Entry(offset=self.size, shape=list(shape), dtype=dtype)
         self.entries[key] = entry
         self.size += -(-max(entry.nbytes, 1) // ALIGN) * ALIGN
+
+    @classmethod
+    def for_graph(cls, graph: LayerGraph, devices: int, build_optimizer: Callable,
+                  low_copies: dict[str, str] | None = None) -> "Layout":
+        """The layout of a store for ``graph`` (see ``HostStore.create``), found without allocating
+        it: a compile reports its size, a run checks there is room before mapping it."""
+        layout = cls(devices=devices)
+        for name, spec in graph.state.items():
+            canon = graph.canonical(name)
+            if spec.kind == "parameter":
+                if canon in layout.params:
+                    continue
+                layout.params.append(canon)
+                layout.add(f"W/{canon}", spec.shape, dtype_from_str(spec.dtype))
+            else:
+                layout.add(f"B/{name}", spec.shape, dtype_from_str(spec.dtype))
+        for canon in layout.params:
+            spec = graph.state[canon]
+            sample = torch.empty(spec.shape, dtype=dtype_from_str(spec.dtype), device="meta")
+            keys = state_layout(sample, build_optimizer) if spec.requires_grad else {}
+            layout.state_keys[canon] = list(keys)
+            for key, (shape, dtype) in keys.items():
+                layout.add(f"K/{canon}/{key}", shape, dtype)
+            if spec.requires_grad:
+                for d in range(devices):
+                    layout.add(f"G/{d}/{canon}", spec.shape, dtype_from_str(spec.dtype))
+        for canon, dtype in (low_copies or {}).items():
+            layout.add(f"L/{canon}", graph.state[canon].shape, dtype_from_str(f"torch.{dtype}"))
+        return layout
+
+    def bytes_by_kind(self) -> dict[str, int]:
+        """Bytes per kind of entry: W (weights), B (buffers), K (optimizer state), G (gradient
+        slots, one per device), L (low-precision copies)."""
+        out: dict[str, int] = {}
+        for key, entry in self.entries.items():
+            kind = key.split("/", 1)[0]
+            out[kind] = out.get(kind, 0) + -(-max(entry.nbytes, 1) // ALIGN) * ALIGN
+        return out
+
+    def describe(self) -> str:
+        return describe_kinds(self.bytes_by_kind())
 
     def to_dict(self) -> dict:
         return {
@@ -113,6 +155,20 @@ def _stepped_state(param: torch.Tensor, build_optimizer: Callable, device: str) 
     return out
 
 
+def describe_kinds(by_kind: dict[str, int]) -> str:
+    """``Layout.bytes_by_kind`` in words, e.g. "weights 1.2 GiB, optimizer state 2.4 GiB, ..."."""
+    names = {"W": "weights", "B": "buffers", "K": "optimizer state", "G": "a gradient slot per device",
+             "L": "low-precision copies"}
+    return ", ".join(f"{names.get(k, k)} {gib(n)}" for k, n in by_kind.items())
+
+
+def _zeros_shared(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """``n`` zeros of ``dtype`` in new shared memory, made there: ``torch.zeros(n).share_memory_()``
+    would hold a private copy beside the shared one (a store twice its size at once)."""
+    storage = torch.UntypedStorage._new_shared(n * dtype.itemsize)  # the kernel's pages come zeroed
+    return torch.empty(0, dtype=dtype).set_(storage, 0, (n,))
+
+
 class HostStore:
     """The flat shared buffer and its layout; views by key."""
 
@@ -142,31 +198,11 @@ class HostStore:
         and the low-precision copies ``low_copies`` names (canonical name -> dtype).
         With ``path``, the store is the files ``<path>-store`` and ``<path>-flags`` (in /dev/shm),
         which processes not forked from this one map with ``open``."""
-        layout = Layout(devices=devices)
-        for name, spec in graph.state.items():
-            canon = graph.canonical(name)
-            if spec.kind == "parameter":
-                if canon in layout.params:
-                    continue
-                layout.params.append(canon)
-                layout.add(f"W/{canon}", spec.shape, dtype_from_str(spec.dtype))
-            else:
-                layout.add(f"B/{name}", spec.shape, dtype_from_str(spec.dtype))
-        for canon in layout.params:
-            spec = graph.state[canon]
-            sample = torch.empty(spec.shape, dtype=dtype_from_str(spec.dtype))
-            keys = state_layout(sample, build_optimizer) if spec.requires_grad else {}
-            layout.state_keys[canon] = list(keys)
-            for key, (shape, dtype) in keys.items():
-                layout.add(f"K/{canon}/{key}", shape, dtype)
-            if spec.requires_grad:
-                for d in range(devices):
-                    layout.add(f"G/{d}/{canon}", spec.shape, dtype_from_str(spec.dtype))
-        for canon, dtype in (low_copies or {}).items():
-            layout.add(f"L/{canon}", graph.state[canon].shape, dtype_from_str(f"torch.{dtype}"))
-        store = cls.open(layout, path) if path else cls(
-            layout, torch.zeros(max(layout.size, ALIGN), dtype=torch.uint8).share_memory_(),
-            torch.zeros(len(layout.params) * (1 + devices), dtype=torch.int64).share_memory_())
+        layout = Layout.for_graph(graph, devices, build_optimizer, low_copies)
+        flags = max(1, len(layout.params) * (1 + devices))
+        check_room(max(layout.size, ALIGN) + flags * 8, f"the host store ({layout.describe()})")
+        store = cls.open(layout, path) if path else cls(layout, _zeros_shared(max(layout.size, ALIGN), torch.uint8),
+                                                        _zeros_shared(flags, torch.int64))
         store.load_tensors(graph, tensors)
         return store
 

@@ -55,6 +55,7 @@ from harmony.runtime.clipping import Verdict, check_clipping, host_norm
 from harmony.runtime.device import cpu_device, cuda_device, memory_checked
 from harmony.runtime.executor import Batch, Executor, IterationResult
 from harmony.runtime.flags import Shared
+from harmony.runtime.hostroom import check_room
 from harmony.runtime.hoststore import HostStore, Layout
 from harmony.runtime.launcher import NO_PROMISE, StepResult, WorkerError, slab_sizes
 from harmony.runtime.lossscale import LossScale
@@ -352,8 +353,10 @@ def _node_state(topo: Topology, plan, build_optimizer: Callable, build_model: Ca
         layout = [host.layout.to_dict()]
     dist.broadcast_object_list(layout, src=0)
     if topo.leader:
-        if host is None:
-            host = HostStore.open(Layout.from_dict(layout[0]), prefix)
+        if host is None:  # another node's leader: its replica of the store
+            replica = Layout.from_dict(layout[0])
+            check_room(max(replica.size, 1), f"node {topo.node}'s replica of the host store ({replica.describe()})")
+            host = HostStore.open(replica, prefix)
         shared = kind.create(len(tasks.tasks), path=f"{prefix}-shared")
         for leader in topo.leaders[1:]:  # the same initial state on every node
             for tensor in (host.buffer, host.flags):

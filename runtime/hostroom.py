@@ -1,0 +1,63 @@
+"""Room in host memory for what a run keeps in shared memory, checked before it is allocated.
+
+The host store (master weights, optimizer state, a gradient slot per device) and the message slabs
+live in POSIX shared memory: ``/dev/shm``, a tmpfs. Writing past a full tmpfs does not raise; the
+kernel sends SIGBUS and the process dies with "Bus error" and nothing else (a container's default
+``/dev/shm`` is 64 MiB). Host memory the kernel cannot give ends the same way, or in the OOM killer.
+So a run asks first: the bytes it is about to map against ``/dev/shm``'s free space and the memory
+the kernel says is available, and says which is short, by how much, and what to do.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from harmony.errors import HarmonyError
+
+log = logging.getLogger(__name__)
+
+SHM = "/dev/shm"
+
+
+def shared_memory_free(path: str = SHM) -> int | None:
+    """Bytes free in the shared-memory filesystem (None where there is none to ask: not Linux)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def available_memory() -> int | None:
+    """The kernel's estimate of memory available without swapping (``MemAvailable``; None where
+    /proc/meminfo does not say)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def check_room(nbytes: int, what: str, shm: str = SHM) -> None:
+    """Raise a HarmonyError naming ``what`` if ``nbytes`` of shared memory do not fit in ``shm``'s
+    free space or in the host's available memory."""
+    free = shared_memory_free(shm)
+    if free is not None and nbytes > free:
+        raise HarmonyError(
+            f"{what} needs {gib(nbytes)} of shared memory, but {shm} has {gib(free)} free. In a container, "
+            f"start it with a larger {shm} (docker run --shm-size={-(-nbytes * 5 // 4 // 2**30)}g); or remove "
+            f"what fills {shm} (ls -la {shm}: files named harmony-* are left only by a run that was killed)")
+    available = available_memory()
+    if available is not None and nbytes > available:
+        raise HarmonyError(
+            f"{what} needs {gib(nbytes)} of host memory, but the kernel reports {gib(available)} available "
+            "(MemAvailable); free memory on this host, or train on one with more")
+    log.debug("%s: %d bytes, %s free in %s, %s available", what, nbytes, free, shm, available)

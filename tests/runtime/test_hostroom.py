@@ -1,0 +1,84 @@
+"""Room in shared memory for a run's host store and slabs, checked before anything is mapped: a full
+``/dev/shm`` would otherwise kill the process with SIGBUS ("Bus error") and no word of why. A
+compile says how much a run of its plan maps, by kind, and that is what the run's store holds."""
+
+import functools
+
+import pytest
+import torch
+
+import harmony
+from harmony.errors import HarmonyError
+from harmony.models.gpt2 import GPT, GPTConfig, loss_fn
+from harmony.runtime import hostroom
+from harmony.runtime.channels import Slabs
+from harmony.runtime.hoststore import _zeros_shared
+
+CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=16)
+
+
+def _batch(size: int, step: int):
+    g = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, CONFIG.vocab_size, (size, CONFIG.block_size + 1), generator=g)
+    return (tokens[:, :-1],), tokens[:, 1:]
+
+
+def _optimizer(params):
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+@pytest.fixture(scope="module")
+def plan():
+    torch.manual_seed(0)
+    return harmony.compile(GPT(CONFIG), loss_fn, _batch, build_optimizer=_optimizer, minibatch_size=4, devices=2,
+                           device_memory="64MiB", compare=False, probe=False)
+
+
+def test_check_room_names_a_full_shared_memory_and_what_to_do(monkeypatch):
+    monkeypatch.setattr(hostroom, "shared_memory_free", lambda path=hostroom.SHM: 64 << 20)
+    with pytest.raises(HarmonyError, match=r"the host store needs 2.00 GiB of shared memory, but /dev/shm has "
+                                           r"64.0 MiB free.*--shm-size=3g"):
+        hostroom.check_room(2 << 30, "the host store")
+    hostroom.check_room(32 << 20, "the host store")  # fits: no error
+
+
+def test_check_room_names_host_memory_the_kernel_cannot_give(monkeypatch):
+    monkeypatch.setattr(hostroom, "shared_memory_free", lambda path=hostroom.SHM: 1 << 40)
+    monkeypatch.setattr(hostroom, "available_memory", lambda: 1 << 30)
+    with pytest.raises(HarmonyError, match=r"needs 2.00 GiB of host memory, but the kernel reports 1.00 GiB available"):
+        hostroom.check_room(2 << 30, "the host store")
+
+
+def test_the_machine_readings_are_numbers_where_linux_gives_them():
+    assert hostroom.shared_memory_free() > 0 and hostroom.available_memory() > 0
+    assert hostroom.shared_memory_free("/no/such/folder") is None
+
+
+def test_a_run_without_room_for_its_host_store_stops_before_mapping_it_and_starting_workers(plan, monkeypatch):
+    monkeypatch.setattr(hostroom, "shared_memory_free", lambda path=hostroom.SHM: 4096)
+    started = []
+    monkeypatch.setattr("harmony.runtime.launcher.Launcher.__init__", lambda *a, **k: started.append(1))
+    with pytest.raises(HarmonyError, match=r"the host store \(weights .*optimizer state .*a gradient slot per "
+                                           r"device .*\) needs .* of shared memory, but /dev/shm has"):
+        harmony.Trainer(plan, optimizer=_optimizer, loss_fn=loss_fn)
+    assert not started
+
+
+def test_message_slabs_are_checked_too(monkeypatch):
+    monkeypatch.setattr(hostroom, "shared_memory_free", lambda path=hostroom.SHM: 4096)
+    with pytest.raises(HarmonyError, match="the message slabs between 1 pairs of devices needs"):
+        Slabs({(0, 1): 1 << 20})
+
+
+def test_the_compiled_host_memory_is_what_the_runs_store_holds(plan):
+    planned = plan.estimate["host_store_bytes"]
+    assert planned == sum(plan.estimate["host_store"].values())
+    with harmony.Trainer(plan, optimizer=_optimizer, loss_fn=loss_fn) as trainer:
+        assert trainer.store.layout.size == planned
+        trainer.step(*_batch(4, 0))
+    assert "of shared memory for the host store" in plan.summary()
+
+
+def test_shared_zeros_are_made_in_shared_memory():
+    t = _zeros_shared(1000, torch.float64)
+    assert t.is_shared() and t.shape == (1000,) and t.dtype == torch.float64 and not t.any()
