@@ -60,8 +60,8 @@ from harmony.runtime.hoststore import HostStore, Layout
 from harmony.runtime.launcher import NO_PROMISE, StepResult, WorkerError, slab_sizes
 from harmony.runtime.lossscale import LossScale
 from harmony.runtime.p2p import DistTransport, backend_for, p2p_pairs, pair_groups, resolve, start_default_group
-from harmony.runtime.replication import PeerWatch, ReplicatedShared, Replicator, task_writes
 from harmony.runtime.precision import needs_loss_scaling
+from harmony.runtime.replication import PeerWatch, ReplicatedShared, Replicator, task_writes
 from harmony.runtime.routes import build_routes
 from harmony.runtime.schedule import Schedule
 from harmony.runtime.updates import host_update
