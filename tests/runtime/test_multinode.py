@@ -132,23 +132,35 @@ def build_lr_scheduler(optimizer):
 """
 
 
-@needs_torchrun
-def test_two_nodes_clip_and_follow_the_schedule_exactly_as_one_host(tmp_path):
-    """pp with its updates on the devices: node 1 steps its packs with the gradient node 0's NORM
-    task summed and clipped, shipped to node 1's replica with the task's flag."""
-    model = tmp_path / "gpt2_scheduled.py"
-    model.write_text(SCHEDULED)
-    assert main(["compile", str(model), *ARGS, "--minibatch", str(MINIBATCH), "--devices", "2", "--device", "cpu",
-                 "--no-probe", "--clip-grad-norm", "0.5", "--out", str(tmp_path / "base")]) == 0
-    plan = variant(tmp_path / "base", tmp_path / "plan", "pp", "device", clip=0.5)
+def gated_plan(tmp_path: Path, source: str, args: list[str], flags: list[str]) -> tuple[Path, Path]:
+    """A model file of ``source`` compiled with ``flags`` for 2 devices, rescheduled in pp with its
+    updates on the devices, after the host's NORM task (node 1 steps packs of its own): (model, plan)."""
+    model = tmp_path / "model.py"
+    model.write_text(source)
+    assert main(["compile", str(model), *args, "--minibatch", str(MINIBATCH), "--devices", "2", "--device", "cpu",
+                 "--no-probe", *flags, "--out", str(tmp_path / "base")]) == 0
+    plan = variant(tmp_path / "base", tmp_path / "plan", "pp", "device", gated=True,
+                   clip=Plan.load(tmp_path / "base").options.get("clip_grad_norm"))
     assert any(t.kind.value == "UPD" and t.device == 1 for t in Plan.load(plan).tasks.tasks)
-    common = ["run", str(model), *ARGS, "--plan", str(plan), "--iters", str(ITERATIONS)]
+    return model, plan
+
+
+def one_host_and_two_nodes(tmp_path: Path, model: Path, args: list[str], plan: Path) -> tuple[list[dict], list[dict]]:
+    """The iterations of one run of ``plan`` with the forked launcher, and on two nodes."""
+    common = ["run", str(model), *args, "--plan", str(plan), "--iters", str(ITERATIONS)]
     assert main([*common, "--report", str(tmp_path / "one-host.json")]) == 0
     nodes = two_nodes([*common, "--report", str(tmp_path / "two-nodes.json")], RUN_LIMIT)
     for rc, out, _ in nodes:
         assert rc == 0, out[-4000:]
-    one = json.loads((tmp_path / "one-host.json").read_text())["iterations"]
-    two = json.loads((tmp_path / "two-nodes.json").read_text())["iterations"]
+    return tuple(json.loads((tmp_path / f"{name}.json").read_text())["iterations"] for name in ("one-host", "two-nodes"))
+
+
+@needs_torchrun
+def test_two_nodes_clip_and_follow_the_schedule_exactly_as_one_host(tmp_path):
+    """Node 1 steps its packs with the gradient node 0's NORM task summed and clipped, shipped to
+    node 1's replica with the task's flag."""
+    model, plan = gated_plan(tmp_path, SCHEDULED, ARGS, ["--clip-grad-norm", "0.5"])
+    one, two = one_host_and_two_nodes(tmp_path, model, ARGS, plan)
     assert [(i["loss"], i["grad_norm"]) for i in two] == [(i["loss"], i["grad_norm"]) for i in one]
     assert all(i["grad_norm"] > 0.5 for i in one)  # every step clipped
 
@@ -165,26 +177,15 @@ def loss_fn(output, target):
 
 @needs_torchrun
 def test_two_nodes_skip_every_step_whose_fp16_gradient_overflowed(tmp_path):
-    """fp16 (float32 weights), pp with updates on the devices: node 0's NORM task finds the
-    overflow; node 1 must skip its packs' updates too, or its weights turn to inf and NaN."""
-    model = tmp_path / "gpt2_overflowing.py"
-    model.write_text(OVERFLOWING)
+    """fp16 (float32 weights): node 0's NORM task finds the overflow; node 1 must skip its packs'
+    updates too, or its weights turn to inf and NaN."""
     args = ["--arg", "preset=tiny"]
-    assert main(["compile", str(model), *args, "--minibatch", str(MINIBATCH), "--devices", "2", "--device", "cpu",
-                 "--no-probe", "--precision", "fp16", "--out", str(tmp_path / "base")]) == 0
-    plan = variant(tmp_path / "base", tmp_path / "plan", "pp", "device", clip=None, gated=True)
-    assert any(t.kind.value == "UPD" and t.device == 1 for t in Plan.load(plan).tasks.tasks)
-    common = ["run", str(model), *args, "--plan", str(plan), "--iters", str(ITERATIONS)]
-    assert main([*common, "--report", str(tmp_path / "one-host.json")]) == 0
-    nodes = two_nodes([*common, "--report", str(tmp_path / "two-nodes.json")], RUN_LIMIT)
-    for rc, out, _ in nodes:
-        assert rc == 0, out[-4000:]
+    model, plan = gated_plan(tmp_path, OVERFLOWING, args, ["--precision", "fp16"])
+    one, two = one_host_and_two_nodes(tmp_path, model, args, plan)
     fields = ("loss", "loss_scale", "skipped")
-    one = [[i[k] for k in fields] for i in json.loads((tmp_path / "one-host.json").read_text())["iterations"]]
-    two = [[i[k] for k in fields] for i in json.loads((tmp_path / "two-nodes.json").read_text())["iterations"]]
-    assert two == one
-    assert [skipped for _, _, skipped in one] == [True] * ITERATIONS
-    assert [scale for _, scale, _ in one] == [2.0 ** 16, 2.0 ** 15, 2.0 ** 14]
+    assert [[i[k] for k in fields] for i in two] == [[i[k] for k in fields] for i in one]
+    assert [i["skipped"] for i in one] == [True] * ITERATIONS
+    assert [i["loss_scale"] for i in one] == [2.0 ** 16, 2.0 ** 15, 2.0 ** 14]
 
 
 @needs_torchrun
