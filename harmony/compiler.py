@@ -30,6 +30,7 @@ from harmony.scheduler.machine import Machine
 from harmony.scheduler.memory import fused_update, memory_plan
 from harmony.profiling.casts import low_copies
 from harmony.runtime.hoststore import Layout
+from harmony.runtime.routes import build_routes
 from harmony.profiling.profiles import PackSample, Profile, TiedWeight
 from harmony.scheduler.comparison import compare_modes, row
 from harmony.scheduler.search import NoFeasibleConfiguration, SearchResult, search
@@ -168,7 +169,8 @@ def _compile_plan(model, get_batch, build_optimizer, options: CompileOptions, mo
     measure = pack_measurer(graph, get_batch, build_optimizer, loss_fn, options, capacity)
     chosen = finish_plan(result, profile, machine, options, planned, bool(same_u), measure)
     est = chosen.estimate
-    host = Layout.for_graph(graph, options.devices, build_optimizer, chosen.graph.low_copies)
+    host = Layout.for_graph(graph, options.devices, build_optimizer, chosen.graph.low_copies,
+                            build_routes(chosen.graph, graph).gradient_slots())
     plan = Plan(
         graph=graph, profile=profile, tasks=chosen.graph,
         estimate={

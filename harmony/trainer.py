@@ -50,6 +50,7 @@ from harmony.runtime.executor import Batch
 from harmony.runtime.hoststore import HostStore
 from harmony.modelfile import default_optimizer
 from harmony.runtime.launcher import Launcher, StepResult
+from harmony.runtime.routes import build_routes
 from harmony.runtime.schedule import Schedule
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,8 @@ class Trainer:
 
             promise_memory(plan)
         self.store = HostStore.create(graph, plan.tasks.devices, self.build_optimizer, state_dict,
-                                      low_copies=plan.tasks.low_copies)
+                                      low_copies=plan.tasks.low_copies,
+                                      slots=build_routes(plan.tasks, graph).gradient_slots())
         self.schedule = None if lr_scheduler is None else Schedule.for_graph(graph, self.build_optimizer, lr_scheduler)
         device_type = plan.options.get("device_type", "cpu")
         capacity = plan.worker_capacity()

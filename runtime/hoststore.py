@@ -74,9 +74,13 @@ class Layout:
 
     @classmethod
     def for_graph(cls, graph: LayerGraph, devices: int, build_optimizer: Callable,
-                  low_copies: dict[str, str] | None = None) -> "Layout":
+                  low_copies: dict[str, str] | None = None,
+                  slots: Iterable[tuple[int, str]] | None = None) -> "Layout":
         """The layout of a store for ``graph`` (see ``HostStore.create``), found without allocating
-        it: a compile reports its size, a run checks there is room before mapping it."""
+        it: a compile reports its size, a run checks there is room before mapping it. ``slots``:
+        the (device, parameter) gradient slots the plan deposits into (``Routes.gradient_slots``);
+        None: one per device for every trainable parameter."""
+        wanted = None if slots is None else set(slots)
         layout = cls(devices=devices)
         for name, spec in graph.state.items():
             canon = graph.canonical(name)
@@ -96,7 +100,8 @@ class Layout:
                 layout.add(f"K/{canon}/{key}", shape, dtype)
             if spec.requires_grad:
                 for d in range(devices):
-                    layout.add(f"G/{d}/{canon}", spec.shape, dtype_from_str(spec.dtype))
+                    if wanted is None or (d, canon) in wanted:
+                        layout.add(f"G/{d}/{canon}", spec.shape, dtype_from_str(spec.dtype))
         for canon, dtype in (low_copies or {}).items():
             layout.add(f"L/{canon}", graph.state[canon].shape, dtype_from_str(f"torch.{dtype}"))
         return layout
@@ -192,13 +197,15 @@ class HostStore:
     @classmethod
     def create(cls, graph: LayerGraph, devices: int, build_optimizer: Callable,
                tensors: dict[str, torch.Tensor], path: str | None = None,
-               low_copies: dict[str, str] | None = None) -> "HostStore":
+               low_copies: dict[str, str] | None = None,
+               slots: Iterable[tuple[int, str]] | None = None) -> "HostStore":
         """A store for ``graph`` filled from ``tensors`` (original names -> values: parameters,
         buffers and constants), with optimizer-state and gradient slots for ``devices`` devices
-        and the low-precision copies ``low_copies`` names (canonical name -> dtype).
+        and the low-precision copies ``low_copies`` names (canonical name -> dtype); ``slots``: only
+        these (device, parameter) gradient slots (``Layout.for_graph``).
         With ``path``, the store is the files ``<path>-store`` and ``<path>-flags`` (in /dev/shm),
         which processes not forked from this one map with ``open``."""
-        layout = Layout.for_graph(graph, devices, build_optimizer, low_copies)
+        layout = Layout.for_graph(graph, devices, build_optimizer, low_copies, slots)
         flags = max(1, len(layout.params) * (1 + devices))
         check_room(max(layout.size, ALIGN) + flags * 8, f"the host store ({layout.describe()})")
         store = cls.open(layout, path) if path else cls(layout, _zeros_shared(max(layout.size, ALIGN), torch.uint8),
@@ -272,7 +279,11 @@ class HostStore:
         self._flags[self._index[name]] = 1
 
     def grad_slot(self, device: int, name: str) -> torch.Tensor:
-        return self.view(f"G/{device}/{name}")
+        key = f"G/{device}/{name}"
+        if key not in self.layout.entries:
+            raise RuntimeError(f"the host store has no slot for device {device}'s gradient of {name}: it was made "
+                               "for another plan (HostStore.create(slots=Routes.gradient_slots()))")
+        return self.view(key)
 
     def _stamp_index(self, device: int, name: str) -> int:
         return len(self.layout.params) * (1 + device) + self._index[name]
@@ -309,9 +320,6 @@ class HostStore:
             total.add_(self.grad_slot(d, name))
             self._flags[self._stamp_index(d, name)] = 0
         return total
-
-    def has_grad(self, name: str) -> bool:
-        return f"G/0/{name}" in self.layout.entries
 
     # ------------------------------------------------------------ whole-model views
     def state_dict(self, graph: LayerGraph) -> dict[str, torch.Tensor]:

@@ -30,6 +30,12 @@ class Routes:
     buffers_after: dict[int, int] = field(default_factory=dict)  # the program's ``after`` (``lower.buffer_chain``)
     kept_resident: set[int] = field(default_factory=set)  # tasks whose pack state a later task reads LOCAL
 
+    def gradient_slots(self) -> set[tuple[int, str]]:
+        """(device, parameter) of every host gradient slot a task deposits into: the host store
+        needs no other (in pp each pack's backward runs on one device, so one slot per parameter,
+        where a slot for every device would hold the weights' size once per device)."""
+        return {(self.by_id[t].device, p) for t, params in self.deposits.items() for p in params}
+
 
 def build_routes(graph: TaskGraph, layers: LayerGraph) -> Routes:
     r = Routes(graph=graph, program=lower(graph, None, streams=False), by_id={t.id: t for t in graph.tasks})

@@ -248,7 +248,7 @@ def run_spmd(plan, loss_fn: Callable, build_optimizer: Callable, get_batch: Call
              if topo.node_of(pair[0]) == topo.node_of(pair[1]) == topo.node}
     files = [f"{prefix}-store", f"{prefix}-flags", f"{prefix}-shared"] + [f"{prefix}-slab-{a}-{b}" for a, b in sizes]
     try:
-        host, shared, slabs = _node_state(topo, plan, build_optimizer, build_model, seed, prefix, sizes)
+        host, shared, slabs = _node_state(topo, plan, routes, build_optimizer, build_model, seed, prefix, sizes)
         if topo.leader:
             _remove(files)  # every rank of the node mapped them: the memory lives on, the names go
         schedule = None if lr_scheduler is None else Schedule.for_graph(graph, build_optimizer, lr_scheduler)
@@ -337,7 +337,7 @@ def _check_same_plan(plan, topo: Topology) -> None:
                            "directory (compile once, copy it, and pass --plan DIR on every host)")
 
 
-def _node_state(topo: Topology, plan, build_optimizer: Callable, build_model: Callable, seed: int, prefix: str,
+def _node_state(topo: Topology, plan, routes, build_optimizer: Callable, build_model: Callable, seed: int, prefix: str,
                 sizes: dict[tuple[int, int], int]) -> tuple[HostStore, Shared, Slabs]:
     """This node's host store, flags and slabs: made by the node's lowest rank (rank 0 builds the
     initial weights, and sends them to the other nodes' stores), mapped by the others."""
@@ -349,7 +349,7 @@ def _node_state(topo: Topology, plan, build_optimizer: Callable, build_model: Ca
     if topo.rank == 0:
         torch.manual_seed(seed)
         host = HostStore.create(graph, world, build_optimizer, build_model().state_dict(), path=prefix,
-                                low_copies=plan.tasks.low_copies)
+                                low_copies=plan.tasks.low_copies, slots=routes.gradient_slots())
         layout = [host.layout.to_dict()]
     dist.broadcast_object_list(layout, src=0)
     if topo.leader:

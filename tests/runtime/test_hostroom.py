@@ -2,8 +2,6 @@
 ``/dev/shm`` would otherwise kill the process with SIGBUS ("Bus error") and no word of why. A
 compile says how much a run of its plan maps, by kind, and that is what the run's store holds."""
 
-import functools
-
 import pytest
 import torch
 
@@ -13,6 +11,7 @@ from harmony.models.gpt2 import GPT, GPTConfig, loss_fn
 from harmony.runtime import hostroom
 from harmony.runtime.channels import Slabs
 from harmony.runtime.hoststore import _zeros_shared
+from harmony.runtime.routes import build_routes
 
 CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=16)
 
@@ -82,3 +81,21 @@ def test_the_compiled_host_memory_is_what_the_runs_store_holds(plan):
 def test_shared_zeros_are_made_in_shared_memory():
     t = _zeros_shared(1000, torch.float64)
     assert t.is_shared() and t.shape == (1000,) and t.dtype == torch.float64 and not t.any()
+
+
+def test_the_store_keeps_a_gradient_slot_only_where_a_device_deposits_one(plan):
+    """pp: each pack's backward runs on one device, so one slot per parameter (two for the tied
+    embedding where its packs sit on two devices); dp: every device deposits every gradient."""
+    torch.manual_seed(0)
+    dp = harmony.compile(GPT(CONFIG), loss_fn, _batch, build_optimizer=_optimizer, minibatch_size=4, devices=2,
+                         device_memory="64MiB", mode="dp", compare=False, probe=False)
+    for compiled, per_parameter in ((plan, {1, 2}), (dp, {2})):
+        slots = build_routes(compiled.tasks, compiled.graph).gradient_slots()
+        with harmony.Trainer(compiled, optimizer=_optimizer, loss_fn=loss_fn) as trainer:
+            layout = trainer.store.layout
+            assert {k for k in layout.entries if k.startswith("G/")} == {f"G/{d}/{n}" for d, n in slots}
+            assert {sum(1 for _, n in slots if n == p) for p in layout.params} <= per_parameter
+            assert layout.size == compiled.estimate["host_store_bytes"]
+            trainer.step(*_batch(4, 0))
+    names = {n for _, n in build_routes(plan.tasks, plan.graph).gradient_slots()}
+    assert sum(1 for _, n in build_routes(plan.tasks, plan.graph).gradient_slots()) < 2 * len(names)
