@@ -162,7 +162,7 @@ def _stepped_state(param: torch.Tensor, build_optimizer: Callable, device: str) 
 
 def describe_kinds(by_kind: dict[str, int]) -> str:
     """``Layout.bytes_by_kind`` in words, e.g. "weights 1.2 GiB, optimizer state 2.4 GiB, ..."."""
-    names = {"W": "weights", "B": "buffers", "K": "optimizer state", "G": "a gradient slot per device",
+    names = {"W": "weights", "B": "buffers", "K": "optimizer state", "G": "gradient slots",
              "L": "low-precision copies"}
     return ", ".join(f"{names.get(k, k)} {gib(n)}" for k, n in by_kind.items())
 

@@ -57,8 +57,8 @@ def test_a_run_without_room_for_its_host_store_stops_before_mapping_it_and_start
     monkeypatch.setattr(hostroom, "shared_memory_free", lambda path=hostroom.SHM: 4096)
     started = []
     monkeypatch.setattr("harmony.runtime.launcher.Launcher.__init__", lambda *a, **k: started.append(1))
-    with pytest.raises(HarmonyError, match=r"the host store \(weights .*optimizer state .*a gradient slot per "
-                                           r"device .*\) needs .* of shared memory, but /dev/shm has"):
+    with pytest.raises(HarmonyError, match=r"the host store \(weights .*optimizer state .*gradient "
+                                           r"slots .*\) needs .* of shared memory, but /dev/shm has"):
         harmony.Trainer(plan, optimizer=_optimizer, loss_fn=loss_fn)
     assert not started
 
