@@ -1,6 +1,6 @@
 """Room in host memory for what a run keeps in shared memory, checked before it is allocated.
 
-The host store (master weights, optimizer state, a gradient slot per device) and the message slabs
+The host store (master weights, optimizer state, gradient slots) and the message slabs
 live in POSIX shared memory: ``/dev/shm``, a tmpfs. Writing past a full tmpfs does not raise; the
 kernel sends SIGBUS and the process dies with "Bus error" and nothing else (a container's default
 ``/dev/shm`` is 64 MiB). Host memory the kernel cannot give ends the same way, or in the OOM killer.
