@@ -17,13 +17,14 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
 import harmony
-from harmony.modelfile import load_model_file
+from harmony.modelfile import ModelFile, load_model_file
 from harmony.profiling.analytic import analytic_profile
 from harmony.scheduler.machine import Machine
 from harmony.scheduler.search import NoFeasibleConfiguration, search
@@ -34,17 +35,23 @@ PAPER_SECONDS = {"BERT96": 1.4, "GPT-2 1.5B": 0.7, "VGG416": 17.7, "ResNet1K": 3
 CASES = [("BERT96", "bert", "96"), ("GPT-2 1.5B", "gpt2", "1.5b"), ("VGG416", "vgg", "vgg416"), ("ResNet1K", "resnet", "resnet1k")]
 
 
-def search_times(names: tuple[str, ...] | None = None, minibatch: int = 64, devices: int = 4) -> list[dict]:
-    """One row per model: layers, decompose / profile / search seconds, Table 1's seconds, the
-    configuration chosen and its estimated iteration time."""
-    machine = Machine.from_spec("1080ti", devices)
-    rows = []
+def _models(names: tuple[str, ...] | None) -> Iterator[tuple[str, ModelFile, torch.nn.Module]]:
+    """(name, model file, model built on the meta device) of each case, or of those ``names`` gives."""
     for name, file, preset in CASES:
         if names is not None and name not in names:
             continue
         mf = load_model_file(MODELS / f"{file}.py", {"preset": preset})
         with torch.device("meta"):
             model = mf.build_model()
+        yield name, mf, model
+
+
+def search_times(names: tuple[str, ...] | None = None, minibatch: int = 64, devices: int = 4) -> list[dict]:
+    """One row per model: layers, decompose / profile / search seconds, Table 1's seconds, the
+    configuration chosen and its estimated iteration time."""
+    machine = Machine.from_spec("1080ti", devices)
+    rows = []
+    for name, mf, model in _models(names):
         t0 = time.perf_counter()
         graph = harmony.decompose(model, mf.get_batch(1, 0)[0])
         t1 = time.perf_counter()
@@ -66,12 +73,7 @@ def coarse_against_full(names: tuple[str, ...] | None = None, minibatch: int = 6
     from harmony.compiler import CompileOptions, _two_samples, batch_coupled, profile_graph
 
     rows = []
-    for name, file, preset in CASES:
-        if names is not None and name not in names:
-            continue
-        mf = load_model_file(MODELS / f"{file}.py", {"preset": preset})
-        with torch.device("meta"):
-            model = mf.build_model()
+    for name, mf, model in _models(names):
         graph = harmony.decompose(model, mf.get_batch(2, 0)[0])
         options = CompileOptions(minibatch=minibatch, devices=devices, device_memory=device_memory, analytic="1080ti")
         profile, machine = profile_graph(graph, mf.get_batch, mf.build_optimizer, options)

@@ -70,6 +70,7 @@ from harmony.decomposer.layer_graph import LayerGraph, dtype_from_str
 from harmony.errors import HarmonyError
 from harmony.scheduler.devicespec import DeviceSpec, load_spec
 from harmony.profiling.profiles import LayerProfile, LayerSample, Profile
+from harmony.runtime.hostroom import gib
 
 log = logging.getLogger(__name__)
 
@@ -606,10 +607,6 @@ def default_microbatch_sizes(u_max: int) -> list[int]:
     return sorted(sizes | {u_max})
 
 
-def _fmt_bytes(n: float) -> str:
-    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
-
-
 def _optimizer_entry(optimizer: str) -> tuple[str, int, int]:
     """(name, state numbers, FLOPs per parameter) of ``optimizer``, checked before any counting so
     that a typo fails at once rather than after the layers have been run on meta tensors."""
@@ -640,8 +637,8 @@ def _microbatch_limits(
             i = max(range(len(models)), key=lambda j: models[j].peaks(1)[which])
             need = models[i].peaks(1)[which]
             raise AnalyticProfileError(
-                f"layer {i} ({graph.layers[i].name}) needs {_fmt_bytes(need)} for its {label} pass at microbatch "
-                f"size 1, more than the {_fmt_bytes(spec.capacity)} of {spec.name}; cut the model into smaller layers "
+                f"layer {i} ({graph.layers[i].name}) needs {gib(need)} for its {label} pass at microbatch "
+                f"size 1, more than the {gib(spec.capacity)} of {spec.name}; cut the model into smaller layers "
                 "(decompose with a finer granularity) or use a device with more memory"
             )
         limits[label] = u_max
@@ -729,7 +726,7 @@ def _profile_notes(
         "method": "FLOPs, bytes and live bytes counted per aten op on meta tensors (FlopCounterMode); "
                   "time = sum over ops of max(flops / (peak * efficiency), bytes / memory bandwidth)",
         "spec": f"{spec.name}: {spec.flops_for(compute_dtype) / 1e12:.2f} TFLOP/s at {str(compute_dtype).removeprefix('torch.')} "
-                f"x efficiency {spec.efficiency}, {spec.memory_bandwidth / 1e9:.0f} GB/s, {_fmt_bytes(spec.capacity)}",
+                f"x efficiency {spec.efficiency}, {spec.memory_bandwidth / 1e9:.0f} GB/s, {gib(spec.capacity)}",
         "dtype": str(compute_dtype).removeprefix("torch."),
         "optimizer": f"{opt}: {n_states} fp32 state number(s) and {flops_per_param} FLOPs per parameter",
         "fwd_peak": "forward without autograd (Harmony recomputes in the backward task)",

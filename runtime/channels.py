@@ -31,7 +31,7 @@ from typing import Any, Callable, Hashable
 import torch
 
 from harmony.decomposer.layer_graph import dtype_from_str
-from harmony.runtime.hostroom import check_room
+from harmony.runtime.hostroom import check_room, shared_zeros
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ class Slabs:
         def make(pair: tuple[int, int], n: int) -> torch.Tensor:
             size = max(int(n), _ALIGN)
             if prefix is None:
-                return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(size))
+                return shared_zeros(size)
             return torch.from_file(f"{prefix}-slab-{pair[0]}-{pair[1]}", shared=True, size=size, dtype=torch.uint8)
 
         if create:

@@ -1,4 +1,5 @@
-"""Room in host memory for what a run keeps in shared memory, checked before it is allocated.
+"""Room in host memory for what a run keeps in shared memory, checked before it is allocated, and
+the allocation itself (``shared_zeros``).
 
 The host store (master weights, optimizer state, gradient slots) and the message slabs
 live in POSIX shared memory: ``/dev/shm``, a tmpfs. Writing past a full tmpfs does not raise; the
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import os
+
+import torch
 
 from harmony.errors import HarmonyError
 
@@ -40,6 +43,13 @@ def available_memory() -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def shared_zeros(n: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """``n`` zeros of ``dtype`` in new shared memory, made there: ``torch.zeros(n).share_memory_()``
+    would hold a private copy beside the shared one (a host store twice its size at once)."""
+    storage = torch.UntypedStorage._new_shared(n * dtype.itemsize)  # the kernel's pages come zeroed
+    return torch.empty(0, dtype=dtype).set_(storage, 0, (n,))
 
 
 def gib(n: int) -> str:

@@ -31,7 +31,7 @@ from typing import Callable, Iterable
 import torch
 
 from harmony.decomposer.layer_graph import LayerGraph, dtype_from_str
-from harmony.runtime.hostroom import check_room, gib
+from harmony.runtime.hostroom import check_room, gib, shared_zeros
 
 log = logging.getLogger(__name__)
 
@@ -167,13 +167,6 @@ def describe_kinds(by_kind: dict[str, int]) -> str:
     return ", ".join(f"{names.get(k, k)} {gib(n)}" for k, n in by_kind.items())
 
 
-def _zeros_shared(n: int, dtype: torch.dtype) -> torch.Tensor:
-    """``n`` zeros of ``dtype`` in new shared memory, made there: ``torch.zeros(n).share_memory_()``
-    would hold a private copy beside the shared one (a store twice its size at once)."""
-    storage = torch.UntypedStorage._new_shared(n * dtype.itemsize)  # the kernel's pages come zeroed
-    return torch.empty(0, dtype=dtype).set_(storage, 0, (n,))
-
-
 class HostStore:
     """The flat shared buffer and its layout; views by key."""
 
@@ -208,8 +201,8 @@ class HostStore:
         layout = Layout.for_graph(graph, devices, build_optimizer, low_copies, slots)
         flags = max(1, len(layout.params) * (1 + devices))
         check_room(max(layout.size, ALIGN) + flags * 8, f"the host store ({layout.describe()})")
-        store = cls.open(layout, path) if path else cls(layout, _zeros_shared(max(layout.size, ALIGN), torch.uint8),
-                                                        _zeros_shared(flags, torch.int64))
+        store = cls.open(layout, path) if path else cls(layout, shared_zeros(max(layout.size, ALIGN), torch.uint8),
+                                                        shared_zeros(flags, torch.int64))
         store.load_tensors(graph, tensors)
         return store
 

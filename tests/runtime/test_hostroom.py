@@ -10,7 +10,6 @@ from harmony.errors import HarmonyError
 from harmony.models.gpt2 import GPT, GPTConfig, loss_fn
 from harmony.runtime import hostroom
 from harmony.runtime.channels import Slabs
-from harmony.runtime.hoststore import _zeros_shared
 from harmony.runtime.routes import build_routes
 
 CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=16)
@@ -79,7 +78,7 @@ def test_the_compiled_host_memory_is_what_the_runs_store_holds(plan):
 
 
 def test_shared_zeros_are_made_in_shared_memory():
-    t = _zeros_shared(1000, torch.float64)
+    t = hostroom.shared_zeros(1000, torch.float64)
     assert t.is_shared() and t.shape == (1000,) and t.dtype == torch.float64 and not t.any()
 
 
