@@ -131,15 +131,18 @@ class Trainer:
     # ------------------------------------------------------------ state
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's weights and buffers under the original model's names (copies)."""
+        self.launcher.sync()  # state the devices keep across iterations (scheduler/keep.py) first
         return self.store.state_dict(self.plan.graph)
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         self.store.load_tensors(self.plan.graph, state_dict)
+        self.launcher.drop()
 
     def save_checkpoint(self, path: str | Path) -> Path:
         """Weights, buffers, optimizer state, the step, the seed and the global random generators'
         states, written atomically and sealed with a checksum (``harmony.checkpoint``): the file
         appears complete or not at all. ``torch.load(path)["model"]`` loads into the original model."""
+        self.launcher.sync()
         return checkpoint.write(path, checkpoint.snapshot(self.plan, self.store, self.iteration, self.seed,
                                                           self.schedule, self.launcher.loss_scale))
 
@@ -150,11 +153,14 @@ class Trainer:
         decomposition is refused before anything changes. Returns the step."""
         iteration, self.seed = checkpoint.restore(path, self.plan, self.store, restore_rng, self.schedule,
                                                   self.launcher.loss_scale)
+        self.launcher.drop()
         self.launcher.iteration = iteration
         return iteration
 
     # ------------------------------------------------------------ lifetime
     def close(self) -> None:
+        """Stop the workers; the host store (``self.store``) then holds the run's final state,
+        including what the devices kept."""
         self.launcher.close()
 
     def __enter__(self) -> "Trainer":

@@ -150,6 +150,8 @@ class Executor(Admission, PackState, Transport, Compute, Updates):
         self._prefetches = dict(plan.prefetch)  # the states loaded ahead, and at which unit of the task before
         self._next: Task | None = None  # the next task, while its state may still be prefetched
         self._zeros: dict[torch.dtype, torch.Tensor] = {}  # the one element every gradient sink broadcasts
+        self.kept_state: dict[str, torch.Tensor] = {}  # state kept across iterations (scheduler/keep.py)
+        self.kept_optim: dict[str, dict[str, torch.Tensor]] = {}
         # transport.py
         self.local: dict[Any, Any] = {}  # LOCAL outputs waiting on the device for their consumer
         self.slabs = slabs

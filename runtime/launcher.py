@@ -58,6 +58,7 @@ from harmony.runtime.device import Device, cpu_device, cuda_device, memory_check
 from harmony.runtime.executor import Batch, Executor, IterationResult, describe
 from harmony.runtime.flags import Shared
 from harmony.runtime.hoststore import HostStore
+from harmony.scheduler.memory import kept_layers
 from harmony.runtime.routes import Routes, build_routes
 from harmony.runtime.schedule import Rates
 from harmony.runtime.streams import SWITCH_INTERVAL
@@ -75,6 +76,9 @@ __all__ = ["Launcher", "WorkerError", "StepResult"]
 NO_PROMISE = ("the plan's task graph carries no memory promise (TaskGraph.memory), which the runtime admits every "
               "copy against: compile it with harmony.compile or `harmony compile`, or attach one with "
               "harmony.compiler.promise_memory(plan)")
+
+
+SYNC, DROP = "sync", "drop"  # commands besides an iteration: the kept state to the host store, or let go
 
 
 class WorkerError(HarmonyError):
@@ -242,6 +246,10 @@ def _worker_main(ctx: _WorkerContext) -> None:
             command = ctx.commands.get()
             if command is None:
                 break
+            if command in (SYNC, DROP):  # the kept state (scheduler/keep.py) to the host store, or let go
+                executor.sync_kept() if command == SYNC else executor.drop_kept()
+                ctx.results.put((command, ctx.rank, None))
+                continue
             iteration, sent, rates, loss_scale = command
             batch = received(sent, batch)
             result = executor.run_iteration(iteration, batch, rates, loss_scale)
@@ -290,6 +298,8 @@ class Launcher:
         if tasks.memory is None:
             raise HarmonyError(NO_PROMISE)
         check_clipping(tasks, clip_grad_norm)
+        self.keeps = bool(kept_layers(tasks))  # whether the devices keep state across iterations
+        self._closed = False
         self.clip_grad_norm = clip_grad_norm
         self.loss_scale = None
         if needs_loss_scaling(tasks.precision):
@@ -493,11 +503,42 @@ class Launcher:
                         os.kill(p.pid, signal.SIGUSR1)
             time.sleep(1.0)
 
+    # ------------------------------------------------------------ kept state
+    def sync(self) -> None:
+        """Bring the host store up to date: each worker writes back the state its device keeps
+        across iterations (``scheduler/keep.py``); before anyone reads the host store."""
+        self._kept_command(SYNC)
+
+    def drop(self) -> None:
+        """The host store was written (a checkpoint or weights loaded): each worker lets its kept
+        state go, and the next iteration loads it from the host store."""
+        self._kept_command(DROP)
+
+    def _kept_command(self, command: str, close_on_failure: bool = True) -> None:
+        if not self.keeps or self._closed:
+            return
+        for q in self.commands:
+            q.put(command)
+        try:
+            self._collect(command, timeout=self.timeout)
+        except BaseException:
+            self.shared.set_abort()
+            if close_on_failure:
+                self.close()
+            raise
+
     # ------------------------------------------------------------ shutdown
     def close(self) -> None:
-        """Stop every worker (politely, then by force) and free the queues; safe to call twice."""
+        """Stop every worker (politely, then by force) and free the queues; safe to call twice.
+        State the devices keep is written back to the host store first, where the workers are
+        still well: the store then holds the run's result."""
         if self._closed:
             return
+        if self.keeps and not self.shared.aborted() and all(p.is_alive() for p in self.processes):
+            try:
+                self._kept_command(SYNC, close_on_failure=False)
+            except BaseException as exc:  # noqa: BLE001 - closing goes on; the store keeps the last synced state
+                log.warning("could not write the devices' kept state back to the host store: %s", exc)
         self._closed = True
         for q in self.commands:
             try:

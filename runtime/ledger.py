@@ -39,9 +39,10 @@ from typing import Any, Callable, Hashable
 
 import torch
 
-__all__ = ["Ledger", "LEAVING", "STATE"]
+__all__ = ["KEPT", "Ledger", "LEAVING", "STATE"]
 
 STATE = "state"  # the unit name of a task's pack state: held by every unit of the task
+KEPT = ("kept", STATE)  # the owner of state kept on the device across iterations: no task's, never leaving
 LEAVING = "leaving"  # the owner of what an ended unit still holds and nobody keeps
 
 

@@ -9,6 +9,11 @@ again, and the gradients (dW) its parameters collect across tasks.
   update, as the per-GPU-swap baselines do.
 - Gradients: the running gradient a baseline's backward starts from (dW <- SWAP) and the deposits a
   task leaves in this device's host slots for an update elsewhere (dW -> SWAP).
+- Kept: state the plan keeps on the device across iterations (``W <- KEEP``, ``scheduler/keep.py``)
+  is loaded from the host store once, the first time a task reads it, and stays (``kept_state``,
+  held in the ledger as ``KEPT``, outside every task). ``sync_kept`` writes it back to the host
+  store for a reader there (a checkpoint, ``state_dict``); ``drop_kept`` lets it go after the host
+  store was written (a loaded checkpoint), so that the next iteration loads the new values.
 
 Part of ``Executor`` (``executor.py``), mixed in: ``self`` is the executor. Copies into the device
 go through ``admission.py``.
@@ -26,9 +31,10 @@ from harmony.runtime.admission import NoRoom
 from harmony.runtime.channels import Counters, tensor_bytes
 from harmony.runtime.device import Device
 from harmony.runtime.hoststore import HostStore
-from harmony.runtime.ledger import STATE, Ledger
+from harmony.runtime.ledger import KEPT, STATE, Ledger
 from harmony.runtime.routes import Routes
 from harmony.runtime.streams import Stream
+from harmony.scheduler import memory
 from harmony.scheduler.memory import running_gradient_input
 from harmony.scheduler.tasks import Channel, Kind, Task
 
@@ -55,6 +61,8 @@ class PackState:
     _prefetches: dict[int, int]  # per task loaded ahead, the unit of the task before that it loads at
     _next: Task | None  # the next task, while its state may still be prefetched
     _zeros: dict[torch.dtype, torch.Tensor]  # per dtype, the element gradient sinks broadcast
+    kept_state: dict[str, torch.Tensor]  # weights (canonical name) and buffers kept across iterations
+    kept_optim: dict[str, dict[str, torch.Tensor]]  # canonical name -> its optimizer state, kept likewise
 
     def _state_names(self, task: Task) -> list[str]:
         names: list[str] = []
@@ -78,7 +86,8 @@ class PackState:
     def _prefetch_state(self, task: Task) -> None:
         """Load the next task's state while the running one computes, where the plan does (its
         memory counts it beside the running task)."""
-        if task.kind == Kind.UPD or any(t.tensor == "W" and t.channel == Channel.LOCAL for t in task.inputs):
+        if task.kind == Kind.UPD or any(t.tensor == "W" and t.channel in (Channel.LOCAL, Channel.KEEP)
+                                        for t in task.inputs):
             return
         before = self.routes.buffers_after.get(task.id)
         if before is not None and not self.shared.is_done(before, self.iteration):
@@ -105,6 +114,8 @@ class PackState:
             state = self.resident.pop(local.task)
             self.ledger.hold(list(state.values()), (task.id, STATE))
             return state
+        if memory.is_kept(task):
+            return self._kept_pack_state(task)
         before = self.routes.buffers_after.get(task.id)
         if before is not None:
             self._wait_done([before], f"task {task.id} reads the buffers task {before} updates")
@@ -130,6 +141,43 @@ class PackState:
             if group:
                 self._moved("swap-in", "LOAD", (task.id, tensor), tensor_bytes(group))
         return state
+
+    def _kept_pack_state(self, task: Task) -> dict[str, torch.Tensor]:
+        """The pack's state kept on the device, by original name; what is not there yet (the first
+        iteration, or after ``drop_kept``) comes from the host store now, once: a load outside
+        every iteration's plan, which counts the kept bytes as held from its start."""
+        state: dict[str, torch.Tensor] = {}
+        for name in self._state_names(task):
+            parameter = self.layers.state[name].kind == "parameter"
+            key = self.layers.canonical(name) if parameter else name
+            if key not in self.kept_state:
+                source = self._carried(key) if parameter else self.store.view(f"B/{name}")
+                self.kept_state[key] = self._to_device(source, "KEEP", "W" if parameter else "B", count=False, room=0,
+                                                       owner=KEPT)
+            state[name] = self.kept_state[key]
+        return state
+
+    def sync_kept(self) -> None:
+        """Write the kept state back to the host store (weights the devices step, buffers and
+        optimizer state), for a reader of the host store; it stays on the device."""
+        with torch.no_grad(), self.device.host_side():
+            for key, t in self.kept_state.items():
+                if key in self.layers.state and self.layers.state[key].kind != "parameter":
+                    self.store.view(f"B/{key}").copy_(t)
+                elif key in self.routes.owner:  # trainable: frozen weights never change (and may be low copies)
+                    self.store.weight(key).copy_(t)
+            for name, values in self.kept_optim.items():
+                slots = self.store.state(name)
+                for k, v in values.items():
+                    if isinstance(v, torch.Tensor):
+                        slots[k].copy_(v)
+                self.store.mark_state_initialized(name)
+
+    def drop_kept(self) -> None:
+        """Let the kept state go: the host store was written (a checkpoint loaded), and the next
+        iteration loads it anew."""
+        self.kept_state.clear()
+        self.kept_optim.clear()
 
     def _carried(self, name: str) -> torch.Tensor:
         """The weight as it travels: its host master, or for a weight that autocast only casts and
@@ -179,7 +227,7 @@ class PackState:
 
     def _write_buffers(self, task: Task, state: dict[str, torch.Tensor]) -> None:
         """B -> SWAP: buffers changed by the forward (running statistics) go back to the host."""
-        if not any(t.tensor == "B" for t in task.outputs):
+        if not any(t.tensor == "B" and t.channel == Channel.SWAP for t in task.outputs):
             return
         buffers = {name: t for name, t in state.items() if self.layers.state[name].kind != "parameter"}
 
@@ -192,7 +240,7 @@ class PackState:
     def _evict_weights(self, task: Task, state: dict[str, torch.Tensor]) -> None:
         """W -> SWAP without an update (per-GPU-swap baselines evict their weights): the copy is
         made, as the baseline makes it, into a scratch buffer, since the master is unchanged."""
-        if task.id in self.routes.jit or not any(t.tensor == "W" for t in task.outputs):
+        if task.id in self.routes.jit or not any(t.tensor == "W" and t.channel == Channel.SWAP for t in task.outputs):
             return
         params = {self.layers.canonical(n): t for n, t in state.items() if self.layers.state[n].kind == "parameter"}
 

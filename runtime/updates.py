@@ -26,11 +26,12 @@ from harmony.decomposer.layer_graph import LayerGraph
 from harmony.runtime.channels import Counters, tensor_bytes
 from harmony.runtime.device import Device
 from harmony.runtime.hoststore import HostStore
-from harmony.runtime.ledger import STATE, Ledger
+from harmony.runtime.ledger import KEPT, STATE, Ledger
 from harmony.runtime.routes import Routes
 from harmony.runtime.schedule import Rates
 from harmony.runtime.schedule import apply as apply_rates
 from harmony.runtime.streams import Stream
+from harmony.scheduler import memory
 from harmony.scheduler.tasks import Channel, Task
 
 if TYPE_CHECKING:
@@ -52,6 +53,7 @@ class Updates:
     iteration: int
     rates: Rates | None  # this iteration's learning-rate schedule (schedule.py), None without one
     resident: dict[int, dict[str, torch.Tensor]]
+    kept_optim: dict[str, dict[str, torch.Tensor]]  # packstate.py
 
     def _after_backward(self, task: Task, state: dict[str, torch.Tensor], params: dict[str, torch.Tensor],
                         overwrite: bool) -> None:
@@ -80,6 +82,8 @@ class Updates:
         state = self.resident.pop(local.task) if local is not None else None
         if state is not None:  # kept for this task by the one before: now this task's state
             self.ledger.hold(list(state.values()), (task.id, STATE))
+        elif memory.is_kept(task):  # kept on the device across iterations
+            state = self._kept_pack_state(task)
         owned = self.routes.updates.get(task.id, [])
         params = {}
         for name in owned:
@@ -125,8 +129,11 @@ class Updates:
             leaves[name] = leaf
         opt = self.build_optimizer(list(leaves.values()))
         apply_rates(opt, leaves, self.rates)
+        kept = any(t.tensor == "K" and t.channel == Channel.KEEP for t in task.inputs)
         for name, leaf in leaves.items():
-            if self.store.state_initialized(name):
+            if kept:
+                self._kept_optimizer_state(name, leaf, opt)
+            elif self.store.state_initialized(name):
                 opt.state[leaf] = {k: (self._to_device(v, "SWAP", "K") if v.dim() > 0 else v.clone())
                                    for k, v in self.store.state(name).items()}
             else:  # the first step starts from an empty state; the (zero) slots still come in
@@ -140,11 +147,25 @@ class Updates:
         opt.step()
         new_state = {name: dict(opt.state[leaf]) for name, leaf in leaves.items()}
         # a first step makes its optimizer state itself (the zero slots that came in are not it)
-        self.ledger.hold([v for values in new_state.values() for v in values.values()], (task.id, STATE))
-        weights = {name: leaf.detach() for name, leaf in leaves.items()}
+        self.ledger.hold([v for values in new_state.values() for v in values.values()], KEPT if kept else (task.id, STATE))
         for leaf in leaves.values():
             leaf.grad = None
+        if kept:  # the weights were stepped in place; the state stays for the next step
+            self.kept_optim.update(new_state)
+            return
+        weights = {name: leaf.detach() for name, leaf in leaves.items()}
         self._write_state(task, weights, new_state, write)
+
+    def _kept_optimizer_state(self, name: str, leaf: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+        """A kept weight's optimizer state for its step: the device's copy, or once (the first
+        iteration, or after ``drop_kept``) the host store's, if it has been stepped; a first step
+        makes its own."""
+        values = self.kept_optim.get(name)
+        if values is None and self.store.state_initialized(name):
+            values = {k: (self._to_device(v, "KEEP", "K", count=False, room=0, owner=KEPT) if v.dim() > 0 else v.clone())
+                      for k, v in self.store.state(name).items()}
+        if values is not None:
+            opt.state[leaf] = values
 
     def _write_state(self, task: Task, weights: dict, states: dict, write: bool) -> None:
         """W, K -> SWAP after a step: into the master (the writer) or a scratch copy (a replica)."""

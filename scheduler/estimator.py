@@ -473,6 +473,7 @@ class _Simulation:
         self._build_update_dependencies()
         self._build_unread_outputs()
         self._build_state()
+        self._build_kept(graph)
 
     # ------------------------------------------------------------------------------ building
     def _build_slots(self, graph: TaskGraph) -> None:
@@ -794,6 +795,13 @@ class _Simulation:
                     pu.end_xfers.append(y)
                 elif o.channel == Channel.LOCAL and o.task in by_id and slot_of[by_id[o.task].device] == s:
                     self.units_of[o.task][-1].release_end += o.nbytes
+
+    def _build_kept(self, graph: TaskGraph) -> None:
+        """State kept on a device across iterations (``keep.py``) is there from time zero."""
+        for device, n in memory.kept_bytes(graph, self.profile).items():
+            s = self.slot_of[device]
+            self.mem[s] += n
+            self.peak[s] = max(self.peak[s], self.mem[s])
 
     def _build_state(self) -> None:
         """The streams, queues and counters at time zero."""

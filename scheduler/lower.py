@@ -504,7 +504,8 @@ def buffer_chain(graph: TaskGraph) -> dict[int, int]:
     after: dict[int, int] = {}
     writers: list[Task] = []
     for task in graph.tasks:
-        if not any(t.tensor == "B" for t in task.outputs):
+        # (buffers kept on a device change there, in the device's order of tasks: no chain to wait on)
+        if not any(t.tensor == "B" and t.channel == Channel.SWAP for t in task.outputs):
             continue
         for earlier in reversed(writers):
             if earlier.first <= task.last and task.first <= earlier.last:

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from harmony.profiling.profiles import Profile
 from .tasks import HOST, Channel, Kind, MemoryPlan, Task, Transfer
 
-__all__ = ["TaskMemory", "covers", "fused_update", "input_unit", "memory_plan", "reserve", "resident_bytes",
+__all__ = ["TaskMemory", "covers", "fused_update", "input_unit", "is_kept", "kept_bytes", "kept_layers", "memory_plan",
+           "reserve", "resident_bytes",
            "running_gradient_input", "stash_layers", "stashes_every_layer", "task_key", "task_memory",
            "unit_holds"]
 
@@ -93,7 +94,35 @@ def task_key(task: Task, stashes: tuple[int, ...] = ()) -> tuple:
     """What ``task_memory`` depends on, for caching across the many graphs of a search."""
     return (task.kind, task.loss, fused_update(task), task.jit_update(), task.device == HOST, task.first, task.last,
             tuple(task.microbatches), stashes, _update_inputs(task) if fused_update(task) else 0,
-            _running_gradient(task), stashes_every_layer(task))
+            _running_gradient(task), stashes_every_layer(task), is_kept(task))
+
+
+def is_kept(task: Task) -> bool:
+    """Whether the task's pack state stays on its device across iterations (``keep.py``): it reads
+    its weights from KEEP."""
+    return any(t.tensor == "W" and t.channel == Channel.KEEP for t in task.inputs)
+
+
+def kept_layers(graph) -> dict[int, int]:
+    """Layer -> the device its state is kept on, of every kept layer of ``graph``."""
+    return {layer: task.device for task in graph.tasks if is_kept(task) for layer in range(task.first, task.last + 1)}
+
+
+def kept_bytes(graph, profile: Profile) -> dict[int, int]:
+    """Per device, the bytes of the state kept there across iterations (weights, buffers, optimizer
+    state; a tied weight once): a reservation held from the first iteration on."""
+    by_device: dict[int, set[int]] = {}
+    for layer, device in kept_layers(graph).items():
+        by_device.setdefault(device, set()).add(layer)
+    held: dict[int, int] = {}
+    for device, layers in by_device.items():
+        total = sum(profile.layers[l].w_bytes + profile.layers[l].b_bytes + profile.layers[l].k_bytes for l in layers)
+        for tie in profile.ties:
+            inside = sum(1 for l in tie.layers if l in layers)
+            if inside > 1:
+                total -= (inside - 1) * (tie.w_bytes + tie.k_bytes)
+        held[device] = total
+    return held
 
 
 def task_memory(task: Task, profile: Profile, stashes: tuple[int, ...] = ()) -> TaskMemory:
@@ -104,11 +133,12 @@ def task_memory(task: Task, profile: Profile, stashes: tuple[int, ...] = ()) -> 
     first, last = task.first, task.last
     layers = profile.layers[first:last + 1]
     weights = sum(layer.w_bytes + layer.b_bytes for layer in layers)
+    kept = is_kept(task)  # its state is the device's kept reservation (``kept_bytes``), not the task's
     if task.kind == Kind.UPD:
         return TaskMemory(0, (profile.pack_update_memory(first, last),))
     if task.kind == Kind.FWD:
         work = tuple(profile.pack_fwd_memory(first, last, u, stashes) - weights for u in task.microbatches)
-        return TaskMemory(weights, work or (0,))
+        return TaskMemory(0 if kept else weights, work or (0,))
     gradients = sum(layer.dw_bytes for layer in layers)
     # a recompute runs on copies of the buffers, so that running statistics are updated once
     scratch = 0 if task.loss else sum(layer.b_bytes for layer in layers)
@@ -118,10 +148,10 @@ def task_memory(task: Task, profile: Profile, stashes: tuple[int, ...] = ()) -> 
     work = tuple(pack(first, last, u, accumulate=bool(j) or running) - weights - gradients + scratch
                  for j, u in enumerate(task.microbatches))
     if fused_update(task):
-        optimizer = sum(layer.k_bytes for layer in layers)
+        optimizer = 0 if kept else sum(layer.k_bytes for layer in layers)
         steps = task.jit_update()
         work += ((optimizer + _update_inputs(task) + profile.pack_update_memory(first, last)) if steps else 0,)
-    return TaskMemory(weights + gradients, work or (0,))
+    return TaskMemory((0 if kept else weights) + gradients, work or (0,))
 
 
 def input_unit(task: Task, tensor: str, microbatch: int | None, units: int) -> int:
@@ -173,7 +203,7 @@ def unit_holds(task: Task, profile: Profile, stashes: tuple[int, ...] = (),
     uncovered = sum(t.nbytes for t in task.inputs
                     if not covers(task, input_unit(task, t.tensor, t.microbatch, units), units, t.tensor,
                                   running_gradient_input(task, t, by_id))
-                    and t.channel not in (Channel.SHM, Channel.LOCAL))
+                    and t.channel not in (Channel.SHM, Channel.LOCAL, Channel.KEEP))
     return tuple(held.state + work + uncovered for work in held.work)
 
 

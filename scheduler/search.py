@@ -16,10 +16,11 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 from harmony.scheduler import packing
 from harmony.scheduler.estimator import Estimate, estimate, task_compute_seconds
+from harmony.scheduler.keep import KEEP_MODES, keep_state
 from harmony.scheduler.machine import Machine
 from harmony.profiling.profiles import Profile
 from harmony.scheduler.taskgraph import generate
@@ -121,6 +122,7 @@ def search(
     keep_candidates: bool = False,
     same_u: bool = False,
     coarse: bool = False,
+    keep: bool = True,
     **options,
 ) -> SearchResult:
     """Search configurations for ``mode`` and return the best one with its graph and estimate.
@@ -134,6 +136,9 @@ def search(
 
     ``coarse`` searches the per-GPU-swap baselines over fewer pack counts (``pack_doublings``):
     a compile's comparison table, where their whole ladder would take a hundred times pp's search.
+
+    ``keep``: a configuration whose packs the devices have room to keep across iterations is also
+    tried so (``keep.py``: their state is not moved, and their update runs on the device).
 
     Other ``options`` go to the task-graph generator: ``update`` fixes where the update runs, and
     the ablation switches of ``pp`` / ``dp`` (``grouping``, ``jit_update``, ``p2p``; see
@@ -151,7 +156,7 @@ def search(
         tried.add(extra)
         try:
             result = _search(profile, machine, mode, devices, minibatch, capacity, extra, sizes, keep_candidates, same_u,
-                             coarse, options)
+                             coarse, keep, options)
         except NoFeasibleConfiguration as exc:
             overflowed += exc.overflowed
             if extra >= len(profile.layers):
@@ -186,7 +191,7 @@ def pack_doublings(mode: str, coarse: bool = False) -> tuple[int, int]:
 
 
 def _search(profile, machine, mode, devices, minibatch, capacity, extra_packs, sizes, keep_candidates, same_u,
-            coarse, options) -> SearchResult:
+            coarse, keep, options) -> SearchResult:
     start = time.perf_counter()
     per_device = minibatch if mode not in ("dp", "dp-swap", "dp-swap-r") else -(-minibatch // devices)
     bwd_doublings, fwd_doublings = pack_doublings(mode, coarse)
@@ -198,7 +203,8 @@ def _search(profile, machine, mode, devices, minibatch, capacity, extra_packs, s
             for u_f in ([u_b] if u_b <= max(u_fs) else []) if same_u else u_fs:
                 for p_f in _packings(profile, u_f, capacity, "fwd", p_b[-1], extra_packs, fwd_doublings):
                     config = Configuration(u_f=u_f, packs_f=p_f, u_b=u_b, packs_b=p_b)
-                    pending.append((quick_bound(mode, profile, config, devices, minibatch, machine), len(pending), config))
+                    pending.append((quick_bound(mode, profile, config, devices, minibatch, machine, keep), len(pending),
+                                    config))
     # equal bounds, U_F = U_B first: where the forward is one pack (the loss task's, run at U_B) U_F
     # changes nothing, and the first of equal estimates is kept; the plan then says U_F = U_B
     pending.sort(key=lambda c: (c[0], c[2].u_f != c[2].u_b, c[1]))
@@ -209,12 +215,7 @@ def _search(profile, machine, mode, devices, minibatch, capacity, extra_packs, s
     for quick, _, config in pending:
         if best is not None and quick >= best[0] and not keep_candidates:
             break
-        for variant in _variants(mode, options):
-            try:
-                graph = generate(mode, profile, config, devices, minibatch, **variant)
-            except ValueError as exc:  # a configuration this mode cannot use (e.g. fewer packs than stages)
-                log.debug("skipping %s for %s: %s", config, mode, exc)
-                continue
+        for variant, graph in _graphs(mode, profile, config, devices, minibatch, capacity, keep, options):
             built += 1
             if best is not None and lower_bound(graph, profile, machine) >= best[0] and not keep_candidates:
                 continue
@@ -310,12 +311,14 @@ def _transfer_of(label: str) -> tuple[str, int]:
     return tensor, nbytes
 
 
-def quick_bound(mode: str, profile: Profile, config: Configuration, devices: int, minibatch: int, machine: Machine) -> float:
+def quick_bound(mode: str, profile: Profile, config: Configuration, devices: int, minibatch: int, machine: Machine,
+                keep: bool = False) -> float:
     """A lower bound computed from the configuration alone, before any task graph is built.
 
     Compute: in ``pp`` the busiest device of the wrap-around binding, elsewhere one device's share.
     Swaps: every pack's weights come from the host at least once per pass (the last pack once):
-    once in ``pp``, on every device in ``dp``, and per microbatch in the per-GPU-swap baselines.
+    once in ``pp``, on every device in ``dp``, and per microbatch in the per-GPU-swap baselines;
+    none where ``keep`` may keep them on the devices (``keep.py``).
     """
     layers = profile.layers
     last = config.packs_f[-1]
@@ -343,7 +346,9 @@ def quick_bound(mode: str, profile: Profile, config: Configuration, devices: int
     w_all = sum(layer.w_bytes for layer in layers)
     w_last = sum(layer.w_bytes for layer in layers[last[0]:last[1] + 1])
     per_pass = 2 * w_all - w_last  # every pack's weights once per pass, the last pack's once
-    if mode == "pp":
+    if keep and mode in KEEP_MODES:
+        weights_in = 0
+    elif mode == "pp":
         weights_in = per_pass
     elif mode == "dp":
         weights_in = devices * per_pass
@@ -368,6 +373,23 @@ def lower_bound(graph: TaskGraph, profile: Profile, machine: Machine) -> float:
             if t.channel == Channel.SWAP:
                 swap_out += t.nbytes
     return max(max(busy.values(), default=0.0), swap_in / machine.h2d_all, swap_out / machine.d2h_all)
+
+
+def _graphs(mode: str, profile: Profile, config: Configuration, devices: int, minibatch: int, capacity: int,
+            keep: bool, options: dict) -> Iterator[tuple[dict, TaskGraph]]:
+    """(generator options, task graph) of each variant of ``config`` to estimate: where the update
+    runs and, with ``keep``, a device update's graph with the state the devices have room for kept
+    there (tried first: it moves the least)."""
+    for variant in _variants(mode, options):
+        try:
+            graph = generate(mode, profile, config, devices, minibatch, **variant)
+        except ValueError as exc:  # a configuration this mode cannot use (e.g. fewer packs than stages)
+            log.debug("skipping %s for %s: %s", config, mode, exc)
+            continue
+        kept = keep_state(graph, profile, capacity) if keep and variant.get("update") == "device" else None
+        if kept is not None:
+            yield {**variant, "keep": True}, kept
+        yield variant, graph
 
 
 def _variants(mode: str, options: dict) -> list[dict]:

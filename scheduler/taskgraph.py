@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from harmony.profiling.profiles import Profile
+from harmony.scheduler.keep import keep_state
 from harmony.scheduler.tasks import HOST, Channel, Configuration, Kind, Task, TaskGraph, Transfer, microbatch_sizes
 
 MODES = ("pp", "dp", "dp-swap", "dp-swap-r", "gpipe-swap", "gpipe-swap-r", "1f1b-swap", "1f1b-swap-r")
@@ -605,11 +606,12 @@ def with_norm(graph: TaskGraph) -> TaskGraph:
 
 
 def generate(mode: str, profile: Profile, config: Configuration, devices: int, minibatch: int, gated: bool = False,
-             **options) -> TaskGraph:
+             keep: bool = False, **options) -> TaskGraph:
     """The task graph of one iteration of ``config`` in ``mode``; ``gated``: one whose updates wait
     for the whole gradient (``with_norm``: clipping needs its norm, fp16 whether it overflowed).
     Weights the profile counts in low precision travel so: frozen ones always, trainable ones
-    where the host steps them (``Profile.for_update``)."""
+    where the host steps them (``Profile.for_update``). ``keep``: the state that can stay on its
+    device across iterations does (``keep.py``; whether it fits is the estimate's to say)."""
     if gated and mode == "pp" and options.get("update", "device") == "device":
         options = {**options, "jit_update": False}
     profile = profile.for_update(update_side(mode, options))
@@ -618,6 +620,8 @@ def generate(mode: str, profile: Profile, config: Configuration, devices: int, m
         graph = with_norm(graph)
     # the weights' bytes are the profile's, which counts these copies in low precision: the runtime moves them so
     graph.low_copies = {c.name: c.dtype for c in profile.low_copies}
+    if keep:
+        graph = keep_state(graph, profile, None) or graph
     return graph
 
 

@@ -31,6 +31,7 @@ class Channel(str, Enum):
     MSG = "MSG"  # host <-> host between worker processes
     SHM = "SHM"  # shared host memory (master weights, optimizer state): no copy
     LOCAL = "LOCAL"  # stays resident on the device from an earlier task
+    KEEP = "KEEP"  # stays on the device across iterations (state a device has room to keep: ``keep.py``)
 
 
 class Kind(str, Enum):

@@ -1,0 +1,110 @@
+"""Kept state: packs whose weights, buffers and optimizer state stay on their device across
+iterations, where the device has room for them.
+
+Harmony's plans move every pack's state in from host memory and out again each iteration: that is
+what lets a model far larger than the devices train at all. A model (or the part of it a device
+runs) that fits beside its working memory pays for those copies, and for an optimizer step on the
+host, for nothing: eager training on one device moves none of it. ``keep_state`` rewrites a task
+graph so that such state stays put:
+
+- a layer is *kept* on device ``d`` when every task over it runs on ``d`` and every trainable
+  weight of it is stepped there (a backward's fused update, or a UPD task on ``d``): no other
+  device and not the host ever reads or changes its state. A tied weight's layers are kept
+  together or not at all; a weight the host steps as a low-precision copy is never kept;
+- a task reads state from ``KEEP`` only if all of its layers are kept (a task loads its pack's
+  state whole): layers shared with a task that cannot are let go, until nothing changes;
+- the kept tasks' state inputs (W, B; K of their update) and outputs (the stepped W and K, the
+  buffers a forward changed) become ``KEEP`` transfers of no bytes: nothing moves. Gradients still
+  travel as before (a tied weight's share handed over through host memory, deposits for a NORM
+  task).
+
+The kept bytes (``memory.kept_bytes``) are a static reservation: held on the device from the first
+iteration on, counted by the estimator from time zero and by the runtime's ledger outside every
+task. The host store's copy of kept state is stale between iterations; the runtime writes it
+back whenever someone reads the host store (``Launcher.sync``: a checkpoint, ``state_dict``, the
+end of a run) and drops the device copies when someone writes it (``Launcher.drop``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from harmony.profiling.profiles import Profile
+from .memory import kept_bytes, task_memory
+from .tasks import HOST, Channel, Kind, Task, TaskGraph, Transfer
+
+__all__ = ["KEEP_MODES", "keep_state", "keepable_layers"]
+
+# the modes whose packs may keep their state: Harmony's own. The per-GPU-swap baselines swap every
+# pack by their nature (that is what they stand for in a comparison).
+KEEP_MODES = ("pp", "dp")
+_STATE = ("W", "B", "K")
+
+
+def keepable_layers(graph: TaskGraph, profile: Profile) -> dict[int, int]:
+    """Layer -> the device it can be kept on (see the module docs)."""
+    layers = len(profile.layers)
+    devices: dict[int, set[int]] = {layer: set() for layer in range(layers)}
+    stepped: dict[int, set[int]] = {layer: set() for layer in range(layers)}
+    for task in graph.tasks:
+        steps = task.kind == Kind.UPD or task.jit_update()
+        for layer in range(task.first, task.last + 1):
+            devices[layer].add(task.device)
+            if steps:
+                stepped[layer].add(task.device)
+    hosted = {c.layer for c in profile.low_copies if c.trainable}
+    keep: dict[int, int] = {}
+    for layer, on in devices.items():
+        if len(on) != 1 or HOST in on or layer in hosted:
+            continue
+        device = next(iter(on))
+        if profile.layers[layer].dw_bytes and stepped[layer] != {device}:
+            continue  # a trainable layer stepped elsewhere (the host) or not by one task of its device
+        keep[layer] = device
+    for tie in profile.ties:  # a tied weight is one tensor: all its layers on one device, or none kept
+        if len({keep.get(layer) for layer in tie.layers}) != 1 or tie.layers[0] not in keep:
+            for layer in tie.layers:
+                keep.pop(layer, None)
+    changed = True
+    while changed:  # a task loads its pack's state whole: kept only where every layer of it is
+        changed = False
+        for task in graph.tasks:
+            span = range(task.first, task.last + 1)
+            if task.device != HOST and any(layer in keep for layer in span) and not all(layer in keep for layer in span):
+                for layer in span:
+                    changed |= keep.pop(layer, None) is not None
+                for tie in profile.ties:
+                    if any(layer in span for layer in tie.layers):
+                        for layer in tie.layers:
+                            changed |= keep.pop(layer, None) is not None
+    return keep
+
+
+def keep_state(graph: TaskGraph, profile: Profile, capacity: int | None) -> TaskGraph | None:
+    """``graph`` with every keepable pack's state kept on its device (module docs), or None where
+    nothing can be kept or, given ``capacity``, where a device's kept state and its largest task
+    would not fit together (the estimate says whether the whole does). ``graph`` is not changed."""
+    if graph.mode not in KEEP_MODES:
+        return None
+    profile = profile.for_graph(graph)
+    keep = keepable_layers(graph, profile)
+    if not keep:
+        return None
+    tasks = [_kept_task(task) if task.device != HOST and task.first in keep else task for task in graph.tasks]
+    kept = dataclasses.replace(graph, tasks=tasks, memory=None)
+    if capacity is not None:
+        held = kept_bytes(kept, profile)
+        if any(held.get(t.device, 0) + task_memory(t, profile).peak > capacity for t in tasks if t.device != HOST):
+            return None
+    return kept
+
+
+def _kept_task(task: Task) -> Task:
+    """The task with its state transfers (and its update's) KEEP: nothing moves."""
+    inputs = [_kept(t) if t.tensor in _STATE and t.channel in (Channel.SWAP, Channel.LOCAL) else t for t in task.inputs]
+    outputs = [_kept(t) if t.tensor in _STATE and t.channel == Channel.SWAP else t for t in task.outputs]
+    return dataclasses.replace(task, inputs=inputs, outputs=outputs)
+
+
+def _kept(t: Transfer) -> Transfer:
+    return Transfer(t.tensor, Channel.KEEP, 0)
