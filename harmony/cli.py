@@ -150,6 +150,11 @@ def _training_arguments(p: argparse.ArgumentParser) -> None:
                    help="device compute: fp32, or bf16 / fp16 under torch.autocast with float32 weights, gradients "
                         "and optimizer state; fp16 also scales the loss and skips overflowing steps as "
                         "torch.amp.GradScaler does (default fp32)")
+    p.add_argument("--no-keep-state", action="store_true",
+                   help="move every pack's weights and optimizer state in from host memory and out again each "
+                        "iteration, even where a device has room to keep them (by default a plan keeps them on the "
+                        "device, steps them there and writes them back to host memory when it is read: a checkpoint, "
+                        "the end of the run)")
 
 
 def _cmd_compile(ns: argparse.Namespace) -> int:
@@ -159,7 +164,7 @@ def _cmd_compile(ns: argparse.Namespace) -> int:
         minibatch=ns.minibatch, devices=ns.devices, device_memory=ns.device_memory, mode=ns.mode,
         device_type=ns.device, analytic=ns.analytic, compare=not ns.no_compare, trials=ns.trials,
         probe=not ns.no_probe, memory_margin=ns.memory_margin, clip_grad_norm=ns.clip_grad_norm,
-        precision=ns.precision, extra={"args": ns.args},
+        precision=ns.precision, keep_state=not ns.no_keep_state, extra={"args": ns.args},
     )
     options.validate()
     mf, model, graph = _load_and_decompose(ns, meta=bool(ns.analytic))
@@ -376,12 +381,13 @@ def _plan_for_run(ns: argparse.Namespace):
     key = {"minibatch": ns.minibatch, "devices": ns.devices, "device_memory": ns.device_memory, "mode": ns.mode,
            "device_type": ns.device, "probe": not ns.no_probe, "args": sorted(ns.args), "depth": ns.depth,
            "modules": ns.modules, "opaque": sorted(ns.opaque), "method": ns.method,
-           "memory_margin": ns.memory_margin, "clip_grad_norm": ns.clip_grad_norm, "precision": ns.precision}
+           "memory_margin": ns.memory_margin, "clip_grad_norm": ns.clip_grad_norm, "precision": ns.precision,
+           "keep_state": not ns.no_keep_state}
     options = CompileOptions(
         minibatch=ns.minibatch, devices=ns.devices, device_memory=ns.device_memory, mode=ns.mode,
         device_type=ns.device, compare=False, trials=ns.trials, probe=not ns.no_probe,
         memory_margin=ns.memory_margin, clip_grad_norm=ns.clip_grad_norm, precision=ns.precision,
-        extra={"args": ns.args, "run_options": key},
+        keep_state=not ns.no_keep_state, extra={"args": ns.args, "run_options": key},
     )
     options.validate()
     directory = ns.out or cache_dir(mf.source_hash, key)

@@ -62,6 +62,7 @@ class CompileOptions:
     search_workers: int | None = None  # processes comparing the other modes (None: one per core; scheduler/comparison.py)
     clip_grad_norm: float | None = None  # global-norm gradient clipping: every update waits for the norm
     precision: str = "fp32"  # device compute: fp32, or bf16 under autocast (runtime/precision.py)
+    keep_state: bool = True  # state a device has room for stays there across iterations (scheduler/keep.py)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -90,7 +91,10 @@ class CompileOptions:
 
     def search_options(self) -> dict[str, Any]:
         """What the task graphs must do beyond the mode's default."""
-        return {"gated": True} if self.gated() else {}
+        options: dict[str, Any] = {"gated": True} if self.gated() else {}
+        if not self.keep_state:
+            options["keep"] = False
+        return options
 
     def capacity(self) -> int | None:
         if self.device_memory is None:
@@ -185,7 +189,7 @@ def _compile_plan(model, get_batch, build_optimizer, options: CompileOptions, mo
             "minibatch": options.minibatch, "devices": options.devices, "mode": options.mode,
             "device_type": options.device_type, "device_memory": capacity, "analytic": options.analytic,
             "same_u": same_u, "planned_memory": planned, "clip_grad_norm": options.clip_grad_norm,
-            "precision": options.precision, **options.extra,
+            "precision": options.precision, "keep_state": options.keep_state, **options.extra,
         },
         comparison=comparison, model_file=model_file, model_sha256=model_sha256,
         search={"explored": chosen.explored, "pruned": chosen.pruned, "seconds": chosen.seconds},

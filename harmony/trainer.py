@@ -135,8 +135,11 @@ class Trainer:
         return self.store.state_dict(self.plan.graph)
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load weights and buffers (all or some, by the original model's names); the optimizer
+        state carries on."""
+        self.launcher.sync()  # what the devices keep, in the host store before some of it is replaced
         self.store.load_tensors(self.plan.graph, state_dict)
-        self.launcher.drop()
+        self.launcher.drop(optimizer=False)
 
     def save_checkpoint(self, path: str | Path) -> Path:
         """Weights, buffers, optimizer state, the step, the seed and the global random generators'
@@ -151,6 +154,7 @@ class Trainer:
         runtime's dropout masks follow from the seed and the step) and, with ``restore_rng``, the
         global random generators. A file that is damaged or was saved for another model or
         decomposition is refused before anything changes. Returns the step."""
+        self.launcher.sync()  # a file refused leaves the store as it was: current
         iteration, self.seed = checkpoint.restore(path, self.plan, self.store, restore_rng, self.schedule,
                                                   self.launcher.loss_scale)
         self.launcher.drop()

@@ -78,7 +78,8 @@ NO_PROMISE = ("the plan's task graph carries no memory promise (TaskGraph.memory
               "harmony.compiler.promise_memory(plan)")
 
 
-SYNC, DROP = "sync", "drop"  # commands besides an iteration: the kept state to the host store, or let go
+# commands besides an iteration: the kept state to the host store; let go (all, or the weights and buffers)
+SYNC, DROP, DROP_WEIGHTS = "sync", "drop", "drop-weights"
 
 
 class WorkerError(HarmonyError):
@@ -246,8 +247,8 @@ def _worker_main(ctx: _WorkerContext) -> None:
             command = ctx.commands.get()
             if command is None:
                 break
-            if command in (SYNC, DROP):  # the kept state (scheduler/keep.py) to the host store, or let go
-                executor.sync_kept() if command == SYNC else executor.drop_kept()
+            if command in (SYNC, DROP, DROP_WEIGHTS):  # the kept state (scheduler/keep.py) to the host store, or let go
+                executor.sync_kept() if command == SYNC else executor.drop_kept(optimizer=command == DROP)
                 ctx.results.put((command, ctx.rank, None))
                 continue
             iteration, sent, rates, loss_scale = command
@@ -509,10 +510,10 @@ class Launcher:
         across iterations (``scheduler/keep.py``); before anyone reads the host store."""
         self._kept_command(SYNC)
 
-    def drop(self) -> None:
-        """The host store was written (a checkpoint or weights loaded): each worker lets its kept
-        state go, and the next iteration loads it from the host store."""
-        self._kept_command(DROP)
+    def drop(self, optimizer: bool = True) -> None:
+        """The host store was written (a checkpoint, or weights alone without ``optimizer``): each
+        worker lets that kept state go, and the next iteration loads it from the host store."""
+        self._kept_command(DROP if optimizer else DROP_WEIGHTS)
 
     def _kept_command(self, command: str, close_on_failure: bool = True) -> None:
         if not self.keeps or self._closed:

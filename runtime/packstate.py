@@ -13,7 +13,7 @@ again, and the gradients (dW) its parameters collect across tasks.
   is loaded from the host store once, the first time a task reads it, and stays (``kept_state``,
   held in the ledger as ``KEPT``, outside every task). ``sync_kept`` writes it back to the host
   store for a reader there (a checkpoint, ``state_dict``); ``drop_kept`` lets it go after the host
-  store was written (a loaded checkpoint), so that the next iteration loads the new values.
+  store was written (weights or a checkpoint loaded), so that the next iteration loads the new values.
 
 Part of ``Executor`` (``executor.py``), mixed in: ``self`` is the executor. Copies into the device
 go through ``admission.py``.
@@ -173,11 +173,12 @@ class PackState:
                         slots[k].copy_(v)
                 self.store.mark_state_initialized(name)
 
-    def drop_kept(self) -> None:
-        """Let the kept state go: the host store was written (a checkpoint loaded), and the next
-        iteration loads it anew."""
+    def drop_kept(self, optimizer: bool = True) -> None:
+        """Let the kept weights and buffers go, and with ``optimizer`` their optimizer state: the host
+        store was written (weights, a checkpoint loaded), and the next iteration loads them anew."""
         self.kept_state.clear()
-        self.kept_optim.clear()
+        if optimizer:
+            self.kept_optim.clear()
 
     def _carried(self, name: str) -> torch.Tensor:
         """The weight as it travels: its host master, or for a weight that autocast only casts and

@@ -47,6 +47,7 @@ from harmony.runtime.channels import Aborted
 from harmony.runtime.flags import Shared
 from harmony.runtime.hoststore import HostStore
 from harmony.runtime.routes import Routes
+from harmony.scheduler import memory
 from harmony.scheduler.tasks import HOST, Kind, Task
 
 log = logging.getLogger(__name__)
@@ -74,8 +75,9 @@ def task_writes(task: Task, routes: Routes, layers: LayerGraph, store: HostStore
     keys: list[str] = []
     flags: list[int] = []
     index = {name: i for i, name in enumerate(layout.params)}
+    kept = memory.is_kept(task)  # its state stays on the device: written back only by ``kept_writes``
     writes_buffers = task.kind == Kind.FWD or (task.kind == Kind.BWD and task.loss)
-    if writes_buffers and any(t.tensor == "B" for t in task.outputs):
+    if writes_buffers and not kept and any(t.tensor == "B" for t in task.outputs):
         for layer in range(task.first, task.last + 1):
             for name in layers.layers[layer].state:
                 if layers.state[name].kind != "parameter" and f"B/{name}" not in keys:
@@ -90,12 +92,44 @@ def task_writes(task: Task, routes: Routes, layers: LayerGraph, store: HostStore
         if f"G/{task.device}/{name}" in layout.entries:
             keys.append(f"G/{task.device}/{name}")
             flags.append(_stamp_index(layout.params, index, task.device, name))
-    if _steps_master(task, routes):
-        for name in routes.updates.get(task.id, []):
-            keys.append(f"W/{name}")
-            keys += [f"L/{name}"] if f"L/{name}" in layout.entries else []
-            keys += [f"K/{name}/{key}" for key in layout.state_keys.get(name, [])]
-            flags.append(index[name])
+    if _steps_master(task, routes) and not kept:
+        stepped = routes.updates.get(task.id, [])
+        keys += _master_keys(stepped, layout)
+        flags += [index[name] for name in stepped]
+    return _writes(keys, flags, layout)
+
+
+def kept_writes(rank: int, routes: Routes, layers: LayerGraph, store: HostStore) -> Writes:
+    """The regions ``Executor.sync_kept`` writes on device ``rank``: the buffers, and the weights and
+    optimizer state its tasks step, of every pack it keeps (``scheduler/keep.py``)."""
+    layout = store.layout
+    index = {name: i for i, name in enumerate(layout.params)}
+    keys: list[str] = []
+    flags: list[int] = []
+    for task in routes.graph.tasks:
+        if task.device != rank or not memory.is_kept(task):
+            continue
+        for layer in range(task.first, task.last + 1):
+            for name in layers.layers[layer].state:
+                if layers.state[name].kind != "parameter" and f"B/{name}" not in keys:
+                    keys.append(f"B/{name}")
+        stepped = routes.updates.get(task.id, [])
+        keys += _master_keys(stepped, layout)
+        flags += [index[name] for name in stepped]
+    return _writes(list(dict.fromkeys(keys)), sorted(set(flags)), layout)
+
+
+def _master_keys(names: list[str], layout) -> list[str]:
+    """The host-store entries of the weights ``names``: masters, low-precision copies, optimizer state."""
+    keys: list[str] = []
+    for name in names:
+        keys.append(f"W/{name}")
+        keys += [f"L/{name}"] if f"L/{name}" in layout.entries else []
+        keys += [f"K/{name}/{key}" for key in layout.state_keys.get(name, [])]
+    return keys
+
+
+def _writes(keys: list[str], flags: list[int], layout) -> Writes:
     spans = sorted((layout.entries[k].offset, layout.entries[k].nbytes) for k in keys if layout.entries[k].nbytes)
     return Writes(spans=_merge(spans), flags=flags)
 
@@ -199,6 +233,12 @@ class Replicator:
 
     def read(self, task: int, iteration: int) -> None:
         self._queue(["read", self.rank, task, iteration])
+
+    def synced(self, writes: Writes) -> None:
+        """This rank wrote its kept state back (``kept_writes``): those regions, as they are now, to
+        every other node (``flush`` waits until they are applied)."""
+        spans = [[o, self._buffer[o:o + n].tobytes()] for o, n in writes.spans]
+        self._queue(["sync", self.rank, spans, [[i, int(self._flags[i])] for i in writes.flags]])
 
     def _queue(self, message: list) -> None:
         with self._cond:
@@ -307,7 +347,7 @@ class Replicator:
                                      "did node 0 stop?")
                     Shared.set_abort(self.shared)
                 return
-            if message[0] in ("done", "read"):
+            if message[0] in ("done", "read", "sync"):
                 try:
                     store.add(_ack_key(message[1], self.node), 1)
                 except Exception:  # noqa: BLE001 - reported by the next pop
@@ -326,6 +366,12 @@ class Replicator:
             Shared.mark_done(self.shared, task, iteration)
         elif kind == "read":
             Shared.mark_read(self.shared, message[2], message[3])
+        elif kind == "sync":
+            _, _, spans, flags = message
+            for offset, data in spans:
+                self._buffer[offset:offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+            for i, value in flags:
+                self._flags[i] = value
         elif kind == "abort":
             self._set_reason(message[2])
             Shared.set_abort(self.shared)

@@ -61,10 +61,11 @@ from harmony.runtime.launcher import NO_PROMISE, StepResult, WorkerError, slab_s
 from harmony.runtime.lossscale import LossScale
 from harmony.runtime.p2p import DistTransport, backend_for, p2p_pairs, pair_groups, resolve, start_default_group
 from harmony.runtime.precision import needs_loss_scaling
-from harmony.runtime.replication import PeerWatch, ReplicatedShared, Replicator, task_writes
+from harmony.runtime.replication import PeerWatch, ReplicatedShared, Replicator, kept_writes, task_writes
 from harmony.runtime.routes import build_routes
 from harmony.runtime.schedule import Schedule
 from harmony.runtime.updates import host_update
+from harmony.scheduler.memory import kept_layers
 from harmony.scheduler.tasks import HOST, Kind
 
 log = logging.getLogger(__name__)
@@ -315,6 +316,10 @@ class _Checkpoints:
     save: Callable[[RunState], None] | None
     state: RunState
 
+    def due(self, step: int) -> bool:
+        """Whether a save follows ``step`` (0-based)."""
+        return step + 1 in self.steps
+
     def after(self, step: int) -> None:
         """After ``step`` (0-based) on every rank: rank 0 saves if one is due, the others wait for it."""
         self.state.iteration = step + 1
@@ -418,6 +423,7 @@ def _train(topo: Topology, plan, routes, host, shared, slabs, store, replicator,
                         loss_fn, build_optimizer, seed, timeout, slabs,
                         transport=transport)
     fail = replicator.fail if replicator is not None else lambda reason: shared.set_abort()
+    keeps = bool(kept_layers(tasks))  # state kept on the devices across iterations (scheduler/keep.py)
     history: list[StepResult] = []
     errors: list[BaseException] = []
     try:
@@ -459,6 +465,12 @@ def _train(topo: Topology, plan, routes, host, shared, slabs, store, replicator,
                                       grad_norm=verdict[0].norm if verdict else None, loss_scale=scale,
                                       skipped=skipped))
             on_step(step, float(loss), seconds)
+            if checkpoints.due(step) and keeps:  # every rank's kept state in rank 0's host store first
+                executor.sync_kept()
+                if replicator is not None:
+                    replicator.synced(kept_writes(rank, routes, plan.graph, host))
+                    replicator.flush()
+                dist.barrier()
             checkpoints.after(step)
     except BaseException as exc:
         own = next((e for e in errors if not isinstance(e, Aborted)), None)  # the host update's

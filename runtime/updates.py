@@ -146,15 +146,28 @@ class Updates:
                 self._wait_replicas(replicas)
         opt.step()
         new_state = {name: dict(opt.state[leaf]) for name, leaf in leaves.items()}
-        # a first step makes its optimizer state itself (the zero slots that came in are not it)
-        self.ledger.hold([v for values in new_state.values() for v in values.values()], KEPT if kept else (task.id, STATE))
         for leaf in leaves.values():
             leaf.grad = None
         if kept:  # the weights were stepped in place; the state stays for the next step
-            self.kept_optim.update(new_state)
+            self._keep_optimizer_state(new_state)
             return
+        # a first step makes its optimizer state itself (the zero slots that came in are not it)
+        self.ledger.hold([v for values in new_state.values() for v in values.values()], (task.id, STATE))
         weights = {name: leaf.detach() for name, leaf in leaves.items()}
         self._write_state(task, weights, new_state, write)
+
+    def _keep_optimizer_state(self, states: dict[str, dict]) -> None:
+        """The optimizer state of kept weights stays on the device for their next step, held as the
+        device's kept reservation (its tensors; a step count, a scalar, lives on the host as the
+        host store's does, in place from one step to the next)."""
+        for values in states.values():
+            for key, v in values.items():
+                if isinstance(v, torch.Tensor) and v.dim() == 0 and v.device.type == "cpu":
+                    with self.device.host_side():
+                        values[key] = v.clone()
+        self.ledger.hold([v for values in states.values() for v in values.values()
+                          if isinstance(v, torch.Tensor) and v.dim() > 0], KEPT)
+        self.kept_optim.update(states)
 
     def _kept_optimizer_state(self, name: str, leaf: torch.Tensor, opt: torch.optim.Optimizer) -> None:
         """A kept weight's optimizer state for its step: the device's copy, or once (the first
@@ -162,8 +175,10 @@ class Updates:
         makes its own."""
         values = self.kept_optim.get(name)
         if values is None and self.store.state_initialized(name):
-            values = {k: (self._to_device(v, "KEEP", "K", count=False, room=0, owner=KEPT) if v.dim() > 0 else v.clone())
-                      for k, v in self.store.state(name).items()}
+            with self.device.host_side():  # a step count stays on the host (``_keep_optimizer_state``)
+                steps = {k: v.clone() for k, v in self.store.state(name).items() if v.dim() == 0}
+            values = {k: self._to_device(v, "KEEP", "K", count=False, room=0, owner=KEPT)
+                      for k, v in self.store.state(name).items() if v.dim() > 0} | steps
         if values is not None:
             opt.state[leaf] = values
 

@@ -1,0 +1,149 @@
+"""State kept on the devices across iterations (``scheduler/keep.py``) trains as eager does.
+
+Where a device has room for its packs' weights, buffers and optimizer state beside its work, the
+plan keeps them there: nothing of it moves, and the device steps it. The host store is then stale
+between iterations, so everything that reads or writes it goes through the launcher: ``state_dict``
+and checkpoints write the kept state back first (``Launcher.sync``), loading weights or a
+checkpoint lets it go (``Launcher.drop``), and closing the trainer writes it back for good.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+
+import harmony
+from harmony.compiler import CompileOptions, _nominal_machine
+from harmony.models import gpt2, resnet
+from harmony.plan import Plan
+from harmony.profiling.sweep import training_footprint
+from harmony.runtime.reference import microbatches_of, reference_train
+from harmony.scheduler.memory import kept_layers
+from harmony.scheduler.search import search
+from tests.runtime.test_training import adam, assert_same_training
+
+MODELS = {"gpt2": gpt2, "resnet": resnet}  # a tied weight; BatchNorm buffers
+MINIBATCH = 8
+
+
+@functools.lru_cache(maxsize=None)
+def compiled(name: str):
+    """The model and a one-device plan with room to spare (three training footprints)."""
+    torch.manual_seed(0)
+    module = MODELS[name]
+    model = module.build_model("tiny", dtype="float64")
+    get_batch = functools.partial(module.get_batch, preset="tiny", dtype="float64")
+    graph = harmony.decompose(model, get_batch(2, 0)[0])
+    capacity = 3 * training_footprint(graph, get_batch, MINIBATCH)
+    plan = harmony.compile(model, module.loss_fn, get_batch, minibatch_size=MINIBATCH, devices=1,
+                           device_memory=capacity, build_optimizer=adam, probe=False)
+    return model, get_batch, plan
+
+
+def plan_for(name: str, mode: str, devices: int, keep: bool = True) -> tuple[torch.nn.Module, object, Plan]:
+    """A plan whose updates run on the devices (whether keeping beats stepping on the host is the
+    estimate's call, which these tests leave aside)."""
+    model, get_batch, base = compiled(name)
+    machine = _nominal_machine(CompileOptions(minibatch=MINIBATCH, devices=devices), base.profile.capacity)
+    result = search(base.profile, machine, mode, devices, MINIBATCH, capacity=base.options["planned_memory"],
+                    same_u=bool(base.options["same_u"]), keep=keep, update="device")
+    plan = Plan(graph=base.graph, profile=base.profile, tasks=result.graph, estimate={},
+                options={**base.options, "devices": devices, "mode": mode})
+    plan.loss_fn, plan.build_optimizer = MODELS[name].loss_fn, adam
+    return model, get_batch, plan
+
+
+def batches(get_batch, steps: int) -> list:
+    return [get_batch(MINIBATCH, step) for step in range(steps)]
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_one_device_with_room_keeps_every_layer_and_trains_as_eager(name):
+    model, get_batch, plan = plan_for(name, "pp", 1)
+    assert set(kept_layers(plan.tasks)) == set(range(len(plan.graph))), plan.tasks.to_text()
+    data = batches(get_batch, 4)
+    with harmony.Trainer(plan, optimizer=adam, timeout=20, check_memory=True) as trainer:
+        losses = [trainer.step(x, y) for x, y in data]
+        state = trainer.state_dict()
+        history = trainer.history
+    reference = copy.deepcopy(model)
+    expected = reference_train(reference, plan.loss_fn, adam, data, microbatches_of(plan.tasks))
+    assert_same_training(losses, expected, state, reference.state_dict(), tolerance=1e-9)
+    planned = {k: v for k, v in plan.tasks.bytes_by_channel().items() if v}
+    assert "SWAP out" not in planned  # no weight, optimizer state or gradient leaves the device
+    peak = plan.tasks.memory.devices[0]
+    for step in history:  # the first iteration (which loads the kept state) as every later one
+        assert step.bytes_by_channel() == planned
+        assert step.workers[0].peak <= peak
+        assert step.workers[0].ledger_shortfall == 0
+
+
+@pytest.mark.parametrize("mode,devices", [("pp", 2), ("dp", 2)])
+def test_two_devices_with_room_train_as_eager_keeping_what_one_device_runs(mode, devices):
+    model, get_batch, plan = plan_for("resnet", mode, devices)
+    kept = kept_layers(plan.tasks)
+    for layer, device in kept.items():  # only layers whose every task runs on their device
+        assert {t.device for t in plan.tasks.tasks if t.first <= layer <= t.last} == {device}
+    data = batches(get_batch, 3)
+    with harmony.Trainer(plan, optimizer=adam, timeout=20, check_memory=True) as trainer:
+        losses = [trainer.step(x, y) for x, y in data]
+        state = trainer.state_dict()
+        history = trainer.history
+    reference = copy.deepcopy(model)
+    expected = reference_train(reference, plan.loss_fn, adam, data, microbatches_of(plan.tasks))
+    assert_same_training(losses, expected, state, reference.state_dict(), tolerance=1e-9)
+    assert history[-1].bytes_by_channel() == {k: v for k, v in plan.tasks.bytes_by_channel().items() if v}
+
+
+def test_a_checkpoint_of_kept_state_resumes_as_the_uninterrupted_run(tmp_path):
+    model, get_batch, plan = plan_for("resnet", "pp", 1)
+    assert kept_layers(plan.tasks)
+    data = batches(get_batch, 4)
+    with harmony.Trainer(plan, optimizer=adam, timeout=20) as whole:
+        straight = [whole.step(x, y) for x, y in data]
+        final = whole.state_dict()
+    with harmony.Trainer(plan, optimizer=adam, timeout=20) as first:
+        for x, y in data[:2]:
+            first.step(x, y)
+        path = first.save_checkpoint(tmp_path / "step2.pt")
+        first.step(*data[2])  # the kept state moves on after the save: the file must not
+    with harmony.Trainer(plan, optimizer=adam, timeout=20) as second:
+        second.step(*data[0])  # its devices keep state of another history, which loading must replace
+        assert second.load_checkpoint(path) == 2
+        resumed = [second.step(x, y) for x, y in data[2:]]
+        state = second.state_dict()
+    assert resumed == straight[2:]
+    for name, want in final.items():
+        assert torch.equal(state[name], want), name
+
+
+def test_loaded_weights_replace_the_kept_ones_and_closing_writes_them_back():
+    model, get_batch, plan = plan_for("gpt2", "pp", 1)
+    _, _, moved = plan_for("gpt2", "pp", 1, keep=False)  # the same run with nothing kept: what it must equal
+    assert kept_layers(plan.tasks) and not kept_layers(moved.tasks)
+    data = batches(get_batch, 3)
+    start = copy.deepcopy(model.state_dict())
+    finals = []
+    for p in (plan, moved):
+        with harmony.Trainer(p, optimizer=adam, timeout=20) as trainer:
+            trainer.step(*data[0])
+            trainer.load_state_dict(start)  # back to the first weights (the optimizer state carries on)
+            assert all(torch.equal(trainer.state_dict()[k], v) for k, v in start.items())
+            trainer.step(*data[1])
+            stepped = trainer.state_dict()
+            trainer.step(*data[2])
+            store = trainer.store
+        finals.append(store.state_dict(p.graph))  # the last step's state, written back by close()
+    assert any(not torch.equal(finals[0][k], stepped[k]) for k in stepped)
+    for name, want in finals[1].items():
+        assert torch.allclose(finals[0][name], want, rtol=1e-12, atol=0), name
+
+
+def test_without_keeping_the_same_plan_moves_its_state_every_iteration():
+    _, _, kept = plan_for("gpt2", "pp", 1)
+    _, _, moved = plan_for("gpt2", "pp", 1, keep=False)
+    assert kept_layers(kept.tasks) and not kept_layers(moved.tasks)
+    assert moved.tasks.bytes_by_channel().get("SWAP in", 0) > kept.tasks.bytes_by_channel().get("SWAP in", 0)
