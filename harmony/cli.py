@@ -190,6 +190,8 @@ def _print_host_memory(plan) -> None:
     from harmony.runtime.hostroom import check_room
 
     console.print(f"host memory: {plan.host_memory_text()}")
+    if kept := plan.kept_text():
+        console.print(f"kept on the devices: {kept}")
     try:
         check_room(plan.estimate["host_store_bytes"], "a run of this plan on this machine")
     except HarmonyError as exc:

@@ -30,6 +30,7 @@ from harmony.modelfile import source_hash
 from harmony.profiling.profiles import PROFILE_FILE, Profile
 from harmony.runtime.hostroom import gib
 from harmony.runtime.hoststore import describe_kinds
+from harmony.scheduler.memory import kept_bytes, kept_layers
 from harmony.scheduler.tasks import HOST, TaskGraph
 
 if TYPE_CHECKING:
@@ -174,6 +175,19 @@ class Plan:
         parts = describe_kinds(self.estimate.get("host_store", {}))
         return f"{gib(self.estimate['host_store_bytes'])} of shared memory for the host store ({parts})"
 
+    def kept_text(self) -> str | None:
+        """What the devices keep across iterations (``scheduler/keep.py``), or None."""
+        layers = kept_layers(self.tasks)
+        if not layers:
+            return None
+        held = kept_bytes(self.tasks, self.profile.for_graph(self.tasks))
+        parts = []
+        for device in sorted(held):
+            mine = sorted(layer for layer, d in layers.items() if d == device)
+            parts.append(f"dev{device} {len(mine)} of {len(self.graph.layers)} layers ({gib(held[device])})")
+        return ("; ".join(parts) + ": their weights, buffers and optimizer state stay on the device and are "
+                "stepped there, written back to host memory when it is read (a checkpoint, the end of the run)")
+
     def summary(self) -> str:
         est = self.estimate
         lines = [
@@ -196,6 +210,8 @@ class Plan:
                          f"({sum(c.saved for c in copies):,} bytes less per copy of the model)")
         if "host_store_bytes" in est:
             lines.append(f"- host memory: {self.host_memory_text()}")
+        if kept := self.kept_text():
+            lines.append(f"- kept on the devices across iterations: {kept}")
         if self.options.get("clip_grad_norm") is not None:
             lines.append(f"- gradient clipping: global 2-norm {self.options['clip_grad_norm']:g}; every update waits "
                          "for the host's NORM task")

@@ -299,3 +299,34 @@ def test_stamp_indices_agree_with_the_host_store(base_plan):
             store.stamp_slot(device, name, 5)
             assert (store.flags != before).nonzero().flatten().tolist() == [
                 _stamp_index(store.layout.params, index, device, name)]
+
+
+@needs_torchrun
+def test_two_nodes_keeping_state_on_their_devices_save_the_checkpoint_one_host_saves(tmp_path):
+    """Each node's device keeps its pack (scheduler/keep.py): before the save, node 1 writes its
+    kept weights, buffers and optimizer state back and ships them to node 0's host store, from which
+    rank 0 saves. The file holds exactly what the forked launcher's does after the same steps."""
+    import torch
+
+    from tests.runtime.test_torchrun import kept_on_both_devices
+
+    resnet = MODEL.with_name("resnet.py")
+    args = ["--arg", "preset=tiny", "--no-probe", "--device", "cpu"]
+    assert main(["compile", str(resnet), *args, "--minibatch", str(MINIBATCH), "--devices", "2",
+                 "--device-memory", "1GiB", "--no-compare", "--out", str(tmp_path / "base")]) == 0
+    plan = kept_on_both_devices(tmp_path / "base", tmp_path / "plan")
+    common = ["run", str(resnet), *args, "--plan", str(plan), "--iters", str(ITERATIONS)]
+    assert main([*common, "--report", str(tmp_path / "one-host.json"), "--checkpoint", str(tmp_path / "one.pt")]) == 0
+    nodes = two_nodes([*common, "--report", str(tmp_path / "two-nodes.json"), "--checkpoint", str(tmp_path / "two.pt")],
+                      RUN_LIMIT)
+    for rc, out, _ in nodes:
+        assert rc == 0, out[-4000:]
+    one, two = (json.loads((tmp_path / f"{name}.json").read_text())["iterations"] for name in ("one-host", "two-nodes"))
+    assert [i["loss"] for i in two] == [i["loss"] for i in one]
+    want, got = (torch.load(tmp_path / name, weights_only=True) for name in ("one.pt", "two.pt"))
+    assert set(got["model"]) == set(want["model"])
+    for name, tensor in want["model"].items():
+        assert torch.equal(got["model"][name], tensor), name
+    for name, values in want["optimizer"].items():
+        for key, tensor in values.items():
+            assert torch.equal(got["optimizer"][name][key], tensor), (name, key)

@@ -182,3 +182,53 @@ def test_the_default_group_harmony_starts_is_gone_after_destroy_even_when_dynamo
     assert after == before, f"{after - before} of the group's threads outlived destroy_process_group"
     plain = counts("plain")
     assert plain[2] > plain[0], "torch no longer keeps the group alive: start_default_group's import can go"
+
+
+@needs_torchrun
+def test_a_torchrun_run_keeping_its_state_on_the_devices_checkpoints_and_resumes_as_the_forked_launcher(tmp_path):
+    """With room to spare each device keeps its packs' weights, BatchNorm statistics and optimizer
+    state across iterations (scheduler/keep.py): every rank writes them back to the host store
+    before rank 0 saves, and the run resumed from the file gives the uninterrupted losses and
+    weights."""
+    import torch
+
+    resnet = MODEL.with_name("resnet.py")
+    args = ["--arg", "preset=tiny", "--no-probe", "--device", "cpu"]
+    assert main(["compile", str(resnet), *args, "--minibatch", "8", "--devices", "2", "--device-memory", "1GiB",
+                 "--no-compare", "--out", str(tmp_path / "base")]) == 0
+    plan = kept_on_both_devices(tmp_path / "base", tmp_path / "plan")
+    ckpts = tmp_path / "ckpts"
+    common = ["run", str(resnet), *args, "--plan", str(plan)]
+    assert main([*common, "--iters", "4", "--report", str(tmp_path / "local.json"),
+                 "--checkpoint", str(tmp_path / "local.pt")]) == 0
+    torchrun(*common, "--iters", "2", "--checkpoint-every", "2", "--checkpoint-dir", str(ckpts),
+             "--report", str(tmp_path / "first.json"))
+    torchrun(*common, "--iters", "4", "--checkpoint-dir", str(ckpts), "--resume", "--checkpoint",
+             str(tmp_path / "spmd.pt"), "--report", str(tmp_path / "second.json"))
+    local = [i["loss"] for i in json.loads((tmp_path / "local.json").read_text())["iterations"]]
+    spmd = [i["loss"] for name in ("first", "second")
+            for i in json.loads((tmp_path / f"{name}.json").read_text())["iterations"]]
+    assert spmd == local
+    want, got = (torch.load(tmp_path / name, weights_only=True) for name in ("local.pt", "spmd.pt"))
+    for name, tensor in want["model"].items():
+        assert torch.equal(got["model"][name], tensor), name
+
+
+def kept_on_both_devices(base: Path, out: Path) -> Path:
+    """The base plan (5 layers, 2 devices with room) as a pipeline of two packs, each kept on its
+    device and stepped there."""
+    from harmony.compiler import promise_memory
+    from harmony.plan import Plan
+    from harmony.scheduler.memory import kept_layers
+    from harmony.scheduler.taskgraph import generate
+    from harmony.scheduler.tasks import Configuration
+
+    plan = Plan.load(base)
+    packs = [(0, 2), (3, 4)]
+    plan.tasks = generate("pp", plan.profile, Configuration(u_f=4, packs_f=packs, u_b=4, packs_b=packs), 2,
+                          plan.tasks.minibatch, update="device", keep=True)
+    assert set(kept_layers(plan.tasks).values()) == {0, 1}, plan.tasks.to_text()
+    plan.estimate = {}
+    promise_memory(plan)
+    plan.save(out)
+    return out
