@@ -99,6 +99,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from . import memory
+from .memory import cached_task_memory as _task_memory
+from .memory import profile_cache as _profile_cache
 from .lower import Program, lower
 from .machine import Machine
 from harmony.profiling.profiles import Profile
@@ -273,15 +275,6 @@ def _where(device: int) -> str:
     return "host" if device == HOST else f"dev{device}"
 
 
-def _profile_cache(profile: Profile) -> dict:
-    version = (len(profile.layers), profile.__dict__.get("_memory_version", 0))
-    cache = profile.__dict__.get("_estimator_cache")
-    if cache is None or cache[0] != version:
-        cache = (version, {})
-        profile.__dict__["_estimator_cache"] = cache
-    return cache[1]
-
-
 def _task_costs(task: Task, profile: Profile, cache: dict) -> list[float]:
     """Durations of the task's units."""
     key = (task.kind, task.loss, task.update, task.device == HOST, task.first, task.last, tuple(task.microbatches))
@@ -318,15 +311,6 @@ def _task_costs(task: Task, profile: Profile, cache: dict) -> list[float]:
             durs = [0.0]
     cache[key] = durs
     return durs
-
-
-def _task_memory(task: Task, profile: Profile, cache: dict, stashes: tuple[int, ...]) -> memory.TaskMemory:
-    """``memory.task_memory``, cached across the graphs of a search."""
-    key = ("memory", *memory.task_key(task, stashes))
-    hit = cache.get(key)
-    if hit is None:
-        hit = cache[key] = memory.task_memory(task, profile, stashes)
-    return hit
 
 
 def task_compute_seconds(task: Task, profile: Profile) -> float:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 
 from harmony.profiling.profiles import Profile
-from .memory import kept_bytes, task_memory
+from .memory import cached_task_memory, kept_bytes
 from .tasks import HOST, Channel, Kind, Task, TaskGraph, Transfer
 
 __all__ = ["KEEP_MODES", "keep_state", "keepable_layers"]
@@ -47,6 +47,8 @@ def keepable_layers(graph: TaskGraph, profile: Profile) -> dict[int, int]:
     devices: dict[int, set[int]] = {layer: set() for layer in range(layers)}
     stepped: dict[int, set[int]] = {layer: set() for layer in range(layers)}
     for task in graph.tasks:
+        if task.kind == Kind.NORM:  # reads gradients in host memory, no state
+            continue
         steps = task.kind == Kind.UPD or task.jit_update()
         for layer in range(task.first, task.last + 1):
             devices[layer].add(task.device)
@@ -94,7 +96,7 @@ def keep_state(graph: TaskGraph, profile: Profile, capacity: int | None) -> Task
     kept = dataclasses.replace(graph, tasks=tasks, memory=None)
     if capacity is not None:
         held = kept_bytes(kept, profile)
-        if any(held.get(t.device, 0) + task_memory(t, profile).peak > capacity for t in tasks if t.device != HOST):
+        if any(held.get(t.device, 0) + cached_task_memory(t, profile).peak > capacity for t in tasks if t.device != HOST):
             return None
     return kept
 

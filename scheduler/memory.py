@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from harmony.profiling.profiles import Profile
 from .tasks import HOST, Channel, Kind, MemoryPlan, Task, Transfer
 
-__all__ = ["TaskMemory", "covers", "fused_update", "input_unit", "is_kept", "kept_bytes", "kept_layers", "memory_plan",
-           "reserve", "resident_bytes",
+__all__ = ["TaskMemory", "cached_task_memory", "covers", "fused_update", "input_unit", "is_kept", "kept_bytes", "kept_layers", "memory_plan",
+           "profile_cache", "reserve", "resident_bytes",
            "running_gradient_input", "stash_layers", "stashes_every_layer", "task_key", "task_memory",
            "unit_holds"]
 
@@ -123,6 +123,28 @@ def kept_bytes(graph, profile: Profile) -> dict[int, int]:
                 total -= (inside - 1) * (tie.w_bytes + tie.k_bytes)
         held[device] = total
     return held
+
+
+def profile_cache(profile: Profile) -> dict:
+    """A cache of answers about ``profile`` that a search asks for every graph it builds (task
+    memory here, task costs in the estimator), dropped when the profile's layers or memory change."""
+    version = (len(profile.layers), profile.__dict__.get("_memory_version", 0))
+    cache = profile.__dict__.get("_estimator_cache")
+    if cache is None or cache[0] != version:
+        cache = (version, {})
+        profile.__dict__["_estimator_cache"] = cache
+    return cache[1]
+
+
+def cached_task_memory(task: Task, profile: Profile, cache: dict | None = None,
+                       stashes: tuple[int, ...] = ()) -> TaskMemory:
+    """``task_memory``, cached across the graphs of a search (``profile_cache``)."""
+    cache = profile_cache(profile) if cache is None else cache
+    key = ("memory", *task_key(task, stashes))
+    hit = cache.get(key)
+    if hit is None:
+        hit = cache[key] = task_memory(task, profile, stashes)
+    return hit
 
 
 def task_memory(task: Task, profile: Profile, stashes: tuple[int, ...] = ()) -> TaskMemory:

@@ -27,9 +27,10 @@ def _optimizer(params):
 
 @pytest.fixture(scope="module")
 def plan():
+    """A plan that moves its state every iteration (kept state needs no gradient slots)."""
     torch.manual_seed(0)
     return harmony.compile(GPT(CONFIG), loss_fn, _batch, build_optimizer=_optimizer, minibatch_size=4, devices=2,
-                           device_memory="64MiB", compare=False, probe=False)
+                           device_memory="64MiB", compare=False, probe=False, keep_state=False)
 
 
 def test_check_room_names_a_full_shared_memory_and_what_to_do(monkeypatch):
@@ -87,7 +88,7 @@ def test_the_store_keeps_a_gradient_slot_only_where_a_device_deposits_one(plan):
     embedding where its packs sit on two devices); dp: every device deposits every gradient."""
     torch.manual_seed(0)
     dp = harmony.compile(GPT(CONFIG), loss_fn, _batch, build_optimizer=_optimizer, minibatch_size=4, devices=2,
-                         device_memory="64MiB", mode="dp", compare=False, probe=False)
+                         device_memory="64MiB", mode="dp", compare=False, probe=False, keep_state=False)
     for compiled, per_parameter in ((plan, {1, 2}), (dp, {2})):
         slots = build_routes(compiled.tasks, compiled.graph).gradient_slots()
         with harmony.Trainer(compiled, optimizer=_optimizer, loss_fn=loss_fn) as trainer:

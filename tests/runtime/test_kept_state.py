@@ -147,3 +147,55 @@ def test_without_keeping_the_same_plan_moves_its_state_every_iteration():
     _, _, moved = plan_for("gpt2", "pp", 1, keep=False)
     assert kept_layers(kept.tasks) and not kept_layers(moved.tasks)
     assert moved.tasks.bytes_by_channel().get("SWAP in", 0) > kept.tasks.bytes_by_channel().get("SWAP in", 0)
+
+
+def generated(name: str, packs: list[tuple[int, int]], devices: int, **options) -> Plan:
+    """The ample-room plan of ``name`` regenerated with ``packs`` for both passes, kept."""
+    from harmony.compiler import promise_memory
+    from harmony.scheduler.taskgraph import generate
+    from harmony.scheduler.tasks import Configuration
+
+    _, _, base = compiled(name)
+    tasks = generate("pp", base.profile, Configuration(u_f=4, packs_f=packs, u_b=4, packs_b=packs), devices,
+                     MINIBATCH, update="device", keep=True, **options)
+    plan = Plan(graph=base.graph, profile=base.profile, tasks=tasks, estimate={},
+                options={**base.options, "devices": devices, "mode": "pp"})
+    plan.loss_fn, plan.build_optimizer = MODELS[name].loss_fn, adam
+    promise_memory(plan)
+    return plan
+
+
+def test_a_tied_weight_kept_across_two_packs_of_one_device_is_one_tensor_stepped_once():
+    """GPT-2's embedding is also its output projection: the head's pack hands its gradient over
+    through host memory, the embedding's pack steps the one kept tensor both packs read."""
+    model, get_batch, _ = compiled("gpt2")
+    plan = generated("gpt2", [(0, 2), (3, 4)], 1)
+    assert set(kept_layers(plan.tasks)) == set(range(5)), plan.tasks.to_text()
+    data = batches(get_batch, 3)
+    with harmony.Trainer(plan, optimizer=adam, timeout=20, check_memory=True) as trainer:
+        losses = [trainer.step(x, y) for x, y in data]
+        state = trainer.state_dict()
+        peaks = [step.workers[0].peak for step in trainer.history]
+    reference = copy.deepcopy(model)
+    expected = reference_train(reference, plan.loss_fn, adam, data, microbatches_of(plan.tasks))
+    assert_same_training(losses, expected, state, reference.state_dict(), tolerance=1e-9)
+    assert max(peaks) <= plan.tasks.memory.devices[0]
+
+
+def test_kept_state_is_clipped_and_stepped_after_the_hosts_norm():
+    """Clipping: every update waits for the host's NORM task, so the devices step their kept packs in
+    UPD tasks with the clipped gradient summed in host memory."""
+    model, get_batch, _ = compiled("resnet")
+    plan = generated("resnet", [(0, 2), (3, 4)], 2, gated=True)
+    assert set(kept_layers(plan.tasks).values()) == {0, 1}, plan.tasks.to_text()
+    data = batches(get_batch, 3)
+    with harmony.Trainer(plan, optimizer=adam, timeout=20, clip_grad_norm=0.05) as trainer:
+        losses = [trainer.step(x, y) for x, y in data]
+        state = trainer.state_dict()
+        norms = [step.grad_norm for step in trainer.history]
+    reference = copy.deepcopy(model)
+    expected_norms: list[float] = []
+    expected = reference_train(reference, plan.loss_fn, adam, data, microbatches_of(plan.tasks), clip_grad_norm=0.05,
+                               grad_norms=expected_norms)
+    assert_same_training(losses, expected, state, reference.state_dict(), tolerance=1e-9)
+    assert norms == pytest.approx(expected_norms, rel=1e-9) and min(norms) > 0.05
