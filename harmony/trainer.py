@@ -157,8 +157,8 @@ class Trainer:
         self.launcher.sync()  # a file refused leaves the store as it was: current
         iteration, self.seed = checkpoint.restore(path, self.plan, self.store, restore_rng, self.schedule,
                                                   self.launcher.loss_scale)
-        self.launcher.drop()
         self.launcher.iteration = iteration
+        self.launcher.drop()
         return iteration
 
     # ------------------------------------------------------------ lifetime

@@ -301,6 +301,7 @@ class Launcher:
         check_clipping(tasks, clip_grad_norm)
         self.keeps = bool(kept_layers(tasks))  # whether the devices keep state across iterations
         self._closed = False
+        self._synced = 0  # the iteration after which the host store last held every kept state
         self.clip_grad_norm = clip_grad_norm
         self.loss_scale = None
         if needs_loss_scaling(tasks.precision):
@@ -507,13 +508,22 @@ class Launcher:
     # ------------------------------------------------------------ kept state
     def sync(self) -> None:
         """Bring the host store up to date: each worker writes back the state its device keeps
-        across iterations (``scheduler/keep.py``); before anyone reads the host store."""
+        across iterations (``scheduler/keep.py``); before anyone reads the host store. Raises if the
+        workers stopped (a failure) with kept state the store does not have."""
+        if self.keeps and self._closed and self._synced != self.iteration:
+            raise HarmonyError(
+                f"the devices kept their packs' weights and optimizer state across iterations, and the run stopped "
+                f"before writing them back: the host store holds the state after iteration {self._synced}, not "
+                f"{self.iteration}; continue from the last checkpoint (or compile with --no-keep-state to write "
+                "them back every iteration)")
         self._kept_command(SYNC)
+        self._synced = self.iteration
 
     def drop(self, optimizer: bool = True) -> None:
         """The host store was written (a checkpoint, or weights alone without ``optimizer``): each
         worker lets that kept state go, and the next iteration loads it from the host store."""
         self._kept_command(DROP if optimizer else DROP_WEIGHTS)
+        self._synced = self.iteration  # the store is the state now
 
     def _kept_command(self, command: str, close_on_failure: bool = True) -> None:
         if not self.keeps or self._closed:
@@ -538,6 +548,7 @@ class Launcher:
         if self.keeps and not self.shared.aborted() and all(p.is_alive() for p in self.processes):
             try:
                 self._kept_command(SYNC, close_on_failure=False)
+                self._synced = self.iteration
             except BaseException as exc:  # noqa: BLE001 - closing goes on; the store keeps the last synced state
                 log.warning("could not write the devices' kept state back to the host store: %s", exc)
         self._closed = True

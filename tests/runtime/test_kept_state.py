@@ -199,3 +199,28 @@ def test_kept_state_is_clipped_and_stepped_after_the_hosts_norm():
                                grad_norms=expected_norms)
     assert_same_training(losses, expected, state, reference.state_dict(), tolerance=1e-9)
     assert norms == pytest.approx(expected_norms, rel=1e-9) and min(norms) > 0.05
+
+
+def test_kept_state_lost_with_a_worker_is_an_error_not_stale_weights(tmp_path):
+    """A worker killed between steps takes the state its device kept: the trainer must not hand out
+    the host store's older copy as the run's weights, nor save it as a checkpoint."""
+    import os
+    import signal
+
+    from harmony.errors import HarmonyError
+    from harmony.runtime.launcher import WorkerError
+
+    _, get_batch, plan = plan_for("resnet", "pp", 1)
+    data = batches(get_batch, 3)
+    with harmony.Trainer(plan, optimizer=adam, timeout=20) as trainer:
+        trainer.step(*data[0])
+        trainer.state_dict()  # written back after iteration 1
+        trainer.step(*data[1])
+        os.kill(trainer.launcher.processes[0].pid, signal.SIGKILL)
+        with pytest.raises(WorkerError):
+            trainer.step(*data[2])
+        with pytest.raises(HarmonyError, match="host store holds the state after iteration 1, not 2"):
+            trainer.state_dict()
+        with pytest.raises(HarmonyError, match="run stopped before writing them back"):
+            trainer.save_checkpoint(tmp_path / "lost.pt")
+    assert not (tmp_path / "lost.pt").exists()
