@@ -48,6 +48,7 @@ from torch import nn
 
 from bench.common import Model, compiled, free_port, searched, train
 from harmony.errors import HarmonyError
+from harmony.scheduler.memory import kept_layers
 from harmony.models import gpt2
 from harmony.models.gpt2 import Block, GPTConfig
 from harmony.profiling.measure import torch_threads
@@ -270,7 +271,8 @@ def run_pipelining(jobs: list[Job], timeout: float = 900) -> list[PipeRun]:
 def _harmony_row(label: str, plan, runs: list) -> dict[str, Any]:
     return {"system": label, "samples_per_second": statistics.median(r.samples_per_second for r in runs),
             "peak_per_process": [max(p) for p in zip(*(r.peak for r in runs))],
-            "memory_kind": "peak reserved device bytes (ledger)", "configuration": str(plan.tasks.config)}
+            "memory_kind": "peak reserved device bytes (ledger)",
+            "configuration": str(plan.tasks.config) + (" kept" if kept_layers(plan.tasks) else "")}
 
 
 def _pipelining_row(name: str, runs: list[PipeRun]) -> dict[str, Any]:
