@@ -212,24 +212,37 @@ def _search(profile, machine, mode, devices, minibatch, capacity, extra_packs, s
     overflowed: list[tuple[Configuration, dict]] = []  # candidates whose simulation stopped at their first overflow
     explored = built = 0
     candidates: list[tuple[float, Configuration]] = []
+
+    def consider(config: Configuration, variant: dict, graph: TaskGraph) -> Estimate | None:
+        """Estimate one candidate unless its bound cannot beat the best; keep it if it is the best."""
+        nonlocal best, explored
+        if best is not None and lower_bound(graph, profile, machine) >= best[0] and not keep_candidates:
+            return None
+        beat = None if keep_candidates else best[0] if best is not None else math.inf
+        est = estimate(graph, profile, machine, capacity=capacity, record_events=False, beat=beat)
+        explored += 1
+        if not est.fits and not est.deadlock:
+            overflowed.append((config, variant))
+        if not est.fits or est.deadlock or est.cut:
+            return est
+        if keep_candidates:
+            candidates.append((est.iteration_time, config))
+        if best is None or est.iteration_time < best[0]:
+            best = (est.iteration_time, config, graph, est)
+        return est
+
     for quick, _, config in pending:
         if best is not None and quick >= best[0] and not keep_candidates:
             break
-        for variant, graph in _graphs(mode, profile, config, devices, minibatch, capacity, keep, options):
+        for variant, graph in _graphs(mode, profile, config, devices, minibatch, options):
             built += 1
-            if best is not None and lower_bound(graph, profile, machine) >= best[0] and not keep_candidates:
-                continue
-            beat = None if keep_candidates else best[0] if best is not None else math.inf
-            est = estimate(graph, profile, machine, capacity=capacity, record_events=False, beat=beat)
-            explored += 1
-            if not est.fits and not est.deadlock:
-                overflowed.append((config, variant))
-            if not est.fits or est.deadlock or est.cut:
-                continue
-            if keep_candidates:
-                candidates.append((est.iteration_time, config))
-            if best is None or est.iteration_time < best[0]:
-                best = (est.iteration_time, config, graph, est)
+            est = consider(config, variant, graph)
+            # the same graph with the state its devices have room for kept there: it holds more than
+            # the graph itself at all times, so where that overflowed it is not tried
+            if keep and variant.get("update") == "device" and (est is None or est.fits or est.deadlock):
+                kept = keep_state(graph, profile, capacity)
+                if kept is not None:
+                    consider(config, {**variant, "keep": True}, kept)
     if best is None:
         raise NoFeasibleConfiguration(
             f"no {mode} configuration fits {capacity:,} bytes per device (explored {explored}); "
@@ -375,21 +388,14 @@ def lower_bound(graph: TaskGraph, profile: Profile, machine: Machine) -> float:
     return max(max(busy.values(), default=0.0), swap_in / machine.h2d_all, swap_out / machine.d2h_all)
 
 
-def _graphs(mode: str, profile: Profile, config: Configuration, devices: int, minibatch: int, capacity: int,
-            keep: bool, options: dict) -> Iterator[tuple[dict, TaskGraph]]:
-    """(generator options, task graph) of each variant of ``config`` to estimate: where the update
-    runs and, with ``keep``, a device update's graph with the state the devices have room for kept
-    there (tried first: it moves the least)."""
+def _graphs(mode: str, profile: Profile, config: Configuration, devices: int, minibatch: int,
+            options: dict) -> Iterator[tuple[dict, TaskGraph]]:
+    """(generator options, task graph) of each variant of ``config``: where the update runs."""
     for variant in _variants(mode, options):
         try:
-            graph = generate(mode, profile, config, devices, minibatch, **variant)
+            yield variant, generate(mode, profile, config, devices, minibatch, **variant)
         except ValueError as exc:  # a configuration this mode cannot use (e.g. fewer packs than stages)
             log.debug("skipping %s for %s: %s", config, mode, exc)
-            continue
-        kept = keep_state(graph, profile, capacity) if keep and variant.get("update") == "device" else None
-        if kept is not None:
-            yield {**variant, "keep": True}, kept
-        yield variant, graph
 
 
 def _variants(mode: str, options: dict) -> list[dict]:
