@@ -28,6 +28,12 @@ small models, and reports the ledger's peak. GPUs always measure: their allocato
 stepped once per minibatch, after it, and every update of the minibatch, on a device or on the
 host, runs at the rate it gives (``runtime/schedule.py``); checkpoints save and restore it.
 
+A plan may keep packs' weights, buffers and optimizer state on their devices across iterations
+(``scheduler/keep.py``): ``state_dict``, ``save_checkpoint`` and ``close`` write them back to the host
+store first, ``load_state_dict`` and ``load_checkpoint`` replace them; ``self.store`` is current only
+after one of these. If a worker dies, what its device kept since the last write-back is lost, and
+those calls say so instead of returning older weights.
+
 ``clip_grad_norm`` (default: the plan's) clips the gradient as ``clip_grad_norm_`` before every
 step (``runtime/clipping.py``). An fp16 plan scales the loss as ``torch.amp.GradScaler`` does,
 starting at ``loss_scale`` (default 2**16), and skips the steps whose gradient overflowed
