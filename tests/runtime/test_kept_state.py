@@ -60,11 +60,10 @@ def batches(get_batch, steps: int) -> list:
     return [get_batch(MINIBATCH, step) for step in range(steps)]
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
-def test_one_device_with_room_keeps_every_layer_and_trains_as_eager(name):
-    model, get_batch, plan = plan_for(name, "pp", 1)
-    assert set(kept_layers(plan.tasks)) == set(range(len(plan.graph))), plan.tasks.to_text()
-    data = batches(get_batch, 4)
+def trains_as_eager(model: torch.nn.Module, get_batch, plan: Plan, steps: int) -> list:
+    """Train ``plan`` for ``steps`` minibatches (memory checked op by op) and hold its losses and
+    final weights to eager training on the same microbatches; returns the trainer's history."""
+    data = batches(get_batch, steps)
     with harmony.Trainer(plan, optimizer=adam, timeout=20, check_memory=True) as trainer:
         losses = [trainer.step(x, y) for x, y in data]
         state = trainer.state_dict()
@@ -72,6 +71,14 @@ def test_one_device_with_room_keeps_every_layer_and_trains_as_eager(name):
     reference = copy.deepcopy(model)
     expected = reference_train(reference, plan.loss_fn, adam, data, microbatches_of(plan.tasks))
     assert_same_training(losses, expected, state, reference.state_dict(), tolerance=1e-9)
+    return history
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_one_device_with_room_keeps_every_layer_and_trains_as_eager(name):
+    model, get_batch, plan = plan_for(name, "pp", 1)
+    assert set(kept_layers(plan.tasks)) == set(range(len(plan.graph))), plan.tasks.to_text()
+    history = trains_as_eager(model, get_batch, plan, 4)
     planned = {k: v for k, v in plan.tasks.bytes_by_channel().items() if v}
     assert "SWAP out" not in planned  # no weight, optimizer state or gradient leaves the device
     peak = plan.tasks.memory.devices[0]
@@ -87,14 +94,7 @@ def test_two_devices_with_room_train_as_eager_keeping_what_one_device_runs(mode,
     kept = kept_layers(plan.tasks)
     for layer, device in kept.items():  # only layers whose every task runs on their device
         assert {t.device for t in plan.tasks.tasks if t.first <= layer <= t.last} == {device}
-    data = batches(get_batch, 3)
-    with harmony.Trainer(plan, optimizer=adam, timeout=20, check_memory=True) as trainer:
-        losses = [trainer.step(x, y) for x, y in data]
-        state = trainer.state_dict()
-        history = trainer.history
-    reference = copy.deepcopy(model)
-    expected = reference_train(reference, plan.loss_fn, adam, data, microbatches_of(plan.tasks))
-    assert_same_training(losses, expected, state, reference.state_dict(), tolerance=1e-9)
+    history = trains_as_eager(model, get_batch, plan, 3)
     assert history[-1].bytes_by_channel() == {k: v for k, v in plan.tasks.bytes_by_channel().items() if v}
 
 
@@ -171,15 +171,8 @@ def test_a_tied_weight_kept_across_two_packs_of_one_device_is_one_tensor_stepped
     model, get_batch, _ = compiled("gpt2")
     plan = generated("gpt2", [(0, 2), (3, 4)], 1)
     assert set(kept_layers(plan.tasks)) == set(range(5)), plan.tasks.to_text()
-    data = batches(get_batch, 3)
-    with harmony.Trainer(plan, optimizer=adam, timeout=20, check_memory=True) as trainer:
-        losses = [trainer.step(x, y) for x, y in data]
-        state = trainer.state_dict()
-        peaks = [step.workers[0].peak for step in trainer.history]
-    reference = copy.deepcopy(model)
-    expected = reference_train(reference, plan.loss_fn, adam, data, microbatches_of(plan.tasks))
-    assert_same_training(losses, expected, state, reference.state_dict(), tolerance=1e-9)
-    assert max(peaks) <= plan.tasks.memory.devices[0]
+    history = trains_as_eager(model, get_batch, plan, 3)
+    assert max(step.workers[0].peak for step in history) <= plan.tasks.memory.devices[0]
 
 
 def test_kept_state_is_clipped_and_stepped_after_the_hosts_norm():
