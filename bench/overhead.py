@@ -32,7 +32,7 @@ from harmony.models import bert, gpt2
 from harmony.models.bert import BertConfig
 from harmony.models.gpt2 import GPT, GPTConfig
 from harmony.profiling.measure import torch_threads
-from harmony.scheduler.memory import kept_layers
+from harmony.scheduler.memory import kept_on
 
 # a GPT-2 whose steps take tens of milliseconds on one core: compute, not per-call overhead, dominates
 SMALL_GPT = GPTConfig(n_layer=4, n_head=4, n_embd=128, vocab_size=512, block_size=64)
@@ -89,7 +89,7 @@ def measure(minibatch: int = 16, steps: int = 8, model: Model = SMALL) -> dict[s
     # where Harmony's step goes: its tasks' compute, the rest of the worker's iteration, the launcher
     tasks = statistics.median(sum(step.workers[0].task_seconds.values()) for step in history)
     worker = statistics.median(step.workers[0].seconds for step in history)
-    kept = " kept" if kept_layers(plan.tasks) else ""  # the state stays on the device (scheduler/keep.py)
+    kept = " kept" if kept_on(plan.tasks) else ""  # the state stays on the device (scheduler/keep.py)
     return {"model": model.name, "minibatch": minibatch, "steps": steps, "configuration": str(plan.tasks.config) + kept,
             "harmony_seconds": h, "eager_seconds": e, "harmony_samples_per_second": minibatch / h,
             "eager_samples_per_second": minibatch / e, "throughput_ratio": e / h, "overhead": h / e - 1,

@@ -48,7 +48,7 @@ from torch import nn
 
 from bench.common import Model, compiled, free_port, searched, train
 from harmony.errors import HarmonyError
-from harmony.scheduler.memory import kept_layers
+from harmony.scheduler.memory import kept_on
 from harmony.models import gpt2
 from harmony.models.gpt2 import Block, GPTConfig
 from harmony.profiling.measure import torch_threads
@@ -272,7 +272,7 @@ def _harmony_row(label: str, plan, runs: list) -> dict[str, Any]:
     return {"system": label, "samples_per_second": statistics.median(r.samples_per_second for r in runs),
             "peak_per_process": [max(p) for p in zip(*(r.peak for r in runs))],
             "memory_kind": "peak reserved device bytes (ledger)",
-            "configuration": str(plan.tasks.config) + (" kept" if kept_layers(plan.tasks) else "")}
+            "configuration": str(plan.tasks.config) + (" kept" if kept_on(plan.tasks) else "")}
 
 
 def _pipelining_row(name: str, runs: list[PipeRun]) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from harmony.modelfile import source_hash
 from harmony.profiling.profiles import PROFILE_FILE, Profile
 from harmony.runtime.hostroom import gib
 from harmony.runtime.hoststore import describe_kinds
-from harmony.scheduler.memory import kept_bytes, kept_layers
+from harmony.scheduler.memory import kept_bytes, kept_on
 from harmony.scheduler.tasks import HOST, TaskGraph
 
 if TYPE_CHECKING:
@@ -177,14 +177,12 @@ class Plan:
 
     def kept_text(self) -> str | None:
         """What the devices keep across iterations (``scheduler/keep.py``), or None."""
-        layers = kept_layers(self.tasks)
-        if not layers:
+        on = kept_on(self.tasks)
+        if not on:
             return None
         held = kept_bytes(self.tasks, self.profile.for_graph(self.tasks))
-        parts = []
-        for device in sorted(held):
-            mine = sorted(layer for layer, d in layers.items() if d == device)
-            parts.append(f"dev{device} {len(mine)} of {len(self.graph.layers)} layers ({gib(held[device])})")
+        parts = [f"dev{device} {len(on[device])} of {len(self.graph.layers)} layers ({gib(held[device])})"
+                 for device in sorted(on)]
         return ("; ".join(parts) + ": their weights, buffers and optimizer state stay on the device and are "
                 "stepped there, written back to host memory when it is read (a checkpoint, the end of the run)")
 

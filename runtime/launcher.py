@@ -58,7 +58,7 @@ from harmony.runtime.device import Device, cpu_device, cuda_device, memory_check
 from harmony.runtime.executor import Batch, Executor, IterationResult, describe
 from harmony.runtime.flags import Shared
 from harmony.runtime.hoststore import HostStore
-from harmony.scheduler.memory import kept_layers
+from harmony.scheduler.memory import kept_on
 from harmony.runtime.routes import Routes, build_routes
 from harmony.runtime.schedule import Rates
 from harmony.runtime.streams import SWITCH_INTERVAL
@@ -299,7 +299,7 @@ class Launcher:
         if tasks.memory is None:
             raise HarmonyError(NO_PROMISE)
         check_clipping(tasks, clip_grad_norm)
-        self.keeps = bool(kept_layers(tasks))  # whether the devices keep state across iterations
+        self.keeps = bool(kept_on(tasks))  # whether the devices keep state across iterations
         self._closed = False
         self._synced = 0  # the iteration after which the host store last held every kept state
         self.clip_grad_norm = clip_grad_norm

@@ -160,13 +160,16 @@ class PackState:
     def sync_kept(self) -> None:
         """Write the kept state back to the host store (weights the devices step, buffers and
         optimizer state), for a reader of the host store; it stays on the device."""
+        mine = set(self.routes.kept_writes(self.rank))  # trainable: frozen weights never change (and may be low copies)
         with torch.no_grad(), self.device.host_side():
             for key, t in self.kept_state.items():
                 if key in self.layers.state and self.layers.state[key].kind != "parameter":
                     self.store.view(f"B/{key}").copy_(t)
-                elif key in self.routes.owner:  # trainable: frozen weights never change (and may be low copies)
+                elif key in mine:
                     self.store.weight(key).copy_(t)
             for name, values in self.kept_optim.items():
+                if name not in mine:
+                    continue
                 slots = self.store.state(name)
                 for k, v in values.items():
                     if isinstance(v, torch.Tensor):

@@ -113,9 +113,9 @@ def kept_writes(rank: int, routes: Routes, layers: LayerGraph, store: HostStore)
             for name in layers.layers[layer].state:
                 if layers.state[name].kind != "parameter" and f"B/{name}" not in keys:
                     keys.append(f"B/{name}")
-        stepped = routes.updates.get(task.id, [])
-        keys += _master_keys(stepped, layout)
-        flags += [index[name] for name in stepped]
+    stepped = routes.kept_writes(rank)
+    keys += _master_keys(stepped, layout)
+    flags += [index[name] for name in stepped]
     return _writes(list(dict.fromkeys(keys)), sorted(set(flags)), layout)
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from harmony.decomposer.layer_graph import LayerGraph
 from harmony.scheduler.lower import Program, lower
+from harmony.scheduler.memory import is_kept
 from harmony.scheduler.tasks import HOST, Channel, Kind, Task, TaskGraph
 
 
@@ -29,6 +30,19 @@ class Routes:
     jit: set[int] = field(default_factory=set)  # BWD tasks that step their pack right after its backward
     buffers_after: dict[int, int] = field(default_factory=dict)  # the program's ``after`` (``lower.buffer_chain``)
     kept_resident: set[int] = field(default_factory=set)  # tasks whose pack state a later task reads LOCAL
+
+    def kept_writes(self, rank: int) -> list[str]:
+        """The parameters whose kept state (``scheduler/keep.py``) device ``rank`` writes back to the
+        host store: those its kept tasks step, where it is the lowest of the replicas stepping them
+        (dp keeps a replica on every device; one writes it)."""
+        names: list[str] = []
+        for task in self.graph.tasks:
+            if task.device != rank or not is_kept(task) or task.id not in self.updates:
+                continue
+            replicas = self.replicas.get(task.id, [task.id])
+            if rank == min(self.by_id[t].device for t in replicas):
+                names += [n for n in self.updates[task.id] if n not in names]
+        return names
 
     def gradient_slots(self) -> set[tuple[int, str]]:
         """(device, parameter) of every host gradient slot a task deposits into: the host store

@@ -65,7 +65,7 @@ from harmony.runtime.replication import PeerWatch, ReplicatedShared, Replicator,
 from harmony.runtime.routes import build_routes
 from harmony.runtime.schedule import Schedule
 from harmony.runtime.updates import host_update
-from harmony.scheduler.memory import kept_layers
+from harmony.scheduler.memory import kept_on
 from harmony.scheduler.tasks import HOST, Kind
 
 log = logging.getLogger(__name__)
@@ -423,7 +423,7 @@ def _train(topo: Topology, plan, routes, host, shared, slabs, store, replicator,
                         loss_fn, build_optimizer, seed, timeout, slabs,
                         transport=transport)
     fail = replicator.fail if replicator is not None else lambda reason: shared.set_abort()
-    keeps = bool(kept_layers(tasks))  # state kept on the devices across iterations (scheduler/keep.py)
+    keeps = bool(kept_on(tasks))  # state kept on the devices across iterations (scheduler/keep.py)
     history: list[StepResult] = []
     errors: list[BaseException] = []
     try:

@@ -140,7 +140,7 @@ class Updates:
                 for v in self.store.state(name).values():
                     if v.dim() > 0:
                         self._to_device(v, "SWAP", "K")
-        if replicas and len(replicas) > 1:
+        if replicas and len(replicas) > 1 and not kept:  # (kept replicas write no master: nothing to wait for)
             self.shared.mark_read(task.id, self.iteration)
             if write:
                 self._wait_replicas(replicas)

@@ -9,8 +9,11 @@ graph so that such state stays put:
 
 - a layer is *kept* on device ``d`` when every task over it runs on ``d`` and every trainable
   weight of it is stepped there (a backward's fused update, or a UPD task on ``d``): no other
-  device and not the host ever reads or changes its state. A tied weight's layers are kept
-  together or not at all; a weight the host steps as a low-precision copy is never kept;
+  device and not the host ever reads or changes its state. In dp with updates on the devices,
+  every replica steps every layer with the same summed gradient: each keeps its own copy (and
+  optimizer state), as DistributedDataParallel does, unless the layer has buffers (BatchNorm
+  statistics change in one chain through every device's microbatches). A tied weight's layers
+  are kept together or not at all; a weight the host steps as a low-precision copy is never kept;
 - a task reads state from ``KEEP`` only if all of its layers are kept (a task loads its pack's
   state whole): layers shared with a task that cannot are let go, until nothing changes;
 - the kept tasks' state inputs (W, B; K of their update) and outputs (the stepped W and K, the
@@ -41,8 +44,8 @@ KEEP_MODES = ("pp", "dp")
 _STATE = ("W", "B", "K")
 
 
-def keepable_layers(graph: TaskGraph, profile: Profile) -> dict[int, int]:
-    """Layer -> the device it can be kept on (see the module docs)."""
+def keepable_layers(graph: TaskGraph, profile: Profile) -> dict[int, frozenset[int]]:
+    """Layer -> the devices it can be kept on (see the module docs): one, or in dp every replica."""
     layers = len(profile.layers)
     devices: dict[int, set[int]] = {layer: set() for layer in range(layers)}
     stepped: dict[int, set[int]] = {layer: set() for layer in range(layers)}
@@ -55,15 +58,16 @@ def keepable_layers(graph: TaskGraph, profile: Profile) -> dict[int, int]:
             if steps:
                 stepped[layer].add(task.device)
     hosted = {c.layer for c in profile.low_copies if c.trainable}
-    keep: dict[int, int] = {}
+    keep: dict[int, frozenset[int]] = {}
     for layer, on in devices.items():
-        if len(on) != 1 or HOST in on or layer in hosted:
+        if not on or HOST in on or layer in hosted:
             continue
-        device = next(iter(on))
-        if profile.layers[layer].dw_bytes and stepped[layer] != {device}:
-            continue  # a trainable layer stepped elsewhere (the host) or not by one task of its device
-        keep[layer] = device
-    for tie in profile.ties:  # a tied weight is one tensor: all its layers on one device, or none kept
+        if profile.layers[layer].dw_bytes and stepped[layer] != on:
+            continue  # a trainable layer stepped elsewhere (the host), or not by every device running it
+        if len(on) > 1 and profile.layers[layer].b_bytes:
+            continue  # replicas' buffers (BatchNorm statistics) are one chain through every device
+        keep[layer] = frozenset(on)
+    for tie in profile.ties:  # a tied weight is one tensor: all its layers kept alike, or none
         if len({keep.get(layer) for layer in tie.layers}) != 1 or tie.layers[0] not in keep:
             for layer in tie.layers:
                 keep.pop(layer, None)
@@ -92,7 +96,7 @@ def keep_state(graph: TaskGraph, profile: Profile, capacity: int | None) -> Task
     keep = keepable_layers(graph, profile)
     if not keep:
         return None
-    tasks = [_kept_task(task) if task.device != HOST and task.first in keep else task for task in graph.tasks]
+    tasks = [_kept_task(task) if task.device in keep.get(task.first, ()) else task for task in graph.tasks]
     kept = dataclasses.replace(graph, tasks=tasks, memory=None)
     if capacity is not None:
         held = kept_bytes(kept, profile)

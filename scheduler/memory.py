@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from harmony.profiling.profiles import Profile
 from .tasks import HOST, Channel, Kind, MemoryPlan, Task, Transfer
 
-__all__ = ["TaskMemory", "cached_task_memory", "covers", "fused_update", "input_unit", "is_kept", "kept_bytes", "kept_layers", "memory_plan",
-           "profile_cache", "reserve", "resident_bytes",
+__all__ = ["TaskMemory", "cached_task_memory", "covers", "fused_update", "input_unit", "is_kept", "kept_bytes",
+           "kept_on", "memory_plan", "profile_cache", "reserve", "resident_bytes",
            "running_gradient_input", "stash_layers", "stashes_every_layer", "task_key", "task_memory",
            "unit_holds"]
 
@@ -103,19 +103,20 @@ def is_kept(task: Task) -> bool:
     return any(t.tensor == "W" and t.channel == Channel.KEEP for t in task.inputs)
 
 
-def kept_layers(graph) -> dict[int, int]:
-    """Layer -> the device its state is kept on, of every kept layer of ``graph``."""
-    return {layer: task.device for task in graph.tasks if is_kept(task) for layer in range(task.first, task.last + 1)}
+def kept_on(graph) -> dict[int, set[int]]:
+    """Device -> the layers whose state it keeps across iterations (``keep.py``); empty if none."""
+    on: dict[int, set[int]] = {}
+    for task in graph.tasks:
+        if is_kept(task):
+            on.setdefault(task.device, set()).update(range(task.first, task.last + 1))
+    return on
 
 
 def kept_bytes(graph, profile: Profile) -> dict[int, int]:
     """Per device, the bytes of the state kept there across iterations (weights, buffers, optimizer
     state; a tied weight once): a reservation held from the first iteration on."""
-    by_device: dict[int, set[int]] = {}
-    for layer, device in kept_layers(graph).items():
-        by_device.setdefault(device, set()).add(layer)
     held: dict[int, int] = {}
-    for device, layers in by_device.items():
+    for device, layers in kept_on(graph).items():
         total = sum(profile.layers[l].w_bytes + profile.layers[l].b_bytes + profile.layers[l].k_bytes for l in layers)
         for tie in profile.ties:
             inside = sum(1 for l in tie.layers if l in layers)

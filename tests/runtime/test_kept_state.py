@@ -21,7 +21,7 @@ from harmony.models import gpt2, resnet
 from harmony.plan import Plan
 from harmony.profiling.sweep import training_footprint
 from harmony.runtime.reference import microbatches_of, reference_train
-from harmony.scheduler.memory import kept_layers
+from harmony.scheduler.memory import kept_on
 from harmony.scheduler.search import search
 from tests.runtime.test_training import adam, assert_same_training
 
@@ -77,7 +77,7 @@ def trains_as_eager(model: torch.nn.Module, get_batch, plan: Plan, steps: int) -
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_one_device_with_room_keeps_every_layer_and_trains_as_eager(name):
     model, get_batch, plan = plan_for(name, "pp", 1)
-    assert set(kept_layers(plan.tasks)) == set(range(len(plan.graph))), plan.tasks.to_text()
+    assert kept_on(plan.tasks) == {0: set(range(len(plan.graph)))}, plan.tasks.to_text()
     history = trains_as_eager(model, get_batch, plan, 4)
     planned = {k: v for k, v in plan.tasks.bytes_by_channel().items() if v}
     assert "SWAP out" not in planned  # no weight, optimizer state or gradient leaves the device
@@ -88,19 +88,31 @@ def test_one_device_with_room_keeps_every_layer_and_trains_as_eager(name):
         assert step.workers[0].ledger_shortfall == 0
 
 
-@pytest.mark.parametrize("mode,devices", [("pp", 2), ("dp", 2)])
-def test_two_devices_with_room_train_as_eager_keeping_what_one_device_runs(mode, devices):
-    model, get_batch, plan = plan_for("resnet", mode, devices)
-    kept = kept_layers(plan.tasks)
-    for layer, device in kept.items():  # only layers whose every task runs on their device
-        assert {t.device for t in plan.tasks.tasks if t.first <= layer <= t.last} == {device}
+@pytest.mark.parametrize("name,mode", [("resnet", "pp"), ("gpt2", "dp")])
+def test_two_devices_with_room_train_as_eager_keeping_what_they_step(name, mode):
+    """pp: each device keeps the packs only it runs; dp: every device keeps its own replica and
+    steps it with the summed gradient, as DistributedDataParallel does."""
+    if mode == "pp":  # two packs, one per device (the search may well put everything on one)
+        model, get_batch, _ = compiled(name)
+        plan = generated(name, [(0, 2), (3, 4)], 2)
+    else:
+        model, get_batch, plan = plan_for(name, mode, 2)
+    on = kept_on(plan.tasks)
+    assert set(on) == {0, 1}, plan.tasks.to_text()
+    for device, layers in on.items():  # only layers whose every task runs where they are kept
+        for layer in layers:
+            runs = {t.device for t in plan.tasks.tasks if t.first <= layer <= t.last}
+            assert runs == ({device} if mode == "pp" else {0, 1})
     history = trains_as_eager(model, get_batch, plan, 3)
     assert history[-1].bytes_by_channel() == {k: v for k, v in plan.tasks.bytes_by_channel().items() if v}
+    assert "SWAP out" in history[-1].bytes_by_channel() or mode == "pp"  # dp's gradients still meet on the host
 
 
-def test_a_checkpoint_of_kept_state_resumes_as_the_uninterrupted_run(tmp_path):
-    model, get_batch, plan = plan_for("resnet", "pp", 1)
-    assert kept_layers(plan.tasks)
+@pytest.mark.parametrize("name,mode,devices", [("resnet", "pp", 1), ("gpt2", "dp", 2)])
+def test_a_checkpoint_of_kept_state_resumes_as_the_uninterrupted_run(tmp_path, name, mode, devices):
+    """(dp: the replicas' state is written back once, by the lowest device.)"""
+    model, get_batch, plan = plan_for(name, mode, devices)
+    assert set(kept_on(plan.tasks)) == set(range(devices))
     data = batches(get_batch, 4)
     with harmony.Trainer(plan, optimizer=adam, timeout=20) as whole:
         straight = [whole.step(x, y) for x, y in data]
@@ -123,7 +135,7 @@ def test_a_checkpoint_of_kept_state_resumes_as_the_uninterrupted_run(tmp_path):
 def test_loaded_weights_replace_the_kept_ones_and_closing_writes_them_back():
     model, get_batch, plan = plan_for("gpt2", "pp", 1)
     _, _, moved = plan_for("gpt2", "pp", 1, keep=False)  # the same run with nothing kept: what it must equal
-    assert kept_layers(plan.tasks) and not kept_layers(moved.tasks)
+    assert kept_on(plan.tasks) and not kept_on(moved.tasks)
     data = batches(get_batch, 3)
     start = copy.deepcopy(model.state_dict())
     finals = []
@@ -145,7 +157,7 @@ def test_loaded_weights_replace_the_kept_ones_and_closing_writes_them_back():
 def test_without_keeping_the_same_plan_moves_its_state_every_iteration():
     _, _, kept = plan_for("gpt2", "pp", 1)
     _, _, moved = plan_for("gpt2", "pp", 1, keep=False)
-    assert kept_layers(kept.tasks) and not kept_layers(moved.tasks)
+    assert kept_on(kept.tasks) and not kept_on(moved.tasks)
     assert moved.tasks.bytes_by_channel().get("SWAP in", 0) > kept.tasks.bytes_by_channel().get("SWAP in", 0)
 
 
@@ -170,7 +182,7 @@ def test_a_tied_weight_kept_across_two_packs_of_one_device_is_one_tensor_stepped
     through host memory, the embedding's pack steps the one kept tensor both packs read."""
     model, get_batch, _ = compiled("gpt2")
     plan = generated("gpt2", [(0, 2), (3, 4)], 1)
-    assert set(kept_layers(plan.tasks)) == set(range(5)), plan.tasks.to_text()
+    assert kept_on(plan.tasks) == {0: set(range(5))}, plan.tasks.to_text()
     history = trains_as_eager(model, get_batch, plan, 3)
     assert max(step.workers[0].peak for step in history) <= plan.tasks.memory.devices[0]
 
@@ -180,7 +192,7 @@ def test_kept_state_is_clipped_and_stepped_after_the_hosts_norm():
     UPD tasks with the clipped gradient summed in host memory."""
     model, get_batch, _ = compiled("resnet")
     plan = generated("resnet", [(0, 2), (3, 4)], 2, gated=True)
-    assert set(kept_layers(plan.tasks).values()) == {0, 1}, plan.tasks.to_text()
+    assert set(kept_on(plan.tasks)) == {0, 1}, plan.tasks.to_text()
     data = batches(get_batch, 3)
     with harmony.Trainer(plan, optimizer=adam, timeout=20, clip_grad_norm=0.05) as trainer:
         losses = [trainer.step(x, y) for x, y in data]

@@ -302,20 +302,23 @@ def test_stamp_indices_agree_with_the_host_store(base_plan):
 
 
 @needs_torchrun
-def test_two_nodes_keeping_state_on_their_devices_save_the_checkpoint_one_host_saves(tmp_path):
-    """Each node's device keeps its pack (scheduler/keep.py): before the save, node 1 writes its
-    kept weights, buffers and optimizer state back and ships them to node 0's host store, from which
-    rank 0 saves. The file holds exactly what the forked launcher's does after the same steps."""
+@pytest.mark.parametrize("model_file,mode", [("resnet.py", "pp"), ("gpt2.py", "dp")])
+def test_two_nodes_keeping_state_on_their_devices_save_the_checkpoint_one_host_saves(tmp_path, model_file, mode):
+    """Each node's device keeps its state (scheduler/keep.py): in pp its pack, in dp a replica of
+    the model. Before the save, the device stepping a pack's master copy (pp: node 1's for its pack;
+    dp: node 0's replica) writes its kept weights, buffers and optimizer state back and ships them
+    to the other node's host store; rank 0 saves. The file holds exactly what the forked launcher's
+    does after the same steps."""
     import torch
 
     from tests.runtime.test_torchrun import kept_on_both_devices
 
-    resnet = MODEL.with_name("resnet.py")
+    model = MODEL.with_name(model_file)
     args = ["--arg", "preset=tiny", "--no-probe", "--device", "cpu"]
-    assert main(["compile", str(resnet), *args, "--minibatch", str(MINIBATCH), "--devices", "2",
+    assert main(["compile", str(model), *args, "--minibatch", str(MINIBATCH), "--devices", "2",
                  "--device-memory", "1GiB", "--no-compare", "--out", str(tmp_path / "base")]) == 0
-    plan = kept_on_both_devices(tmp_path / "base", tmp_path / "plan")
-    common = ["run", str(resnet), *args, "--plan", str(plan), "--iters", str(ITERATIONS)]
+    plan = kept_on_both_devices(tmp_path / "base", tmp_path / "plan", mode)
+    common = ["run", str(model), *args, "--plan", str(plan), "--iters", str(ITERATIONS)]
     assert main([*common, "--report", str(tmp_path / "one-host.json"), "--checkpoint", str(tmp_path / "one.pt")]) == 0
     nodes = two_nodes([*common, "--report", str(tmp_path / "two-nodes.json"), "--checkpoint", str(tmp_path / "two.pt")],
                       RUN_LIMIT)

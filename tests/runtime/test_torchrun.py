@@ -214,20 +214,21 @@ def test_a_torchrun_run_keeping_its_state_on_the_devices_checkpoints_and_resumes
         assert torch.equal(got["model"][name], tensor), name
 
 
-def kept_on_both_devices(base: Path, out: Path) -> Path:
-    """The base plan (5 layers, 2 devices with room) as a pipeline of two packs, each kept on its
-    device and stepped there."""
+def kept_on_both_devices(base: Path, out: Path, mode: str = "pp") -> Path:
+    """The base plan (5 layers, 2 devices with room) with two packs, kept on the devices and stepped
+    there: in pp each pack on its device, in dp a replica of both on each."""
     from harmony.compiler import promise_memory
     from harmony.plan import Plan
-    from harmony.scheduler.memory import kept_layers
+    from harmony.scheduler.memory import kept_on
     from harmony.scheduler.taskgraph import generate
     from harmony.scheduler.tasks import Configuration
 
     plan = Plan.load(base)
     packs = [(0, 2), (3, 4)]
-    plan.tasks = generate("pp", plan.profile, Configuration(u_f=4, packs_f=packs, u_b=4, packs_b=packs), 2,
+    plan.tasks = generate(mode, plan.profile, Configuration(u_f=4, packs_f=packs, u_b=4, packs_b=packs), 2,
                           plan.tasks.minibatch, update="device", keep=True)
-    assert set(kept_layers(plan.tasks).values()) == {0, 1}, plan.tasks.to_text()
+    plan.options = {**plan.options, "mode": mode}
+    assert set(kept_on(plan.tasks)) == {0, 1}, plan.tasks.to_text()
     plan.estimate = {}
     promise_memory(plan)
     plan.save(out)
