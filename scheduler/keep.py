@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 
 from harmony.profiling.profiles import Profile
-from .memory import cached_task_memory, kept_bytes
+from .memory import cached_task_memory, is_kept, kept_bytes
 from .tasks import HOST, Channel, Kind, Task, TaskGraph, Transfer
 
 __all__ = ["KEEP_MODES", "keep_state", "keepable_layers"]
@@ -67,42 +67,80 @@ def keepable_layers(graph: TaskGraph, profile: Profile) -> dict[int, frozenset[i
         if len(on) > 1 and profile.layers[layer].b_bytes:
             continue  # replicas' buffers (BatchNorm statistics) are one chain through every device
         keep[layer] = frozenset(on)
-    for tie in profile.ties:  # a tied weight is one tensor: all its layers kept alike, or none
+    return _closed(keep, graph, profile)
+
+
+def _closed(keep: dict[int, frozenset[int]], graph: TaskGraph, profile: Profile) -> dict[int, frozenset[int]]:
+    """``keep`` less what cannot be kept without a layer it lacks: a tied weight is one tensor (all
+    its layers kept alike, or none), and a task loads its pack's state whole (kept only where every
+    layer of it is)."""
+    keep = dict(keep)
+    for tie in profile.ties:
         if len({keep.get(layer) for layer in tie.layers}) != 1 or tie.layers[0] not in keep:
             for layer in tie.layers:
                 keep.pop(layer, None)
     changed = True
-    while changed:  # a task loads its pack's state whole: kept only where every layer of it is
+    while changed:
         changed = False
         for task in graph.tasks:
             span = range(task.first, task.last + 1)
             if task.device != HOST and any(layer in keep for layer in span) and not all(layer in keep for layer in span):
-                for layer in span:
-                    changed |= keep.pop(layer, None) is not None
-                for tie in profile.ties:
-                    if any(layer in span for layer in tie.layers):
-                        for layer in tie.layers:
-                            changed |= keep.pop(layer, None) is not None
+                changed |= _let_go(keep, span, profile)
     return keep
 
 
-def keep_state(graph: TaskGraph, profile: Profile, capacity: int | None) -> TaskGraph | None:
+def _let_go(keep: dict[int, frozenset[int]], span: range, profile: Profile) -> bool:
+    """Drop the layers of ``span`` (and every layer tied to one of them) from ``keep``; whether any was kept."""
+    dropped = False
+    for layer in span:
+        dropped |= keep.pop(layer, None) is not None
+    for tie in profile.ties:
+        if any(layer in span for layer in tie.layers):
+            for layer in tie.layers:
+                dropped |= keep.pop(layer, None) is not None
+    return dropped
+
+
+def keep_state(graph: TaskGraph, profile: Profile, capacity: int | None, partial: bool = False) -> TaskGraph | None:
     """``graph`` with every keepable pack's state kept on its device (module docs), or None where
     nothing can be kept or, given ``capacity``, where a device's kept state and its largest task
-    would not fit together (the estimate says whether the whole does). ``graph`` is not changed."""
+    would not fit together (the estimate says whether the whole does). ``partial``: rather than
+    give up, let go of the largest kept pack of a device that does not fit, until it does. ``graph``
+    is not changed."""
     if graph.mode not in KEEP_MODES:
         return None
     profile = profile.for_graph(graph)
     keep = keepable_layers(graph, profile)
-    if not keep:
-        return None
-    tasks = [_kept_task(task) if task.device in keep.get(task.first, ()) else task for task in graph.tasks]
-    kept = dataclasses.replace(graph, tasks=tasks, memory=None)
-    if capacity is not None:
-        held = kept_bytes(kept, profile)
-        if any(held.get(t.device, 0) + cached_task_memory(t, profile).peak > capacity for t in tasks if t.device != HOST):
+    while keep:
+        tasks = [_kept_task(task) if task.device in keep.get(task.first, ()) else task for task in graph.tasks]
+        kept = dataclasses.replace(graph, tasks=tasks, memory=None)
+        short = _short_of_room(kept, profile, capacity)
+        if short is None:
+            return kept
+        if not partial:
             return None
-    return kept
+        mine = [t for t in tasks if t.device == short and is_kept(t)]
+        if not mine:  # a task of its own does not fit beside nothing kept: the estimate will say
+            return None
+        largest = max(mine, key=lambda t: _state_bytes(t, profile))
+        _let_go(keep, range(largest.first, largest.last + 1), profile)
+        keep = _closed(keep, graph, profile)
+    return None
+
+
+def _short_of_room(kept: TaskGraph, profile: Profile, capacity: int | None) -> int | None:
+    """A device whose kept state and one of its tasks alone exceed ``capacity``, or None."""
+    if capacity is None:
+        return None
+    held = kept_bytes(kept, profile)
+    for task in kept.tasks:
+        if task.device != HOST and held.get(task.device, 0) + cached_task_memory(task, profile).peak > capacity:
+            return task.device
+    return None
+
+
+def _state_bytes(task: Task, profile: Profile) -> int:
+    return sum(layer.w_bytes + layer.b_bytes + layer.k_bytes for layer in profile.layers[task.first:task.last + 1])
 
 
 def _kept_task(task: Task) -> Task:

@@ -21,6 +21,7 @@ from typing import Callable, Iterator
 from harmony.scheduler import packing
 from harmony.scheduler.estimator import Estimate, estimate, task_compute_seconds
 from harmony.scheduler.keep import KEEP_MODES, keep_state
+from harmony.scheduler.memory import kept_on
 from harmony.scheduler.machine import Machine
 from harmony.profiling.profiles import Profile
 from harmony.scheduler.taskgraph import generate
@@ -247,10 +248,35 @@ def _search(profile, machine, mode, devices, minibatch, capacity, extra_packs, s
         raise NoFeasibleConfiguration(
             f"no {mode} configuration fits {capacity:,} bytes per device (explored {explored}); "
             "give the devices more memory or cut the model into smaller layers", overflowed=overflowed)
+    if keep and mode in KEEP_MODES and not keep_candidates and options.get("update") != "host":
+        best, tried = _partly_kept(best, mode, profile, machine, devices, minibatch, capacity, options)
+        explored += tried
     _, config, graph, _ = best
     final = estimate(graph, profile, machine, capacity=capacity, record_events=True)
     pruned = len(pending) * len(_variants(mode, options)) - explored
     return SearchResult(config, graph, final, explored, pruned, time.perf_counter() - start, candidates)
+
+
+def _partly_kept(best: tuple, mode: str, profile: Profile, machine: Machine, devices: int, minibatch: int,
+                 capacity: int, options: dict) -> tuple[tuple, int]:
+    """The search's best, or its configuration stepped on the devices keeping the packs there is
+    room for where that is faster (``keep_state(partial=True)``): a device short of room for all of
+    its packs' state may still keep some, saving their copies. Tried once, for the winner only, so
+    that it costs the search one estimate; returns (best, candidates estimated)."""
+    time_, config, graph, _ = best
+    if kept_on(graph):
+        return best, 0
+    try:
+        device = generate(mode, profile, config, devices, minibatch, **{**options, "update": "device"})
+    except ValueError:
+        return best, 0
+    partial = keep_state(device, profile, capacity, partial=True)
+    if partial is None:
+        return best, 0
+    est = estimate(partial, profile, machine, capacity=capacity, record_events=False, beat=time_)
+    if est.fits and not est.deadlock and not est.cut and est.iteration_time < time_:
+        return (est.iteration_time, config, partial, est), 1
+    return best, 1
 
 
 def _closest(overflowed: list[tuple[Configuration, dict]], profile: Profile, machine: Machine, mode: str, devices: int,

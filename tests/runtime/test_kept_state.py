@@ -229,3 +229,29 @@ def test_kept_state_lost_with_a_worker_is_an_error_not_stale_weights(tmp_path):
         with pytest.raises(HarmonyError, match="run stopped before writing them back"):
             trainer.save_checkpoint(tmp_path / "lost.pt")
     assert not (tmp_path / "lost.pt").exists()
+
+
+def test_a_device_keeping_one_pack_and_moving_the_other_trains_as_eager():
+    """Partial keeping: the device has room for one pack's state beside its work, not for both."""
+    from harmony.compiler import promise_memory
+    from harmony.scheduler.keep import keep_state
+    from harmony.scheduler.taskgraph import generate
+    from harmony.scheduler.tasks import Configuration
+
+    model, get_batch, base = compiled("resnet")  # (gpt2's tied embedding spans both packs)
+    packs = [(0, 2), (3, 4)]
+    graph = generate("pp", base.profile, Configuration(u_f=4, packs_f=packs, u_b=4, packs_b=packs), 1, MINIBATCH,
+                     update="device")
+    full = keep_state(graph, base.profile, None)
+    kept = None
+    for room in range(64 * 1024 * 1024, 0, -16 * 1024):  # the largest room that keeps a part only
+        kept = keep_state(graph, base.profile, room, partial=True)
+        if kept is None or kept_on(kept) != kept_on(full):
+            break
+    assert kept is not None and kept_on(kept) and kept_on(kept) != kept_on(full), "no room keeps one pack only"
+    plan = Plan(graph=base.graph, profile=base.profile, tasks=kept, estimate={},
+                options={**base.options, "devices": 1, "mode": "pp"})
+    plan.loss_fn, plan.build_optimizer = MODELS["resnet"].loss_fn, adam
+    promise_memory(plan)
+    history = trains_as_eager(model, get_batch, plan, 3)
+    assert history[-1].bytes_by_channel() == {k: v for k, v in plan.tasks.bytes_by_channel().items() if v}

@@ -98,3 +98,18 @@ def test_the_search_keeps_state_where_it_fits_and_not_when_told_not_to(uniform):
     moved = search(profile, machine, "pp", 1, 8, capacity=10**9, update="device", keep=False)
     assert kept_on(kept.graph) and not kept_on(moved.graph)
     assert kept.estimate.iteration_time < moved.estimate.iteration_time
+
+
+def test_a_device_short_of_room_for_all_its_packs_keeps_those_that_fit(uniform):
+    from harmony.scheduler.memory import cached_task_memory
+
+    profile = uniform()
+    graph = generate("pp", profile, TWO_PACKS, 1, 8, update="device")
+    full = keep_state(graph, profile, capacity=None)
+    room = kept_bytes(full, profile)[0] + max(cached_task_memory(t, profile).peak for t in full.tasks)
+    assert keep_state(graph, profile, capacity=room) is not None
+    assert keep_state(graph, profile, capacity=room - 1) is None  # all or nothing
+    partial = keep_state(graph, profile, capacity=room - 1, partial=True)
+    assert partial is not None and kept_on(partial)[0] in ({0, 1, 2}, {3, 4, 5})  # one pack of the two
+    held = kept_bytes(partial, profile)[0]
+    assert all(held + cached_task_memory(t, profile).peak <= room - 1 for t in partial.tasks)
