@@ -132,7 +132,7 @@ class Updates:
         kept = any(t.tensor == "K" and t.channel == Channel.KEEP for t in task.inputs)
         for name, leaf in leaves.items():
             if kept:
-                self._kept_optimizer_state(name, leaf, opt)
+                self._load_kept_optimizer_state(name, leaf, opt)
             elif self.store.state_initialized(name):
                 opt.state[leaf] = {k: (self._to_device(v, "SWAP", "K") if v.dim() > 0 else v.clone())
                                    for k, v in self.store.state(name).items()}
@@ -160,16 +160,16 @@ class Updates:
         """The optimizer state of kept weights stays on the device for their next step, held as the
         device's kept reservation (its tensors; a step count, a scalar, lives on the host as the
         host store's does, in place from one step to the next)."""
-        for values in states.values():
+        for name, values in states.items():
             for key, v in values.items():
-                if isinstance(v, torch.Tensor) and v.dim() == 0 and v.device.type == "cpu":
+                if name not in self.kept_optim and isinstance(v, torch.Tensor) and v.dim() == 0 and v.device.type == "cpu":
                     with self.device.host_side():
                         values[key] = v.clone()
         self.ledger.hold([v for values in states.values() for v in values.values()
                           if isinstance(v, torch.Tensor) and v.dim() > 0], KEPT)
         self.kept_optim.update(states)
 
-    def _kept_optimizer_state(self, name: str, leaf: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+    def _load_kept_optimizer_state(self, name: str, leaf: torch.Tensor, opt: torch.optim.Optimizer) -> None:
         """A kept weight's optimizer state for its step: the device's copy, or once (the first
         iteration, or after ``drop_kept``) the host store's, if it has been stepped; a first step
         makes its own."""
