@@ -469,6 +469,8 @@ def _cmd_show(ns: argparse.Namespace) -> int:
         console.print(f"[bold]{'host' if d < 0 else f'device {d}'}[/] ({len(tasks)} tasks)")
         for t in tasks:
             console.print(f"  {t.id:>4} {t}", highlight=False, soft_wrap=True)
+    if kept := plan.kept_text():
+        console.print(f"kept on the devices: {kept}")
     _print_comparison(plan)
     return 0
 
