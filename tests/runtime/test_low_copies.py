@@ -45,11 +45,12 @@ def plan_at(mode: str, precision: str = "bf16"):
 
 @functools.lru_cache(maxsize=None)
 def plan_updating_at(mode: str, update: str):
-    """``plan_at``'s plan with its updates where ``update`` says (the search picks either)."""
+    """``plan_at``'s plan with its updates where ``update`` says (the search picks either), moving
+    its state every iteration: these tests are about what travels, and how (kept state moves none)."""
     plan = plan_at(mode)
     machine = _nominal_machine(CompileOptions(minibatch=MINIBATCH, devices=2), plan.profile.capacity)
     tasks = search(plan.profile, machine, mode, 2, MINIBATCH, capacity=plan.options["planned_memory"],
-                   same_u=bool(plan.options["same_u"]), update=update).graph
+                   same_u=bool(plan.options["same_u"]), update=update, keep=False).graph
     tasks.precision = plan.tasks.precision
     return dataclasses.replace(plan, tasks=tasks)
 
