@@ -300,7 +300,6 @@ class Launcher:
             raise HarmonyError(NO_PROMISE)
         check_clipping(tasks, clip_grad_norm)
         self.keeps = bool(kept_on(tasks))  # whether the devices keep state across iterations
-        self._closed = False
         self._synced = 0  # the iteration after which the host store last held every kept state
         self.clip_grad_norm = clip_grad_norm
         self.loss_scale = None

@@ -78,10 +78,7 @@ def task_writes(task: Task, routes: Routes, layers: LayerGraph, store: HostStore
     kept = memory.is_kept(task)  # its state stays on the device: written back only by ``kept_writes``
     writes_buffers = task.kind == Kind.FWD or (task.kind == Kind.BWD and task.loss)
     if writes_buffers and not kept and any(t.tensor == "B" for t in task.outputs):
-        for layer in range(task.first, task.last + 1):
-            for name in layers.layers[layer].state:
-                if layers.state[name].kind != "parameter" and f"B/{name}" not in keys:
-                    keys.append(f"B/{name}")
+        keys += _buffer_keys(task, layers)
     if task.kind == Kind.NORM:  # sums each gradient's slots into the first written, clips it, unstamps the rest
         for name in routes.owner:
             for device in range(layout.devices):
@@ -109,14 +106,17 @@ def kept_writes(rank: int, routes: Routes, layers: LayerGraph, store: HostStore)
     for task in routes.graph.tasks:
         if task.device != rank or not memory.is_kept(task):
             continue
-        for layer in range(task.first, task.last + 1):
-            for name in layers.layers[layer].state:
-                if layers.state[name].kind != "parameter" and f"B/{name}" not in keys:
-                    keys.append(f"B/{name}")
+        keys += _buffer_keys(task, layers)
     stepped = routes.kept_writes(rank)
     keys += _master_keys(stepped, layout)
     flags += [index[name] for name in stepped]
     return _writes(list(dict.fromkeys(keys)), sorted(set(flags)), layout)
+
+
+def _buffer_keys(task: Task, layers: LayerGraph) -> list[str]:
+    """The host-store entries of the buffers of the task's layers."""
+    return list(dict.fromkeys(f"B/{name}" for layer in range(task.first, task.last + 1)
+                              for name in layers.layers[layer].state if layers.state[name].kind != "parameter"))
 
 
 def _master_keys(names: list[str], layout) -> list[str]:
