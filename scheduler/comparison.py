@@ -38,7 +38,8 @@ def row(mode: str, result: SearchResult) -> dict[str, Any]:
     """The comparison table's row of one mode's search."""
     return {"mode": mode, "iteration_time": result.estimate.iteration_time, "swap_bytes": result.graph.swap_bytes(),
             "peak_memory": max(result.estimate.peak_memory.values(), default=0), "config": str(result.config),
-            "explored": result.explored, "search_seconds": result.seconds}
+            "explored": result.explored, "candidates": result.explored + result.pruned,
+            "search_seconds": result.seconds}
 
 
 def usable_cores() -> int:

@@ -340,12 +340,17 @@ def unit_overheads(task: Task, machine: Machine, units: int) -> list[float]:
     return extra
 
 
-def task_seconds(task: Task, profile: Profile, machine: Machine) -> float:
-    """Seconds the task keeps its device's compute stream busy when nothing else computes: its
-    compute (scaled to the runtime's, on a device) and the runtime's overheads."""
-    durs = _task_costs(task, profile, _profile_cache(profile))
+def unit_seconds(task: Task, profile: Profile, machine: Machine, cache: dict | None = None) -> list[float]:
+    """Seconds each unit of the task (see ``_Unit``) keeps its compute stream busy when nothing else
+    computes: its compute (scaled to the runtime's, on a device) and the runtime's overheads."""
+    durs = _task_costs(task, profile, _profile_cache(profile) if cache is None else cache)
     scale = 1.0 if task.device == HOST else machine.compute_scale
-    return sum(durs) * scale + sum(unit_overheads(task, machine, len(durs)))
+    return [d * scale + e for d, e in zip(durs, unit_overheads(task, machine, len(durs)))]
+
+
+def task_seconds(task: Task, profile: Profile, machine: Machine) -> float:
+    """Seconds the task keeps its device's compute stream busy when nothing else computes."""
+    return sum(unit_seconds(task, profile, machine))
 
 
 # ---------------------------------------------------------------------------------------- estimate
@@ -422,7 +427,7 @@ class _Simulation:
         # units: task id -> its units; per slot its units in order; the previous task's first / last unit
         "units_of", "slot_units", "first_unit_prev", "last_unit_prev",
         # transfers and what they count
-        "links", "latency", "xfers", "bytes_by_channel", "bytes_by_device",
+        "links", "kinds", "latency", "xfers", "bytes_by_channel", "bytes_by_device",
         # outputs by who may read them (records: [transfer, producing unit, swap-out xfer or None, used, slot])
         "made", "made_host", "records",
         # the simulation's state
@@ -452,6 +457,7 @@ class _Simulation:
         self.xfers: list[_Xfer] = []
         self.bytes_by_channel: dict[str, int] = {}
         self.bytes_by_device: dict[int, dict[str, int]] = {d: {} for d in self.slot_dev}
+        self._build_kinds()
         self._build_outputs()
         self._build_inputs(program)
         self._build_update_dependencies()
@@ -487,11 +493,8 @@ class _Simulation:
         end_on_slot: list[_Unit | None] = [None] * nslots
         for task in self.tasks:
             s = slot_of[task.device]
-            durs = _task_costs(task, profile, cache)
             held = _task_memory(task, profile, cache, memory.stash_layers(task, by_id))
-            extra = unit_overheads(task, machine, len(durs))
-            scale = 1.0 if s == host_slot else machine.compute_scale
-            us = [_Unit(s, task, j, d * scale + e) for j, (d, e) in enumerate(zip(durs, extra))]
+            us = [_Unit(s, task, j, d) for j, d in enumerate(unit_seconds(task, profile, machine, cache))]
             su = slot_units[s]
             for u in us:
                 u.order = len(su)
@@ -518,36 +521,38 @@ class _Simulation:
             return us[mb]
         return us[-1] if produce else us[0]
 
-    def _count(self, device: int, key: str, n: int) -> None:
-        per = self.bytes_by_device.setdefault(device, {})
-        per[key] = per.get(key, 0) + n
+    def _build_kinds(self) -> None:
+        """Per kind of transfer: its channel's fixed cost and bandwidth (``Machine.transfer_time``,
+        looked up once: a search builds a hundred thousand transfers), its link, and the counter keys
+        of its source and destination devices."""
+        machine, links = self.machine, self.links
+        kinds = []
+        for kind, channel, link, src_key, dst_key in (
+                (_IN, "h2d", links.get("h2d"), None, "SWAP in"), (_OUT, "d2h", links.get("d2h"), "SWAP out", None),
+                (_MSG_IN, "msg", None, None, "MSG in"), (_MSG_OUT, "msg", None, "MSG out", None),
+                (_P2P, "d2d", None, "P2P out", "P2P in")):
+            fixed = machine.p2p_latency if channel in ("d2d", "msg") and machine.p2p_latency is not None \
+                else machine.latency
+            kinds.append((fixed, machine.bandwidth(channel), link, src_key, dst_key, _KIND_LABEL[kind]))
+        self.kinds = kinds
 
     def _new_xfer(self, kind: int, transfer: Transfer, task_id: int, src: int | None, dst: int | None) -> _Xfer:
-        machine, links, slot_dev = self.machine, self.links, self.slot_dev
+        fixed, bandwidth, link, src_key, dst_key, label = self.kinds[kind]
         x = _Xfer(kind, transfer, task_id, src, dst)
         n = transfer.nbytes
-        if kind == _IN:
-            x.dur = machine.transfer_time(n, "h2d")
-            x.link = links.get("h2d")
-            self._count(slot_dev[dst], "SWAP in", n)
-        elif kind == _OUT:
-            x.dur = machine.transfer_time(n, "d2h")
-            x.link = links.get("d2h")
-            self._count(slot_dev[src], "SWAP out", n)
-        elif kind == _MSG_IN:
-            x.dur = machine.transfer_time(n, "msg")
-            self._count(slot_dev[dst], "MSG in", n)
-        elif kind == _MSG_OUT:
-            x.dur = machine.transfer_time(n, "msg")
-            self._count(slot_dev[src], "MSG out", n)
-        else:
-            x.dur = machine.transfer_time(n, "d2d")
-            if src is not None:
-                self._count(slot_dev[src], "P2P out", n)
-            if dst is not None:
-                self._count(slot_dev[dst], "P2P in", n)
-        label = _KIND_LABEL[kind]
-        self.bytes_by_channel[label] = self.bytes_by_channel.get(label, 0) + n
+        if n < 0:
+            raise ValueError(f"nbytes must be a number >= 0, got {n!r}")
+        x.dur = fixed + n / bandwidth if n else 0.0
+        x.link = link
+        by_device, slot_dev = self.bytes_by_device, self.slot_dev
+        if src_key is not None and src is not None:
+            per = by_device[slot_dev[src]]
+            per[src_key] = per.get(src_key, 0) + n
+        if dst_key is not None and dst is not None:
+            per = by_device[slot_dev[dst]]
+            per[dst_key] = per.get(dst_key, 0) + n
+        by_channel = self.bytes_by_channel
+        by_channel[label] = by_channel.get(label, 0) + n
         self.xfers.append(x)
         return x
 
@@ -851,6 +856,8 @@ class _Simulation:
         link_join, cpu_done, link_done = self.link_join, self.cpu_done, self.link_done
         while heap:
             t, _, code, obj, ver = heappop(heap)
+            if (code == _E_CPU or code == _E_LINK) and ver != obj.version:
+                continue  # rescheduled since: its time is no event (nor a reason to stop)
             if t > beat:
                 self.now = t
                 return self.result("slower")
@@ -862,9 +869,8 @@ class _Simulation:
             elif code == _E_JOIN:
                 link_join(obj)
             elif code == _E_CPU:
-                if ver == obj.version:
-                    cpu_done(obj)
-            elif ver == obj.version:
+                cpu_done(obj)
+            else:
                 link_done(obj)
         return self.result()
 

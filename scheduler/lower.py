@@ -74,15 +74,23 @@ def pieces(producer: Task, consumer: Task) -> list[Piece]:
 
 def _overlaps(src: list[tuple[int, int]], dst: list[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
     """(producer microbatch, consumer microbatch, start, stop) of each overlap of two tasks'
-    ``ranges``, in producer order."""
+    ``ranges``, in producer order. Both lists run up the samples without gaps (``ranges``), so one
+    walk along the two finds every overlap: a search lowers thousands of these pairs, with up to a
+    minibatch of microbatches on each side."""
     out = []
-    for i, (a, n) in enumerate(src):
-        end = a + n
-        for j, (b, m) in enumerate(dst):
-            lo = a if a > b else b
-            hi = end if end < b + m else b + m
-            if lo < hi:
-                out.append((i, j, lo, hi))
+    i = j = 0
+    while i < len(src) and j < len(dst):
+        a, n = src[i]
+        b, m = dst[j]
+        end, other = a + n, b + m
+        lo = a if a > b else b
+        hi = end if end < other else other
+        if lo < hi:
+            out.append((i, j, lo, hi))
+        if end < other:
+            i += 1
+        else:
+            j += 1
     return out
 
 

@@ -30,7 +30,7 @@ from harmony.profiling.profiles import Profile
 from .tasks import HOST, Channel, Kind, MemoryPlan, Task, Transfer
 
 __all__ = ["TaskMemory", "cached_task_memory", "covers", "fused_update", "input_unit", "is_kept", "kept_bytes",
-           "kept_on", "memory_plan", "profile_cache", "reserve", "resident_bytes",
+           "kept_on", "least_peaks", "memory_plan", "profile_cache", "reserve", "resident_bytes",
            "running_gradient_input", "stash_layers", "stashes_every_layer", "task_key", "task_memory",
            "unit_holds"]
 
@@ -124,6 +124,24 @@ def kept_bytes(graph, profile: Profile) -> dict[int, int]:
                 total -= (inside - 1) * (tie.w_bytes + tie.k_bytes)
         held[device] = total
     return held
+
+
+def least_peaks(graph, profile: Profile, cache: dict | None = None) -> dict[int, int]:
+    """Per device, a floor under any simulation's peak: its kept state beside the largest
+    ``TaskMemory.peak`` of its tasks, which every schedule holds at once whatever else it moves. A
+    search rejects a candidate above capacity here without lowering and simulating it: most of its
+    candidates that overflow do so inside one task."""
+    cache = profile_cache(profile) if cache is None else cache
+    consumers = {t.id: t for t in graph.tasks}
+    largest: dict[int, int] = {}
+    for task in graph.tasks:
+        if task.device == HOST or task.kind == Kind.NORM:
+            continue
+        peak = cached_task_memory(task, profile, cache, stash_layers(task, consumers)).peak
+        if peak > largest.get(task.device, -1):
+            largest[task.device] = peak
+    kept = kept_bytes(graph, profile)
+    return {d: kept.get(d, 0) + largest.get(d, 0) for d in set(largest) | set(kept)}
 
 
 def profile_cache(profile: Profile) -> dict:

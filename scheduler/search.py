@@ -19,13 +19,14 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from harmony.scheduler import packing
-from harmony.scheduler.estimator import Estimate, estimate, task_compute_seconds
+from harmony.scheduler.bounds import graph_key, lower_bound, quick_bound
+from harmony.scheduler.estimator import Estimate, estimate
 from harmony.scheduler.keep import KEEP_MODES, keep_state
-from harmony.scheduler.memory import kept_on
+from harmony.scheduler.memory import kept_on, least_peaks
 from harmony.scheduler.machine import Machine
 from harmony.profiling.profiles import Profile
 from harmony.scheduler.taskgraph import generate
-from harmony.scheduler.tasks import Channel, Configuration, Kind, TaskGraph
+from harmony.scheduler.tasks import Configuration, Kind, TaskGraph
 
 log = logging.getLogger(__name__)
 
@@ -199,11 +200,19 @@ def _search(profile, machine, mode, devices, minibatch, capacity, extra_packs, s
     u_bs = sizes(min(profile.u_bmax, per_device))
     u_fs = sizes(min(profile.u_fmax, per_device))
     pending: list[tuple[float, int, Configuration]] = []
+    seen: set[tuple] = set()  # configurations whose task graph is already pending
+    forward: dict[tuple, list] = {}  # (U_F, the loss pack) -> forward packings: many backward packings share one
     for u_b in u_bs:
         for p_b in _packings(profile, u_b, capacity, "bwd", None, extra_packs, bwd_doublings):
             for u_f in ([u_b] if u_b <= max(u_fs) else []) if same_u else u_fs:
-                for p_f in _packings(profile, u_f, capacity, "fwd", p_b[-1], extra_packs, fwd_doublings):
+                if (u_f, p_b[-1]) not in forward:
+                    forward[(u_f, p_b[-1])] = _packings(profile, u_f, capacity, "fwd", p_b[-1], extra_packs,
+                                                        fwd_doublings)
+                for p_f in forward[(u_f, p_b[-1])]:
                     config = Configuration(u_f=u_f, packs_f=p_f, u_b=u_b, packs_b=p_b)
+                    if graph_key(mode, config) in seen:
+                        continue
+                    seen.add(graph_key(mode, config))
                     pending.append((quick_bound(mode, profile, config, devices, minibatch, machine, keep), len(pending),
                                     config))
     # equal bounds, U_F = U_B first: where the forward is one pack (the loss task's, run at U_B) U_F
@@ -211,14 +220,21 @@ def _search(profile, machine, mode, devices, minibatch, capacity, extra_packs, s
     pending.sort(key=lambda c: (c[0], c[2].u_f != c[2].u_b, c[1]))
     best: tuple[float, Configuration, TaskGraph, Estimate] | None = None
     overflowed: list[tuple[Configuration, dict]] = []  # candidates whose simulation stopped at their first overflow
-    explored = built = 0
+    explored = built = rejected = 0
     candidates: list[tuple[float, Configuration]] = []
 
     def consider(config: Configuration, variant: dict, graph: TaskGraph) -> Estimate | None:
         """Estimate one candidate unless its bound cannot beat the best; keep it if it is the best."""
         nonlocal best, explored
+        nonlocal rejected
         if best is not None and lower_bound(graph, profile, machine) >= best[0] and not keep_candidates:
             return None
+        floor = least_peaks(graph, profile.for_graph(graph))
+        if any(peak > capacity for peak in floor.values()):  # overflows inside one task, whatever the schedule
+            rejected += 1
+            overflowed.append((config, variant))
+            return Estimate(iteration_time=math.inf, fits=False, peak_memory=floor, bytes_by_channel={},
+                            bytes_by_device={}, busy={}, capacity=capacity, cut="over capacity")
         beat = None if keep_candidates else best[0] if best is not None else math.inf
         est = estimate(graph, profile, machine, capacity=capacity, record_events=False, beat=beat)
         explored += 1
@@ -348,70 +364,6 @@ def _transfer_of(label: str) -> tuple[str, int]:
     tensor = label.split("<-")[0].split("->")[0].strip()
     nbytes = int(label.rsplit("(", 1)[1].split()[0]) if "(" in label else 0
     return tensor, nbytes
-
-
-def quick_bound(mode: str, profile: Profile, config: Configuration, devices: int, minibatch: int, machine: Machine,
-                keep: bool = False) -> float:
-    """A lower bound computed from the configuration alone, before any task graph is built.
-
-    Compute: in ``pp`` the busiest device of the wrap-around binding, elsewhere one device's share.
-    Swaps: every pack's weights come from the host at least once per pass (the last pack once):
-    once in ``pp``, on every device in ``dp``, and per microbatch in the per-GPU-swap baselines;
-    none where ``keep`` may keep them on the devices (``keep.py``).
-    """
-    layers = profile.layers
-    last = config.packs_f[-1]
-
-    def fwd(first, l, u):
-        return profile.pack_time(first, l, u, "fwd_time")
-
-    def bwd(first, l, u, loss=False):
-        return profile.pack_time(first, l, u, "fwd_time" if loss else "recompute_time") + profile.pack_time(first, l, u, "bwd_time")
-
-    def over(fn, u, *args):
-        full, rest = divmod(minibatch if mode == "pp" else -(-minibatch // devices), u)
-        return full * fn(*args, u) + (fn(*args, rest) if rest else 0.0)
-
-    times = [over(lambda a, b, u: fwd(a, b, u), config.u_f, a, b) for a, b in config.packs_f[:-1]]
-    times.append(over(lambda a, b, u: bwd(a, b, u, loss=True), config.u_b, *last))
-    times += [over(lambda a, b, u: bwd(a, b, u), config.u_b, a, b) for a, b in reversed(config.packs_b[:-1])]
-    if mode == "pp":
-        load = [0.0] * devices
-        for i, t in enumerate(times):
-            load[i % devices] += t
-        compute = max(load)
-    else:  # the times above are already one device's share of the minibatch
-        compute = sum(times)
-    w_all = sum(layer.w_bytes for layer in layers)
-    w_last = sum(layer.w_bytes for layer in layers[last[0]:last[1] + 1])
-    per_pass = 2 * w_all - w_last  # every pack's weights once per pass, the last pack's once
-    if keep and mode in KEEP_MODES:
-        weights_in = 0
-    elif mode == "pp":
-        weights_in = per_pass
-    elif mode == "dp":
-        weights_in = devices * per_pass
-    elif mode.startswith("dp-swap"):  # no grouping: every microbatch of every device, plus its update
-        weights_in = devices * (-(-(-(-minibatch // devices)) // config.u_f) * per_pass + w_all)
-    else:  # per-GPU-swap pipelines: every microbatch once through the stages, plus the update
-        weights_in = -(-minibatch // config.u_f) * per_pass + w_all
-    return max(compute, weights_in / machine.h2d_all)
-
-
-def lower_bound(graph: TaskGraph, profile: Profile, machine: Machine) -> float:
-    """No schedule of ``graph`` finishes sooner than its busiest device computes, nor sooner than
-    its host-link traffic takes at the link's full aggregate bandwidth."""
-    busy: dict[int, float] = {}
-    swap_in = swap_out = 0
-    for task in graph.tasks:
-        busy[task.device] = busy.get(task.device, 0.0) + task_compute_seconds(task, profile)
-        for t in task.inputs:
-            if t.channel == Channel.SWAP:
-                swap_in += t.nbytes
-        for t in task.outputs:
-            if t.channel == Channel.SWAP:
-                swap_out += t.nbytes
-    return max(max(busy.values(), default=0.0), swap_in / machine.h2d_all, swap_out / machine.d2h_all)
 
 
 def _graphs(mode: str, profile: Profile, config: Configuration, devices: int, minibatch: int,

