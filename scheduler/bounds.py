@@ -62,16 +62,20 @@ def quick_bound(mode: str, profile: Profile, config: Configuration, devices: int
     times.append(over(lambda a, b, u: bwd(a, b, u, loss=True), u_b, *last))
     backward = [over(lambda a, b, u: bwd(a, b, u), u_b, a, b) for a, b in reversed(packs_b[:-1])]
     if mode == "pp":
-        times += backward
-        load = [0.0] * devices
-        for i, t in enumerate(times):
-            load[i % devices] += t
-        compute = max(load)
+        ends = [(fwd(a, b, min(config.u_f, samples)), fwd(a, b, samples - (-(-samples // config.u_f) - 1) * config.u_f))
+                for a, b in config.packs_f[:-1]]
+        edge = (min(u_b, samples), samples - (-(-samples // u_b) - 1) * u_b)  # first and last microbatch
+        ends.append(tuple(bwd(*last, u, loss=True) for u in edge))
+        ends += [tuple(bwd(a, b, u) for u in edge) for a, b in reversed(packs_b[:-1])]
+        counts = [-(-samples // config.u_f)] * len(times[:-1]) + [-(-samples // u_b)] * (1 + len(backward))
+        compute = _pipeline_chain(times + backward, ends, counts, devices, machine)
     elif samples == minibatch:  # a pipeline of stages: every pack's work falls on one device
         per_pack = [f + b for f, b in zip(times[:-1], reversed(backward))] + [times[-1]]
         compute = max(sum(per_pack) / devices, max(per_pack))
     else:  # the times are already one device's share of the minibatch
         compute = sum(times) + sum(backward)
+    if mode != "pp":  # pp's chain scales its own
+        compute *= machine.compute_scale
     w_all = sum(layer.w_bytes for layer in layers)
     w_last = sum(layer.w_bytes for layer in layers[last[0]:last[1] + 1])
     per_pass = 2 * w_all - w_last  # every pack's weights once per pass, the last pack's once
@@ -86,6 +90,27 @@ def quick_bound(mode: str, profile: Profile, config: Configuration, devices: int
     else:  # per-GPU-swap pipelines: every microbatch once through the stages, plus the update
         weights_in = -(-minibatch // config.u_f) * per_pass + w_all
     return max(compute, weights_in / machine.h2d_all)
+
+
+def _pipeline_chain(times: list[float], ends: list[tuple[float, float]], counts: list[int], devices: int,
+                    machine: Machine) -> float:
+    """The wrap-around pipeline's chain (``_Chain`` for a configuration, before its graph exists):
+    task i on device i mod N runs after that device's previous task, its first microbatch after the
+    previous task's first, and its last microbatch after the previous task's last. ``times``: each
+    task's compute; ``ends``: its first and last microbatch's; ``counts``: its microbatches. The
+    executor's costs per task and microbatch are counted; the state copies and the updates are not
+    (a kept or a host-stepped variant may do without them)."""
+    scale, per_task, per_mb = machine.compute_scale, machine.task_overhead, machine.microbatch_overhead
+    free = [0.0] * devices  # the earliest each device's previous task ends
+    first_end = last_end = latest = 0.0  # the previous task's first and last microbatch's earliest ends
+    for i, (t, (first, last), n) in enumerate(zip(times, ends, counts)):
+        d = i % devices
+        begin = max(free[d], first_end)
+        first_end = begin + per_task + per_mb + first * scale
+        end = max(begin + per_task + n * per_mb + t * scale, last_end + per_mb + last * scale)
+        free[d] = last_end = end
+        latest = max(latest, end)
+    return latest + machine.iteration_overhead
 
 
 def graph_key(mode: str, config: Configuration) -> tuple:

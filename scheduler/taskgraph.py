@@ -188,16 +188,6 @@ def _share(total: int, parts: int, index: int) -> tuple[int, int]:
     return offset, size
 
 
-def _producing_microbatch(producer: Task, end_sample: int) -> int:
-    """Index of the producer's microbatch that completes sample ``end_sample - 1`` (group-relative)."""
-    done = 0
-    for j, size in enumerate(producer.microbatches):
-        done += size
-        if done >= end_sample:
-            return j
-    return len(producer.microbatches) - 1
-
-
 def _connect(producer: Task | None, consumer: Task, out_name: str, in_name: str, channel: Channel,
              nbytes, out_channel: Channel | None = None) -> None:
     """Route a per-microbatch activation or gradient from ``producer`` to ``consumer``.
@@ -207,19 +197,27 @@ def _connect(producer: Task | None, consumer: Task, out_name: str, in_name: str,
     starts as soon as its samples exist; ``nbytes(size)`` gives the bytes of ``size`` samples.
     ``producer=None`` reads from the minibatch in host memory.
     """
+    sizes: dict[int, int] = {}  # bytes by microbatch size: all but the last are alike
+    if producer is None:
+        for j, size in enumerate(consumer.microbatches):
+            n = sizes[size] if size in sizes else sizes.setdefault(size, nbytes(size))
+            consumer.inputs.append(Transfer(in_name, Channel.SWAP, n, microbatch=j))
+        return
+    peer_in = producer.device if channel == Channel.P2P else None
+    peer_out = consumer.device if channel == Channel.P2P else None
+    out_ch = out_channel or channel
+    made = producer.microbatches
+    # the producer's microbatch that completes the samples so far (its last, if none does)
+    k, done = (0, made[0]) if made else (-1, 0)
     start = 0
     for j, size in enumerate(consumer.microbatches):
-        n = nbytes(size)
-        if producer is None:
-            consumer.inputs.append(Transfer(in_name, Channel.SWAP, n, microbatch=j))
-        else:
-            peer_in = producer.device if channel == Channel.P2P else None
-            peer_out = consumer.device if channel == Channel.P2P else None
-            out_ch = out_channel or channel
-            producer.outputs.append(Transfer(out_name, out_ch, n, peer=peer_out, task=consumer.id,
-                                             microbatch=_producing_microbatch(producer, start + size)))
-            consumer.inputs.append(Transfer(in_name, channel, n, peer=peer_in, task=producer.id, microbatch=j))
+        n = sizes[size] if size in sizes else sizes.setdefault(size, nbytes(size))
         start += size
+        while done < start and k < len(made) - 1:
+            k += 1
+            done += made[k]
+        producer.outputs.append(Transfer(out_name, out_ch, n, peer=peer_out, task=consumer.id, microbatch=k))
+        consumer.inputs.append(Transfer(in_name, channel, n, peer=peer_in, task=producer.id, microbatch=j))
 
 
 def _after_buffers(writers: dict[tuple[int, int], Task], sz: _Sizes, task: Task) -> None:
