@@ -14,6 +14,7 @@ from torch.utils import _pytree as pytree
 
 from harmony.decomposer import batching, codegen, partition, tracing
 from harmony.decomposer.layer_graph import LayerGraph, LayerSpec, StateSpec, ValueSpec
+from harmony.decomposer.metamemo import MetaMemo
 from harmony.errors import DecomposeError
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class _MetaProp(fx.Interpreter):
         super().__init__(gm)
         self.values: dict[fx.Node, Any] = {}
         self.convert = _to_real_copy if real else _to_meta
+        self.memo = None if real else MetaMemo()
 
     def run_node(self, n: fx.Node) -> Any:
         result = super().run_node(n)
@@ -64,8 +66,10 @@ class _MetaProp(fx.Interpreter):
 
     def call_module(self, target, args, kwargs):
         module = self.fetch_attr(target)
-        state = {**dict(module.named_parameters()), **dict(module.named_buffers())}
-        return functional_call(module, {k: self.convert(v) for k, v in state.items()}, args, kwargs)
+        state = {k: self.convert(v) for k, v in {**dict(module.named_parameters()), **dict(module.named_buffers())}.items()}
+        if self.memo is None or not self.memo.memoizable(module):
+            return functional_call(module, state, args, kwargs)
+        return self.memo.call(module, state, args, kwargs, lambda: functional_call(module, state, args, kwargs))
 
 
 def _to_meta(t: torch.Tensor) -> torch.Tensor:

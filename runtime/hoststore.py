@@ -91,10 +91,14 @@ class Layout:
                 layout.add(f"W/{canon}", spec.shape, dtype_from_str(spec.dtype))
             else:
                 layout.add(f"B/{name}", spec.shape, dtype_from_str(spec.dtype))
+        stepped: dict[tuple, dict] = {}  # (shape, dtype) -> its state: one throwaway step per kind of weight
         for canon in layout.params:
             spec = graph.state[canon]
-            sample = torch.empty(spec.shape, dtype=dtype_from_str(spec.dtype), device="meta")
-            keys = state_layout(sample, build_optimizer) if spec.requires_grad else {}
+            kind = (tuple(spec.shape), spec.dtype)
+            if spec.requires_grad and kind not in stepped:
+                sample = torch.empty(spec.shape, dtype=dtype_from_str(spec.dtype), device="meta")
+                stepped[kind] = state_layout(sample, build_optimizer)
+            keys = stepped[kind] if spec.requires_grad else {}
             layout.state_keys[canon] = list(keys)
             for key, (shape, dtype) in keys.items():
                 layout.add(f"K/{canon}/{key}", shape, dtype)
