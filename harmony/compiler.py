@@ -32,7 +32,7 @@ from harmony.profiling.casts import low_copies
 from harmony.runtime.hoststore import Layout
 from harmony.runtime.routes import build_routes
 from harmony.profiling.profiles import PackSample, Profile, TiedWeight
-from harmony.scheduler.comparison import compare_modes, row
+from harmony.scheduler.comparison import comparing, row
 from harmony.scheduler.search import NoFeasibleConfiguration, SearchResult, search
 from harmony.scheduler.taskgraph import MODES
 from harmony.scheduler.tasks import HOST, Kind
@@ -155,20 +155,18 @@ def _compile_plan(model, get_batch, build_optimizer, options: CompileOptions, mo
     same_u = batch_coupled(graph, _two_samples(graph, get_batch, options.minibatch))
     if same_u:
         log.info("U_F = U_B: %s", same_u)
-    on_progress(f"searching {options.mode}")
-    try:
-        result = search(profile, machine, options.mode, options.devices, options.minibatch, capacity=planned,
-                        same_u=bool(same_u), **options.search_options())
-    except NoFeasibleConfiguration as exc:
-        raise HarmonyError(str(exc) + _memory_that_fits(exc, options.memory_margin)) from exc
-    comparison = [row(options.mode, result)]
-    if options.compare:
-        others = [m for m in MODES if m != options.mode]
-        comparison += compare_modes(others, profile, machine, options.devices, options.minibatch, planned,
-                                    bool(same_u), workers=options.search_workers,
-                                    on_done=lambda done, total: on_progress(f"comparing modes: {done} of {total}"),
-                                    gated=options.gated())
-        comparison.sort(key=lambda r: (r["iteration_time"] is None, MODES.index(r["mode"])))
+    others = [m for m in MODES if m != options.mode] if options.compare else []
+    with comparing(others, profile, machine, options.devices, options.minibatch, planned, bool(same_u),
+                   workers=options.search_workers, gated=options.gated(),
+                   on_done=lambda done, total: on_progress(f"comparing modes: {done} of {total}")) as compared:
+        on_progress(f"searching {options.mode}")  # beside the other modes' searches
+        try:
+            result = search(profile, machine, options.mode, options.devices, options.minibatch, capacity=planned,
+                            same_u=bool(same_u), **options.search_options())
+        except NoFeasibleConfiguration as exc:
+            raise HarmonyError(str(exc) + _memory_that_fits(exc, options.memory_margin)) from exc
+        comparison = [row(options.mode, result)] + compared()
+    comparison.sort(key=lambda r: (r["iteration_time"] is None, MODES.index(r["mode"])))
     on_progress("measuring the plan's packs")
     measure = pack_measurer(graph, get_batch, build_optimizer, loss_fn, options, capacity)
     chosen = finish_plan(result, profile, machine, options, planned, bool(same_u), measure)

@@ -16,12 +16,13 @@ Elsewhere, with one core, in a daemonic process (which may not start children) o
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import gc
 import logging
 import multiprocessing
 import os
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from harmony.profiling.profiles import Profile
 from harmony.scheduler.machine import Machine
@@ -29,7 +30,7 @@ from harmony.scheduler.search import NoFeasibleConfiguration, SearchResult, pack
 
 log = logging.getLogger(__name__)
 
-__all__ = ["compare_modes", "row", "usable_cores"]
+__all__ = ["compare_modes", "comparing", "row", "usable_cores"]
 
 DOES_NOT_FIT = "does not fit"
 
@@ -55,7 +56,7 @@ def _search_row(mode: str, profile: Profile, machine: Machine, devices: int, min
     try:
         options = {"gated": True} if gated else {}
         result = search(profile, machine, mode, devices, minibatch, capacity=capacity, same_u=same_u,
-                        coarse=coarse, **options)
+                        coarse=coarse, timeline=False, **options)
         return {**row(mode, result), "coarse": coarse and pack_doublings(mode, True) != pack_doublings(mode)}, None
     except NoFeasibleConfiguration as exc:
         return {"mode": mode, "iteration_time": None, "config": DOES_NOT_FIT}, str(exc)
@@ -75,10 +76,24 @@ def compare_modes(modes: list[str], profile: Profile, machine: Machine, devices:
                   same_u: bool, workers: int | None = None,
                   on_done: Callable[[int, int], None] = lambda done, total: None, gated: bool = False,
                   coarse: bool = True) -> list[dict[str, Any]]:
-    """One row per mode, in ``modes``' order, the modes that fit nothing last. ``workers``: processes
-    to search in (None: one per usable core, at most one per mode); ``on_done(done, total)`` after
-    each; ``gated``: plans whose updates wait for the whole gradient (``taskgraph.with_norm``);
-    ``coarse``: the per-GPU-swap baselines searched over fewer pack counts (``search.pack_doublings``)."""
+    """One row per mode, in ``modes``' order, the modes that fit nothing last (``comparing``)."""
+    with comparing(modes, profile, machine, devices, minibatch, capacity, same_u, workers, on_done, gated,
+                   coarse) as rows:
+        return rows()
+
+
+@contextlib.contextmanager
+def comparing(modes: list[str], profile: Profile, machine: Machine, devices: int, minibatch: int, capacity: int,
+              same_u: bool, workers: int | None = None,
+              on_done: Callable[[int, int], None] = lambda done, total: None, gated: bool = False,
+              coarse: bool = True) -> Iterator[Callable[[], list[dict[str, Any]]]]:
+    """Starts searching ``modes`` in worker processes and yields ``rows()``, which waits for them:
+    what the ``with`` body does (a compile's own search) runs beside the workers. ``rows()`` gives
+    one row per mode, in ``modes``' order, the modes that fit nothing last. ``workers``: processes to
+    search in (None: one per usable core, at most one per mode); ``on_done(done, total)`` after each;
+    ``gated``: plans whose updates wait for the whole gradient (``taskgraph.with_norm``); ``coarse``:
+    the per-GPU-swap baselines searched over fewer pack counts (``search.pack_doublings``). Leaving
+    the block early (an error) cancels the searches not started yet."""
     args = (profile, machine, devices, minibatch, capacity, same_u, gated, coarse)
     workers = min(len(modes), usable_cores() if workers is None else max(1, workers))
     rows: dict[str, dict[str, Any]] = {}
@@ -89,14 +104,26 @@ def compare_modes(modes: list[str], profile: Profile, machine: Machine, devices:
             log.info("%s", refusal)
         on_done(len(rows), len(modes))
 
+    def ordered() -> list[dict[str, Any]]:
+        table = [rows[m] for m in modes]
+        return [r for r in table if r["config"] != DOES_NOT_FIT] + [r for r in table if r["config"] == DOES_NOT_FIT]
+
     if workers <= 1 or sys.platform != "linux" or multiprocessing.current_process().daemon:  # a daemon has no children
-        for mode in modes:
-            done(mode, _search_row(mode, *args))
-    else:
-        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
-                                                    initializer=_start_worker) as pool:
-            futures = {pool.submit(_search_row, mode, *args): mode for mode in modes}
+        def serially() -> list[dict[str, Any]]:
+            for mode in modes:
+                done(mode, _search_row(mode, *args))
+            return ordered()
+        yield serially
+        return
+    pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+                                                  initializer=_start_worker)
+    try:
+        futures = {pool.submit(_search_row, mode, *args): mode for mode in modes}
+
+        def collected() -> list[dict[str, Any]]:
             for future in concurrent.futures.as_completed(futures):
                 done(futures[future], future.result())
-    ordered = [rows[m] for m in modes]
-    return [r for r in ordered if r["config"] != DOES_NOT_FIT] + [r for r in ordered if r["config"] == DOES_NOT_FIT]
+            return ordered()
+        yield collected
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)

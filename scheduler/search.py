@@ -125,6 +125,7 @@ def search(
     same_u: bool = False,
     coarse: bool = False,
     keep: bool = True,
+    timeline: bool = True,
     **options,
 ) -> SearchResult:
     """Search configurations for ``mode`` and return the best one with its graph and estimate.
@@ -142,6 +143,9 @@ def search(
     ``keep``: a configuration whose packs the devices have room to keep across iterations is also
     tried so (``keep.py``: their state is not moved, and their update runs on the device).
 
+    ``timeline=False`` returns the winner's estimate as the search made it, without the events of
+    its timeline (a comparison row needs its figures only): one simulation fewer, the largest.
+
     Other ``options`` go to the task-graph generator: ``update`` fixes where the update runs, and
     the ablation switches of ``pp`` / ``dp`` (``grouping``, ``jit_update``, ``p2p``; see
     ``taskgraph``) turn one of Harmony's optimizations off, for the paper's Fig. 14.
@@ -158,7 +162,7 @@ def search(
         tried.add(extra)
         try:
             result = _search(profile, machine, mode, devices, minibatch, capacity, extra, sizes, keep_candidates, same_u,
-                             coarse, keep, options)
+                             coarse, keep, timeline, options)
         except NoFeasibleConfiguration as exc:
             overflowed += exc.overflowed
             if extra >= len(profile.layers):
@@ -193,7 +197,7 @@ def pack_doublings(mode: str, coarse: bool = False) -> tuple[int, int]:
 
 
 def _search(profile, machine, mode, devices, minibatch, capacity, extra_packs, sizes, keep_candidates, same_u,
-            coarse, keep, options) -> SearchResult:
+            coarse, keep, timeline, options) -> SearchResult:
     start = time.perf_counter()
     per_device = minibatch if mode not in ("dp", "dp-swap", "dp-swap-r") else -(-minibatch // devices)
     bwd_doublings, fwd_doublings = pack_doublings(mode, coarse)
@@ -267,8 +271,9 @@ def _search(profile, machine, mode, devices, minibatch, capacity, extra_packs, s
     if keep and mode in KEEP_MODES and not keep_candidates and options.get("update") != "host":
         best, tried = _partly_kept(best, mode, profile, machine, devices, minibatch, capacity, options)
         explored += tried
-    _, config, graph, _ = best
-    final = estimate(graph, profile, machine, capacity=capacity, record_events=True)
+    _, config, graph, final = best  # the winner ran to its end: neither cut nor over capacity
+    if timeline:
+        final = estimate(graph, profile, machine, capacity=capacity, record_events=True)
     pruned = len(pending) * len(_variants(mode, options)) - explored
     return SearchResult(config, graph, final, explored, pruned, time.perf_counter() - start, candidates)
 
