@@ -386,10 +386,32 @@ def profile_graph(graph, get_batch, build_optimizer, options: CompileOptions, on
         else:
             machine = _nominal_machine(options, device.capacity)
     profile.graph_hash = graph.fingerprint()
-    profile.machine = machine
     profile.ties = tied_weights(graph, build_optimizer)
     profile.carry(low_copies(graph, options.device_type, precision.compute_dtype(options.precision), host_bandwidth))
+    if options.probe and not options.analytic and options.device_type == "cpu" and loss_fn is not None:
+        machine = _scaled_to_the_model(graph, profile, machine, get_batch, loss_fn, build_optimizer, options, on_progress)
+    profile.machine = machine
     return profile, machine
+
+
+def _scaled_to_the_model(graph, profile: Profile, machine: Machine, get_batch, loss_fn, build_optimizer,
+                         options: CompileOptions, on_progress: Callable[[str], None]) -> Machine:
+    """``machine`` with the compute scale of this model's own layers on the runtime, not the probe's
+    MLP blocks': how much faster the runtime computes than the profiler's watched trials depends on
+    the size of the model's ops (the memory tracker's cost is per op), 0.5-1.0 across the models of
+    ``bench.estimate_accuracy`` (``profiling/overheads.measure_model_scale``)."""
+    from harmony.profiling.overheads import measure_model_scale  # the launcher, only when probing
+
+    on_progress("measuring the runtime on the model")
+    try:
+        scale = measure_model_scale(graph, profile, machine, get_batch, loss_fn, build_optimizer, options.minibatch)
+    except HarmonyError as exc:
+        log.warning("the model's compute scale could not be measured (%s); the probe's %.2f stands", exc,
+                    machine.compute_scale)
+        return machine
+    notes = {**machine.notes, "compute_scale": "the real launcher's tasks on the model's own layers, one device, "
+                                               "over their estimate from its profile (median)"}
+    return dataclasses.replace(machine, compute_scale=scale, notes=notes)
 
 
 def tied_weights(graph: LayerGraph, build_optimizer: Callable) -> list[TiedWeight]:

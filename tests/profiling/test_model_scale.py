@@ -1,0 +1,76 @@
+"""The compute scale measured on the model's own layers: the runtime's tasks over their estimate, and
+the compile's machine carrying it (or the probe's, where it cannot be measured)."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import torch
+
+import harmony.profiling.overheads as overheads
+import harmony.profiling.probe as probe
+from harmony.compiler import CompileOptions, _nominal_machine, profile_graph
+from harmony.decomposer.decompose import decompose
+from harmony.errors import HarmonyError
+
+MINIBATCH = 8
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                               torch.nn.Linear(32, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+
+
+def _get_batch(size: int, step: int):
+    gen = torch.Generator().manual_seed(step)
+    return (torch.randn(size, 16, generator=gen),), torch.randn(size, 4, generator=gen)
+
+
+def _loss(output, target):
+    return torch.nn.functional.mse_loss(output, target)
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.01)
+
+
+def _profiled(probe_flag: bool = False):
+    graph = decompose(_model(), _get_batch(2, 0)[0], depth=1)
+    options = CompileOptions(minibatch=MINIBATCH, devices=2, device_memory="1MiB", probe=probe_flag, trials=1,
+                             samples=2)
+    return graph, options
+
+
+def test_the_model_scale_is_its_own_layers_on_the_runtime_over_their_estimate():
+    graph, options = _profiled()
+    profile, machine = profile_graph(graph, _get_batch, _sgd, options, loss_fn=_loss)
+    scale = overheads.measure_model_scale(graph, profile, machine, _get_batch, _loss, _sgd, MINIBATCH, iterations=2,
+                                          rounds=1)
+    # a ratio of spans, both of the same work: the runtime neither free nor wildly slower than the profile
+    assert 0.05 < scale < 20
+    assert multiprocessing.active_children() == []
+
+
+def test_a_probed_compile_carries_the_models_scale(monkeypatch):
+    graph, options = _profiled(probe_flag=True)
+    nominal = _nominal_machine(options, 1 << 20)
+    monkeypatch.setattr(probe, "probe_machine", lambda *args, **kwargs: nominal)
+    monkeypatch.setattr(overheads, "measure_model_scale", lambda *args, **kwargs: 0.77)
+    profile, machine = profile_graph(graph, _get_batch, _sgd, options, loss_fn=_loss)
+    assert machine.compute_scale == 0.77 and profile.machine is machine
+    assert "model's own layers" in machine.notes["compute_scale"]
+
+
+def test_the_probes_scale_stands_where_the_model_cannot_be_run(monkeypatch, caplog):
+    graph, options = _profiled(probe_flag=True)
+    nominal = _nominal_machine(options, 1 << 20)
+    monkeypatch.setattr(probe, "probe_machine", lambda *args, **kwargs: nominal)
+
+    def refuse(*args, **kwargs):
+        raise HarmonyError("the worker of device 0 failed")
+
+    monkeypatch.setattr(overheads, "measure_model_scale", refuse)
+    profile, machine = profile_graph(graph, _get_batch, _sgd, options, loss_fn=_loss)
+    assert machine.compute_scale == nominal.compute_scale
+    assert "could not be measured" in caplog.text
