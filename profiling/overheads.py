@@ -71,7 +71,7 @@ from harmony.runtime.executor import Batch
 from harmony.runtime.hoststore import HostStore
 from harmony.runtime.launcher import Launcher
 from harmony.runtime.routes import build_routes
-from .measure import measure_layer, measure_update, torch_threads
+from .measure import host_device, measure_layer, measure_update, torch_threads
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ def _profile(graph, device: CpuDevice, shape: tuple[int, ...] = (WIDTH,)) -> Pro
                                           act_bytes=m.act_bytes))
     for i, module in enumerate(graph.modules):
         params = [p for p in module.parameters() if p.requires_grad]
-        upd_host, k_bytes = measure_update(params, _optimizer, CpuDevice("host"), 3)
+        upd_host, k_bytes = measure_update(params, _optimizer, host_device(), 3)
         upd_device, _ = measure_update(params, _optimizer, device, 3)
         nbytes = sum(p.numel() * p.element_size() for p in params)
         layers.append(LayerProfile(index=i, name=graph.layers[i].name, w_bytes=nbytes, dw_bytes=nbytes,

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_unflatten
 from harmony.decomposer.layer_graph import LayerGraph
 from harmony.errors import DeviceOutOfMemoryError, HarmonyError
 from harmony.runtime.device import CpuDevice, Device
-from harmony.profiling.measure import (Measurement, measure_layer, measure_norm, measure_pack, measure_update,
+from harmony.profiling.measure import (Measurement, host_device, measure_layer, measure_norm, measure_pack, measure_update,
                                       torch_threads, update_scratch)
 from harmony.profiling.profiles import LayerProfile, LayerSample, LossSample, PackSample, Profile
 
@@ -279,7 +279,7 @@ class Profiler:
         w_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
         b_bytes = sum(b.numel() * b.element_size() for b in module.buffers())
         self.on_progress(f"update layer {index}")
-        upd_host, k_bytes = measure_update(params, self.build_optimizer, CpuDevice("host"), self.trials)
+        upd_host, k_bytes = measure_update(params, self.build_optimizer, host_device(), self.trials)
         norm_host = measure_norm(params, self.trials)
         try:
             upd_device, _ = measure_update(params, self.build_optimizer, self.device, self.trials)
