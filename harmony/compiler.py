@@ -396,22 +396,26 @@ def profile_graph(graph, get_batch, build_optimizer, options: CompileOptions, on
 
 def _scaled_to_the_model(graph, profile: Profile, machine: Machine, get_batch, loss_fn, build_optimizer,
                          options: CompileOptions, on_progress: Callable[[str], None]) -> Machine:
-    """``machine`` with the compute scale of this model's own layers on the runtime, not the probe's
-    MLP blocks': how much faster the runtime computes than the profiler's watched trials depends on
+    """``machine`` with the compute scale and interference of this model's own layers on the runtime,
+    not the probe's MLP blocks': how much faster the runtime computes than the profiler's watched trials depends on
     the size of the model's ops (the memory tracker's cost is per op), 0.5-1.0 across the models of
     ``bench.estimate_accuracy`` (``profiling/overheads.measure_model_scale``)."""
     from harmony.profiling.overheads import measure_model_scale  # the launcher, only when probing
 
     on_progress("measuring the runtime on the model")
     try:
-        scale = measure_model_scale(graph, profile, machine, get_batch, loss_fn, build_optimizer, options.minibatch)
+        scale, interference = measure_model_scale(graph, profile, machine, get_batch, loss_fn, build_optimizer,
+                                                  options.minibatch)
     except HarmonyError as exc:
         log.warning("the model's compute scale could not be measured (%s); the probe's %.2f stands", exc,
                     machine.compute_scale)
         return machine
-    notes = {**machine.notes, "compute_scale": "the real launcher's tasks on the model's own layers, one device, "
-                                               "over their estimate from its profile (median)"}
-    return dataclasses.replace(machine, compute_scale=scale, notes=notes)
+    notes = {**machine.notes,
+             "compute_scale": "the real launcher's tasks on the model's own layers, one device, over their estimate "
+                              "from its profile (median)",
+             "compute_interference": f"the same on {max(2, machine.devices)} devices at once over one device, less "
+                                     "one, per other device"}
+    return dataclasses.replace(machine, compute_scale=scale, compute_interference=interference, notes=notes)
 
 
 def tied_weights(graph: LayerGraph, build_optimizer: Callable) -> list[TiedWeight]:

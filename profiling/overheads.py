@@ -29,9 +29,9 @@ as a median over the tasks, is ``compute_scale`` on one device (the worker's com
 the interpreter lock with its stream threads, which a layer profiled alone never does); its growth
 on all devices at once is ``compute_interference`` (the memory bus and caches the devices share).
 Both depend on the workload; the blocks are one point, chosen to look like the models in ``models/``.
-``measure_model_scale`` measures the scale again on the model being compiled, which a probed
-compile on emulated devices uses instead (``compiler._scaled_to_the_model``): its own layers in a few
-packs on one device, at the square root of the largest microbatch its profile measured (plans under
+``measure_model_scale`` measures both again on the model being compiled, which a probed compile on
+emulated devices uses instead (``compiler._scaled_to_the_model``): its own layers in a few packs on
+one device and on all, at the square root of the largest microbatch its profile measured (plans under
 memory pressure run small microbatches, and the ratio moves with the microbatch: the profile's
 watched trials pay the memory tracker per op, the runtime does not). On ``bench.estimate_accuracy
 --full`` the blocks' scale left GPT-2 small, VGG and ResNet 24-35% under their runs; the model's
@@ -316,34 +316,45 @@ def measure_compute_scaling(machine: Machine, iterations: int = 5, rounds: int =
 
 def measure_model_scale(graph: LayerGraph, profile: Profile, machine: Machine, get_batch: Callable, loss_fn: Callable,
                         build_optimizer: Callable, minibatch: int, iterations: int = 3, rounds: int = 2,
-                        timeout: float = 60.0) -> float:
-    """``compute_scale`` measured on the model itself (module docs): its own layers, in a few packs
-    on one device at the largest microbatch its profile measured (two microbatches a task), on the
-    real launcher; per round, the median over the tasks of the measured span over the span the
-    estimator gives with ``machine``'s overheads; the lowest round's."""
+                        timeout: float = 60.0) -> tuple[float, float]:
+    """``(compute_scale, compute_interference)`` measured on the model itself (module docs): its own
+    layers in a few packs, data parallel on one device and then on all of ``machine``'s devices at
+    once (at least two), two microbatches a task at the square root of the largest microbatch its
+    profile measured, ``rounds`` times interleaved, read as ``measure_compute_scaling`` reads the
+    blocks'."""
     u = max(1, round(math.sqrt(min(profile.u_fmax, profile.u_bmax, minibatch))))
-    base = dataclasses.replace(machine, devices=1, compute_scale=1.0, compute_interference=0.0)
+    devices = max(2, machine.devices)
+    base = dataclasses.replace(machine, devices=devices, compute_scale=1.0, compute_interference=0.0)
     packs = _calibration_packs(len(profile.layers))
     config = Configuration(u_f=u, packs_f=packs, u_b=u, packs_b=packs)
-    tasks = generate("dp", profile, config, 1, 2 * u, update="host")
-    tasks.memory = promise(tasks, profile, base, capacity=CpuDevice("model-scale").capacity)  # the host's memory
-    modelled = _estimated_spans(tasks, profile, base)
+    capacity = CpuDevice("model-scale").capacity  # the host's memory: the calibration is not the plan
+    runs = {}
+    for count in (1, devices):
+        counted = dataclasses.replace(base, devices=count)
+        tasks = generate("dp", profile, config, count, 2 * u * count, update="host")
+        tasks.memory = promise(tasks, profile, counted, capacity=capacity)
+        runs[count] = tasks, _estimated_spans(tasks, profile, counted)
 
-    def batch(step: int) -> Batch:
-        inputs, target = get_batch(2 * u, step)
-        return Batch(inputs=list(inputs) if isinstance(inputs, (tuple, list)) else [inputs], target=target,
-                     size=2 * u, seed=0)
+    def batch(size: int) -> Callable[[int], Batch]:
+        def make(step: int) -> Batch:
+            inputs, target = get_batch(size, step)
+            return Batch(inputs=list(inputs) if isinstance(inputs, (tuple, list)) else [inputs], target=target,
+                         size=size, seed=0)
+        return make
 
-    ratios = []
+    ratios: dict[int, list[float]] = {count: [] for count in runs}
     for _ in range(rounds):
-        store = HostStore.create(graph, 1, build_optimizer, graph.state_dict(), low_copies=tasks.low_copies,
-                                 slots=build_routes(tasks, graph).gradient_slots())
-        measured = _run(graph, tasks, store, loss_fn, build_optimizer, batch, iterations, timeout).tasks
-        ratios.append(_median_ratio(tasks, measured, modelled))
-    scale = min(ratios)
-    log.info("compute scale on the model: its tasks run %.2fx their estimate (rounds: %s)", scale,
-             ", ".join(f"{r:.2f}" for r in ratios))
-    return scale
+        for count, (tasks, modelled) in runs.items():
+            store = HostStore.create(graph, count, build_optimizer, graph.state_dict(), low_copies=tasks.low_copies,
+                                     slots=build_routes(tasks, graph).gradient_slots())
+            measured = _run(graph, tasks, store, loss_fn, build_optimizer, batch(tasks.minibatch), iterations,
+                            timeout).tasks
+            ratios[count].append(_median_ratio(tasks, measured, modelled))
+    alone, together = min(ratios[1]), min(ratios[devices])
+    interference = max(0.0, (together / alone - 1.0) / (devices - 1))
+    log.info("compute scaling on the model: its tasks run %.2fx their estimate on one device, %.2fx on %d at once: "
+             "%.3f per other device computing", alone, together, devices, interference)
+    return alone, interference
 
 
 def _calibration_packs(layers: int, packs: int = 3) -> list[tuple[int, int]]:

@@ -45,10 +45,10 @@ def _profiled(probe_flag: bool = False):
 def test_the_model_scale_is_its_own_layers_on_the_runtime_over_their_estimate():
     graph, options = _profiled()
     profile, machine = profile_graph(graph, _get_batch, _sgd, options, loss_fn=_loss)
-    scale = overheads.measure_model_scale(graph, profile, machine, _get_batch, _loss, _sgd, MINIBATCH, iterations=2,
-                                          rounds=1)
+    scale, interference = overheads.measure_model_scale(graph, profile, machine, _get_batch, _loss, _sgd, MINIBATCH,
+                                                        iterations=2, rounds=1)
     # a ratio of spans, both of the same work: the runtime neither free nor wildly slower than the profile
-    assert 0.05 < scale < 20
+    assert 0.05 < scale < 20 and 0 <= interference < 20
     assert multiprocessing.active_children() == []
 
 
@@ -56,9 +56,9 @@ def test_a_probed_compile_carries_the_models_scale(monkeypatch):
     graph, options = _profiled(probe_flag=True)
     nominal = _nominal_machine(options, 1 << 20)
     monkeypatch.setattr(probe, "probe_machine", lambda *args, **kwargs: nominal)
-    monkeypatch.setattr(overheads, "measure_model_scale", lambda *args, **kwargs: 0.77)
+    monkeypatch.setattr(overheads, "measure_model_scale", lambda *args, **kwargs: (0.77, 0.12))
     profile, machine = profile_graph(graph, _get_batch, _sgd, options, loss_fn=_loss)
-    assert machine.compute_scale == 0.77 and profile.machine is machine
+    assert (machine.compute_scale, machine.compute_interference) == (0.77, 0.12) and profile.machine is machine
     assert "model's own layers" in machine.notes["compute_scale"]
 
 
