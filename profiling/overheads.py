@@ -302,16 +302,7 @@ def measure_compute_scaling(machine: Machine, iterations: int = 5, rounds: int =
         tasks = _promised(generate("dp", profile, config, count, MINIBATCH * count, update="host"), profile,
                           dataclasses.replace(base, devices=count))
         runs[count] = tasks, _estimated_spans(tasks, profile, dataclasses.replace(base, devices=count))
-    ratios: dict[int, list[float]] = {count: [] for count in runs}
-    for _ in range(rounds):
-        for count, (tasks, modelled) in runs.items():
-            measured = _spans(graph, tasks, iterations, timeout, shape).tasks
-            ratios[count].append(_median_ratio(tasks, measured, modelled))
-    alone, together = min(ratios[1]), min(ratios[devices])
-    interference = max(0.0, (together / alone - 1.0) / (devices - 1))
-    log.info("compute scaling: tasks run %.2fx their estimate on one device, %.2fx on %d at once: %.3f "
-             "per other device computing", alone, together, devices, interference)
-    return alone, interference
+    return _scaling(runs, rounds, lambda tasks: _spans(graph, tasks, iterations, timeout, shape).tasks, "MLP blocks")
 
 
 def measure_model_scale(graph: LayerGraph, profile: Profile, machine: Machine, get_batch: Callable, loss_fn: Callable,
@@ -342,18 +333,30 @@ def measure_model_scale(graph: LayerGraph, profile: Profile, machine: Machine, g
                          size=size, seed=0)
         return make
 
+    def measure(tasks: TaskGraph) -> dict[int, float]:
+        store = HostStore.create(graph, tasks.devices, build_optimizer, graph.state_dict(), low_copies=tasks.low_copies,
+                                 slots=build_routes(tasks, graph).gradient_slots())
+        return _run(graph, tasks, store, loss_fn, build_optimizer, batch(tasks.minibatch), iterations, timeout).tasks
+
+    return _scaling(runs, rounds, measure, "the model")
+
+
+def _scaling(runs: dict[int, tuple[TaskGraph, dict[int, float]]], rounds: int,
+             measure: Callable[[TaskGraph], dict[int, float]], what: str) -> tuple[float, float]:
+    """``(compute_scale, compute_interference)`` from ``runs`` (per device count, one and all: a
+    task graph and the estimator's span of each task), each measured ``rounds`` times interleaved:
+    per run, the median over the tasks of measured span over estimated span; the lowest one-device
+    ratio is the scale (other processes on a shared machine only ever slow a run down), the lowest
+    all-devices ratio over it, less one, spread over the other devices, the interference."""
     ratios: dict[int, list[float]] = {count: [] for count in runs}
     for _ in range(rounds):
         for count, (tasks, modelled) in runs.items():
-            store = HostStore.create(graph, count, build_optimizer, graph.state_dict(), low_copies=tasks.low_copies,
-                                     slots=build_routes(tasks, graph).gradient_slots())
-            measured = _run(graph, tasks, store, loss_fn, build_optimizer, batch(tasks.minibatch), iterations,
-                            timeout).tasks
-            ratios[count].append(_median_ratio(tasks, measured, modelled))
+            ratios[count].append(_median_ratio(tasks, measure(tasks), modelled))
+    devices = max(runs)
     alone, together = min(ratios[1]), min(ratios[devices])
     interference = max(0.0, (together / alone - 1.0) / (devices - 1))
-    log.info("compute scaling on the model: its tasks run %.2fx their estimate on one device, %.2fx on %d at once: "
-             "%.3f per other device computing", alone, together, devices, interference)
+    log.info("compute scaling on %s: tasks run %.2fx their estimate on one device, %.2fx on %d at once: %.3f "
+             "per other device computing", what, alone, together, devices, interference)
     return alone, interference
 
 
