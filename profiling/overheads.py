@@ -311,8 +311,9 @@ def measure_model_scale(graph: LayerGraph, profile: Profile, machine: Machine, g
     """``(compute_scale, compute_interference)`` measured on the model itself (module docs): its own
     layers in a few packs, data parallel on one device and then on all of ``machine``'s devices at
     once (at least two), two microbatches a task at the square root of the largest microbatch its
-    profile measured, ``rounds`` times interleaved, read as ``measure_compute_scaling`` reads the
-    blocks'."""
+    profile measured, ``rounds`` times interleaved (fewer, and fewer iterations, where their steps'
+    estimate says they would take more than ``MODEL_SCALE_SECONDS``), read as
+    ``measure_compute_scaling`` reads the blocks'."""
     u = max(1, round(math.sqrt(min(profile.u_fmax, profile.u_bmax, minibatch))))
     devices = max(2, machine.devices)
     base = dataclasses.replace(machine, devices=devices, compute_scale=1.0, compute_interference=0.0)
@@ -325,6 +326,8 @@ def measure_model_scale(graph: LayerGraph, profile: Profile, machine: Machine, g
         tasks = generate("dp", profile, config, count, 2 * u * count, update="host")
         tasks.memory = promise(tasks, profile, counted, capacity=capacity)
         runs[count] = tasks, _estimated_spans(tasks, profile, counted)
+    step = sum(_step_seconds(tasks, spans) for tasks, spans in runs.values())
+    rounds, iterations = _within(MODEL_SCALE_SECONDS, step, rounds, iterations)
 
     def batch(size: int) -> Callable[[int], Batch]:
         def make(step: int) -> Batch:
@@ -358,6 +361,28 @@ def _scaling(runs: dict[int, tuple[TaskGraph, dict[int, float]]], rounds: int,
     log.info("compute scaling on %s: tasks run %.2fx their estimate on one device, %.2fx on %d at once: %.3f "
              "per other device computing", what, alone, together, devices, interference)
     return alone, interference
+
+
+MODEL_SCALE_SECONDS = 8.0  # what the model's calibration may take, by the estimate of its steps
+
+
+def _step_seconds(tasks: TaskGraph, spans: dict[int, float]) -> float:
+    """The estimated step of a calibration graph: its busiest device's spans."""
+    busy: dict[int, float] = {}
+    for task in tasks.tasks:
+        busy[task.device] = busy.get(task.device, 0.0) + spans.get(task.id, 0.0)
+    return max(busy.values(), default=0.0)
+
+
+def _within(budget: float, step: float, rounds: int, iterations: int) -> tuple[int, int]:
+    """Fewer rounds, then fewer iterations, while the runs (a warm-up step and ``iterations``, per
+    round and per device count, whose steps add up to ``step`` seconds) would take more than
+    ``budget``: a large model's step takes seconds on the CPU. At least one round of one iteration."""
+    while rounds > 1 and rounds * (iterations + 1) * step > budget:
+        rounds -= 1
+    while iterations > 1 and rounds * (iterations + 1) * step > budget:
+        iterations -= 1
+    return rounds, iterations
 
 
 def _calibration_packs(layers: int, packs: int = 3) -> list[tuple[int, int]]:

@@ -74,3 +74,11 @@ def test_the_probes_scale_stands_where_the_model_cannot_be_run(monkeypatch, capl
     profile, machine = profile_graph(graph, _get_batch, _sgd, options, loss_fn=_loss)
     assert machine.compute_scale == nominal.compute_scale
     assert "could not be measured" in caplog.text
+
+
+def test_the_calibration_of_a_large_model_is_cut_to_its_time_budget():
+    # a step estimated at 0.1 s keeps two rounds of three iterations; at 1.5 s one round of three;
+    # at 10 s one round of one iteration (two steps per device count: a warm-up and the one timed)
+    assert overheads._within(8.0, 0.1, 2, 3) == (2, 3)
+    assert overheads._within(8.0, 1.5, 2, 3) == (1, 3)
+    assert overheads._within(8.0, 10.0, 2, 3) == (1, 1)
