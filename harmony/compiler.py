@@ -405,7 +405,7 @@ def _scaled_to_the_model(graph, profile: Profile, machine: Machine, get_batch, l
     on_progress("measuring the runtime on the model")
     try:
         scale, interference = measure_model_scale(graph, profile, machine, get_batch, loss_fn, build_optimizer,
-                                                  options.minibatch)
+                                                  options.minibatch, precision=options.precision)
     except HarmonyError as exc:
         log.warning("the model's compute scale could not be measured (%s); the probe's %.2f stands", exc,
                     machine.compute_scale)

@@ -307,13 +307,13 @@ def measure_compute_scaling(machine: Machine, iterations: int = 5, rounds: int =
 
 def measure_model_scale(graph: LayerGraph, profile: Profile, machine: Machine, get_batch: Callable, loss_fn: Callable,
                         build_optimizer: Callable, minibatch: int, iterations: int = 3, rounds: int = 2,
-                        timeout: float = 60.0) -> tuple[float, float]:
+                        timeout: float = 60.0, precision: str = "fp32") -> tuple[float, float]:
     """``(compute_scale, compute_interference)`` measured on the model itself (module docs): its own
     layers in a few packs, data parallel on one device and then on all of ``machine``'s devices at
     once (at least two), two microbatches a task at the square root of the largest microbatch its
     profile measured, ``rounds`` times interleaved (fewer, and fewer iterations, where their steps'
     estimate says they would take more than ``MODEL_SCALE_SECONDS``), read as
-    ``measure_compute_scaling`` reads the blocks'."""
+    ``measure_compute_scaling`` reads the blocks'. ``precision``: the plan's, which the runs compute in."""
     u = max(1, round(math.sqrt(min(profile.u_fmax, profile.u_bmax, minibatch))))
     devices = max(2, machine.devices)
     base = dataclasses.replace(machine, devices=devices, compute_scale=1.0, compute_interference=0.0)
@@ -324,6 +324,7 @@ def measure_model_scale(graph: LayerGraph, profile: Profile, machine: Machine, g
     for count in (1, devices):
         counted = dataclasses.replace(base, devices=count)
         tasks = generate("dp", profile, config, count, 2 * u * count, update="host")
+        tasks.precision = precision  # computed as the plan's runs will (under autocast for bf16)
         tasks.memory = promise(tasks, profile, counted, capacity=capacity)
         runs[count] = tasks, _estimated_spans(tasks, profile, counted)
     step = sum(_step_seconds(tasks, spans) for tasks, spans in runs.values())
