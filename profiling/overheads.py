@@ -337,8 +337,10 @@ def measure_model_scale(graph: LayerGraph, profile: Profile, machine: Machine, g
                          size=size, seed=0)
         return make
 
+    state = graph.state_dict()  # every run's store starts from the same weights, copied in
+
     def measure(tasks: TaskGraph) -> dict[int, float]:
-        store = HostStore.create(graph, tasks.devices, build_optimizer, graph.state_dict(), low_copies=tasks.low_copies,
+        store = HostStore.create(graph, tasks.devices, build_optimizer, state, low_copies=tasks.low_copies,
                                  slots=build_routes(tasks, graph).gradient_slots())
         return _run(graph, tasks, store, loss_fn, build_optimizer, batch(tasks.minibatch), iterations, timeout).tasks
 

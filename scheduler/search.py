@@ -214,9 +214,10 @@ def _search(profile, machine, mode, devices, minibatch, capacity, extra_packs, s
                                                         fwd_doublings)
                 for p_f in forward[(u_f, p_b[-1])]:
                     config = Configuration(u_f=u_f, packs_f=p_f, u_b=u_b, packs_b=p_b)
-                    if graph_key(mode, config) in seen:
+                    key = graph_key(mode, config)
+                    if key in seen:
                         continue
-                    seen.add(graph_key(mode, config))
+                    seen.add(key)
                     pending.append((quick_bound(mode, profile, config, devices, minibatch, machine, keep), len(pending),
                                     config))
     # equal bounds, U_F = U_B first: where the forward is one pack (the loss task's, run at U_B) U_F
@@ -224,18 +225,16 @@ def _search(profile, machine, mode, devices, minibatch, capacity, extra_packs, s
     pending.sort(key=lambda c: (c[0], c[2].u_f != c[2].u_b, c[1]))
     best: tuple[float, Configuration, TaskGraph, Estimate] | None = None
     overflowed: list[tuple[Configuration, dict]] = []  # candidates whose simulation stopped at their first overflow
-    explored = built = rejected = 0
+    explored = 0
     candidates: list[tuple[float, Configuration]] = []
 
     def consider(config: Configuration, variant: dict, graph: TaskGraph) -> Estimate | None:
         """Estimate one candidate unless its bound cannot beat the best; keep it if it is the best."""
         nonlocal best, explored
-        nonlocal rejected
         if best is not None and lower_bound(graph, profile, machine) >= best[0] and not keep_candidates:
             return None
         floor = least_peaks(graph, profile.for_graph(graph))
         if any(peak > capacity for peak in floor.values()):  # overflows inside one task, whatever the schedule
-            rejected += 1
             overflowed.append((config, variant))
             return Estimate(iteration_time=math.inf, fits=False, peak_memory=floor, bytes_by_channel={},
                             bytes_by_device={}, busy={}, capacity=capacity, cut="over capacity")
@@ -256,7 +255,6 @@ def _search(profile, machine, mode, devices, minibatch, capacity, extra_packs, s
         if best is not None and quick >= best[0] and not keep_candidates:
             break
         for variant, graph in _graphs(mode, profile, config, devices, minibatch, options):
-            built += 1
             est = consider(config, variant, graph)
             # the same graph with the state its devices have room for kept there: it holds more than
             # the graph itself at all times, so where that overflowed it is not tried
