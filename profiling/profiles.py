@@ -10,6 +10,7 @@ scheduler depends on nothing that runs.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -68,13 +69,25 @@ class Fit:
 
     us: list[int]
     ys: list[float]
-    max_rel_error: float
+
+    @property
+    def max_rel_error(self) -> float:
+        """Reckoned on first use: a search fits thousands of quantities and reports none of these."""
+        if "_error" not in self.__dict__:
+            errors = []
+            for k in range(1, len(self.us) - 1):
+                others = self.us[:k] + self.us[k + 1:], self.ys[:k] + self.ys[k + 1:]
+                predicted = _interpolate(*others, self.us[k])
+                if self.ys[k] > 0:
+                    errors.append(abs(predicted - self.ys[k]) / self.ys[k])
+            self.__dict__["_error"] = float(max(errors)) if errors else 0.0
+        return self.__dict__["_error"]
 
     def __call__(self, u: float) -> float:
         if not self.us:
             return 0.0
         if self.us[0] <= u <= self.us[-1]:
-            return float(np.interp(u, self.us, self.ys))
+            return _interpolate(self.us, self.ys, u)
         if u < self.us[0]:
             return max(0.0, self.ys[0] * u / self.us[0])
         intercept, slope = self.line()
@@ -104,17 +117,22 @@ def _line(us: list[int], ys: list[float]) -> tuple[float, float]:
     return float(model.intercept_), float(model.coef_[0])
 
 
+def _interpolate(us: list[int], ys: list[float], u: float) -> float:
+    """``np.interp(u, us, ys)`` for one ``u`` inside the samples, as numpy computes it (the same
+    bits), without its per-call cost: a search evaluates thousands of fits once each."""
+    j = bisect.bisect_right(us, u) - 1
+    if j >= len(us) - 1:
+        return float(ys[-1])
+    slope = (ys[j + 1] - ys[j]) / (us[j + 1] - us[j])
+    return float(slope * (u - us[j]) + ys[j])
+
+
 def fit_samples(us: list[int], ys: list[float]) -> Fit:
     """Fit one quantity's samples (any order); see ``Fit``."""
     order = sorted(range(len(us)), key=lambda i: us[i])
     us = [int(us[i]) for i in order]
     ys = [float(ys[i]) for i in order]
-    errors = []
-    for k in range(1, len(us) - 1):
-        predicted = np.interp(us[k], us[:k] + us[k + 1:], ys[:k] + ys[k + 1:])
-        if ys[k] > 0:
-            errors.append(abs(predicted - ys[k]) / ys[k])
-    return Fit(us, ys, float(max(errors)) if errors else 0.0)
+    return Fit(us, ys)
 
 
 @dataclass
@@ -160,9 +178,12 @@ class LayerProfile:
         memo = self.__dict__.setdefault("_at", {})
         key = (quantity, u)
         if key not in memo:
-            samples = self.bwd_samples if quantity in BWD_FIELDS else self.fwd_samples
-            exact = [s for s in samples if s.u == u]
-            memo[key] = float(getattr(exact[0], quantity)) if exact else self.fit(quantity)(u)
+            by_u = self.__dict__.get("_by_u")
+            if by_u is None:  # the first sample of each size, per pass
+                by_u = self.__dict__["_by_u"] = tuple({s.u: s for s in reversed(samples)}
+                                                     for samples in (self.fwd_samples, self.bwd_samples))
+            exact = by_u[quantity in BWD_FIELDS].get(u)
+            memo[key] = float(getattr(exact, quantity)) if exact is not None else self.fit(quantity)(u)
         return memo[key]
 
 
@@ -315,12 +336,12 @@ class Profile:
             layer.w_bytes -= saved
             for sample in layer.fwd_samples + layer.bwd_samples:
                 _lower_peaks(sample, saved)
-            layer.__dict__.pop("_fits", None)
-            layer.__dict__.pop("_at", None)
+            for memo in ("_fits", "_at", "_by_u"):
+                layer.__dict__.pop(memo, None)
         for sample in self.packs:
             if sample.u:
                 _lower_peaks(sample, sum(c.saved for c in copies if sample.first <= c.layer <= sample.last))
-        for memo in ("_prefix", "_packs"):
+        for memo in ("_prefix", "_columns", "_packs"):
             self.__dict__.pop(memo, None)
         self.__dict__["_memory_version"] = self.__dict__.get("_memory_version", 0) + 1
 
@@ -337,6 +358,16 @@ class Profile:
         return worst
 
     # ------------------------------------------------------------ packs
+    def column(self, quantity: str, u: int) -> list[float]:
+        """``quantity`` at size ``u`` of every layer, in order (``LayerProfile.at``), kept: the
+        pack models read a pack's layers' values many thousands of times in a search."""
+        columns = self.__dict__.setdefault("_columns", {})
+        key = (quantity, u)
+        hit = columns.get(key)
+        if hit is None:
+            hit = columns[key] = [layer.at(quantity, u) for layer in self.layers]
+        return hit
+
     def pack_time(self, first: int, last: int, u: int, quantity: str) -> float:
         """Seconds of a pack (layers first..last) for fwd_time, bwd_time or recompute_time.
 
@@ -347,8 +378,8 @@ class Profile:
         prefix = prefixes.get(key)
         if prefix is None:
             prefix = prefixes[key] = [0.0]
-            for layer in self.layers:
-                prefix.append(prefix[-1] + layer.at(quantity, u))
+            for value in self.column(quantity, u):
+                prefix.append(prefix[-1] + value)
         return prefix[last + 1] - prefix[first]
 
     def measured_pack(self, first: int, last: int, u: int) -> PackSample | None:
@@ -391,17 +422,18 @@ class Profile:
         what it held.
         """
         layers = self.layers[first:last + 1]
+        x = self.column("x_bytes", u)
         # per layer, the stash of the layer before it (the pack's own input is no stash: it stays)
-        beside = [0.0] + [layers[k].at("x_bytes", u) if first + k in stashes and k else 0.0
-                          for k in range(len(layers) - 1)]
+        beside = [0.0] + [x[first + k] if first + k in stashes and k else 0.0 for k in range(len(layers) - 1)]
         measured = self.measured_pack(first, last, u)
         if measured is not None:
             return _measured_fwd_memory(measured, beside)
         resident = sum(layer.w_bytes + layer.b_bytes for layer in layers)
-        x_first = layers[0].at("x_bytes", u)
+        peaks = self.column("fwd_peak", u)
+        x_first = x[first]
         worst = 0.0
         for k, layer in enumerate(layers):
-            working = layer.at("fwd_peak", u) - layer.w_bytes - layer.b_bytes
+            working = peaks[first + k] - layer.w_bytes - layer.b_bytes
             worst = max(worst, working + (x_first if k else 0.0) + beside[k])
         return int(round(resident + worst))
 
@@ -425,21 +457,26 @@ class Profile:
             return measured.bwd_peak if accumulate or not measured.bwd_first_peak else measured.bwd_first_peak
         layers = self.layers[first:last + 1]
         resident = sum(layer.w_bytes + layer.b_bytes + layer.dw_bytes for layer in layers)
-        x_first = layers[0].at("x_bytes", u)
-        acts = [layer.at("act_bytes", u) for layer in layers]
+        x = self.column("x_bytes", u)
+        acts = self.column("act_bytes", u)
+        peaks = self.column("bwd_peak", u)
+        firsts = self.column("bwd_first_peak", u) if not accumulate else peaks
         loss = last == len(self.layers) - 1
         # a BWD task's output and its incoming gradient stay alive until the whole backward is done
-        held = 0.0 if loss else 2 * layers[-1].at("y_bytes", u)
+        held = 0.0 if loss else 2 * self.column("y_bytes", u)[last]
         worst = 0.0
+        alive = 0.0  # activations of the pack's layers up to the one at hand
         for k, layer in enumerate(layers):
             if loss and k == len(layers) - 1:  # the last layer's loss task, measured as a whole
-                worst = max(worst, sum(acts[:k]) + self.loss_memory(u, accumulate))
+                worst = max(worst, alive + self.loss_memory(u, accumulate))
                 continue
-            own_resident = layer.w_bytes + layer.b_bytes + layer.dw_bytes + layer.at("x_bytes", u) + acts[k]
-            peak = layer.at("bwd_peak", u) if accumulate else layer.at("bwd_first_peak", u) or layer.at("bwd_peak", u)
+            l = first + k
+            alive += acts[l]
+            own_resident = layer.w_bytes + layer.b_bytes + layer.dw_bytes + x[l] + acts[l]
+            peak = firsts[l] or peaks[l]
             extra = max(0.0, peak - own_resident)
-            worst = max(worst, sum(acts[: k + 1]) + extra + (held if k < len(layers) - 1 else 0.0))
-        return int(round(resident + x_first + worst))
+            worst = max(worst, alive + extra + (held if k < len(layers) - 1 else 0.0))
+        return int(round(resident + x[first] + worst))
 
     def pack_bwd_memory_layerwise(self, first: int, last: int, u: int, accumulate: bool = True) -> int:
         """Peak device bytes of a BWD task that stashed every layer's input (the no-recompute

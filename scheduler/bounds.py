@@ -15,6 +15,8 @@ inputs exist): a bound above an estimate would make the search drop a plan that 
 
 from __future__ import annotations
 
+import itertools
+
 from harmony.profiling.profiles import Profile
 from harmony.scheduler.estimator import _profile_cache, task_compute_seconds, unit_seconds
 from harmony.scheduler.keep import KEEP_MODES
@@ -46,29 +48,15 @@ def quick_bound(mode: str, profile: Profile, config: Configuration, devices: int
     recompute = not baseline or mode.endswith("-r")
     samples = minibatch if mode in ("pp", "gpipe-swap", "gpipe-swap-r", "1f1b-swap", "1f1b-swap-r") \
         else -(-minibatch // devices)
-
-    def fwd(first, l, u):
-        return profile.pack_time(first, l, u, "fwd_time")
-
-    def bwd(first, l, u, loss=False):
-        again = "fwd_time" if loss else "recompute_time"
-        return (profile.pack_time(first, l, u, again) if loss or recompute else 0.0) + profile.pack_time(first, l, u, "bwd_time")
-
-    def over(fn, u, *args):
-        full, rest = divmod(samples, u)
-        return full * fn(*args, u) + (fn(*args, rest) if rest else 0.0)
-
-    times = [over(lambda a, b, u: fwd(a, b, u), config.u_f, a, b) for a, b in config.packs_f[:-1]]
-    times.append(over(lambda a, b, u: bwd(a, b, u, loss=True), u_b, *last))
-    backward = [over(lambda a, b, u: bwd(a, b, u), u_b, a, b) for a, b in reversed(packs_b[:-1])]
+    cache = _profile_cache(profile)
+    times, ends_f = _pass_times(profile, cache, "fwd", tuple(config.packs_f[:-1]), config.u_f, samples)
+    loss, ends_loss = _pass_times(profile, cache, "loss", (tuple(last),), u_b, samples)
+    backward, ends_b = _pass_times(profile, cache, "bwd" if recompute else "bwd-only",
+                                   tuple(reversed(packs_b[:-1])), u_b, samples)
+    times = times + loss
     if mode == "pp":
-        ends = [(fwd(a, b, min(config.u_f, samples)), fwd(a, b, samples - (-(-samples // config.u_f) - 1) * config.u_f))
-                for a, b in config.packs_f[:-1]]
-        edge = (min(u_b, samples), samples - (-(-samples // u_b) - 1) * u_b)  # first and last microbatch
-        ends.append(tuple(bwd(*last, u, loss=True) for u in edge))
-        ends += [tuple(bwd(a, b, u) for u in edge) for a, b in reversed(packs_b[:-1])]
-        counts = [-(-samples // config.u_f)] * len(times[:-1]) + [-(-samples // u_b)] * (1 + len(backward))
-        compute = _pipeline_chain(times + backward, ends, counts, devices, machine)
+        counts = [-(-samples // config.u_f)] * len(ends_f) + [-(-samples // u_b)] * (1 + len(backward))
+        compute = _pipeline_chain(times + backward, ends_f + ends_loss + ends_b, counts, devices, machine)
     elif samples == minibatch:  # a pipeline of stages: every pack's work falls on one device
         per_pack = [f + b for f, b in zip(times[:-1], reversed(backward))] + [times[-1]]
         compute = max(sum(per_pack) / devices, max(per_pack))
@@ -76,8 +64,11 @@ def quick_bound(mode: str, profile: Profile, config: Configuration, devices: int
         compute = sum(times) + sum(backward)
     if mode != "pp":  # pp's chain scales its own
         compute *= machine.compute_scale
-    w_all = sum(layer.w_bytes for layer in layers)
-    w_last = sum(layer.w_bytes for layer in layers[last[0]:last[1] + 1])
+    weights = cache.get(("quick", "weights"))
+    if weights is None:  # prefix sums of the layers' weight bytes
+        weights = cache[("quick", "weights")] = list(itertools.accumulate((layer.w_bytes for layer in layers), initial=0))
+    w_all = weights[-1]
+    w_last = weights[last[1] + 1] - weights[last[0]]
     per_pass = 2 * w_all - w_last  # every pack's weights once per pass, the last pack's once
     if keep and mode in KEEP_MODES:
         weights_in = 0
@@ -90,6 +81,33 @@ def quick_bound(mode: str, profile: Profile, config: Configuration, devices: int
     else:  # per-GPU-swap pipelines: every microbatch once through the stages, plus the update
         weights_in = -(-minibatch // config.u_f) * per_pass + w_all
     return max(compute, weights_in / machine.h2d_all)
+
+
+def _pass_times(profile: Profile, cache: dict, kind: str, packs: tuple, u: int,
+                samples: int) -> tuple[list[float], list[tuple[float, float]]]:
+    """Per pack, its compute over ``samples`` samples in microbatches of ``u``, and its first and
+    last microbatch's (the pipeline chain's); ``kind``: "fwd", "loss" (forward and backward of the
+    last pack), "bwd" (recompute and backward) or "bwd-only". Kept in the profile's cache: the
+    configurations of a search share their passes (one backward packing meets every forward one)."""
+    key = ("quick", kind, packs, u, samples)
+    hit = cache.get(key)
+    if hit is not None:
+        return hit
+    quantities = {"fwd": ("fwd_time",), "loss": ("fwd_time", "bwd_time"), "bwd": ("recompute_time", "bwd_time"),
+                  "bwd-only": ("bwd_time",)}[kind]
+
+    def pack(first: int, last: int, size: int) -> float:
+        if kind == "fwd":
+            return profile.pack_time(first, last, size, "fwd_time")
+        again = 0.0 if kind == "bwd-only" else profile.pack_time(first, last, size, quantities[0])
+        return again + profile.pack_time(first, last, size, "bwd_time")
+
+    full, rest = divmod(samples, u)
+    edge = (min(u, samples), samples - (-(-samples // u) - 1) * u)  # first and last microbatch
+    times = [full * pack(a, b, u) + (pack(a, b, rest) if rest else 0.0) for a, b in packs]
+    ends = [(pack(a, b, edge[0]), pack(a, b, edge[1])) for a, b in packs]
+    cache[key] = (times, ends)
+    return times, ends
 
 
 def _pipeline_chain(times: list[float], ends: list[tuple[float, float]], counts: list[int], devices: int,

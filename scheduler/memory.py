@@ -23,6 +23,7 @@ reservations (issue 15) count the same bytes.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -178,7 +179,8 @@ def task_memory(task: Task, profile: Profile, stashes: tuple[int, ...] = ()) -> 
     if task.kind == Kind.UPD:
         return TaskMemory(0, (profile.pack_update_memory(first, last),))
     if task.kind == Kind.FWD:
-        work = tuple(profile.pack_fwd_memory(first, last, u, stashes) - weights for u in task.microbatches)
+        fwd = functools.lru_cache(maxsize=None)(profile.pack_fwd_memory)  # microbatches share few sizes
+        work = tuple(fwd(first, last, u, stashes) - weights for u in task.microbatches)
         return TaskMemory(0 if kept else weights, work or (0,))
     gradients = sum(layer.dw_bytes for layer in layers)
     # a recompute runs on copies of the buffers, so that running statistics are updated once
@@ -186,6 +188,7 @@ def task_memory(task: Task, profile: Profile, stashes: tuple[int, ...] = ()) -> 
     # the first microbatch makes the gradient buffers, unless a running gradient came in to start from
     running = _running_gradient(task)
     pack = profile.pack_bwd_memory_layerwise if stashes_every_layer(task) else profile.pack_bwd_memory
+    pack = functools.lru_cache(maxsize=None)(pack)  # microbatches share few sizes
     work = tuple(pack(first, last, u, accumulate=bool(j) or running) - weights - gradients + scratch
                  for j, u in enumerate(task.microbatches))
     if fused_update(task):

@@ -163,7 +163,7 @@ def _layer_arrays(profile: Profile, u: int, pass_: Pass) -> dict[str, np.ndarray
     layers = profile.layers
 
     def col(quantity: str) -> np.ndarray:
-        return np.array([layer.at(quantity, u) for layer in layers], dtype=np.float64)
+        return np.array(profile.column(quantity, u), dtype=np.float64)
 
     def fixed(*names: str) -> np.ndarray:
         return np.array([sum(getattr(layer, n) for n in names) for layer in layers], dtype=np.float64)
