@@ -127,6 +127,18 @@ def _interpolate(us: list[int], ys: list[float], u: float) -> float:
     return float(slope * (u - us[j]) + ys[j])
 
 
+def _grid_column(us: list[int], values: np.ndarray, u: int) -> list[float] | None:
+    """Every layer's value at ``u`` from a sampled grid (``Profile._grid``): the sample, or
+    ``_interpolate``'s line between its neighbours; None outside the samples (``Fit`` extrapolates)."""
+    if not us[0] <= u <= us[-1]:
+        return None
+    j = bisect.bisect_right(us, u) - 1
+    if us[j] == u:
+        return values[:, j].tolist()
+    slope = (values[:, j + 1] - values[:, j]) / (us[j + 1] - us[j])
+    return (slope * (u - us[j]) + values[:, j]).tolist()
+
+
 def fit_samples(us: list[int], ys: list[float]) -> Fit:
     """Fit one quantity's samples (any order); see ``Fit``."""
     order = sorted(range(len(us)), key=lambda i: us[i])
@@ -341,7 +353,7 @@ class Profile:
         for sample in self.packs:
             if sample.u:
                 _lower_peaks(sample, sum(c.saved for c in copies if sample.first <= c.layer <= sample.last))
-        for memo in ("_prefix", "_columns", "_packs"):
+        for memo in ("_prefix", "_columns", "_grids", "_packs"):
             self.__dict__.pop(memo, None)
         self.__dict__["_memory_version"] = self.__dict__.get("_memory_version", 0) + 1
 
@@ -365,8 +377,27 @@ class Profile:
         key = (quantity, u)
         hit = columns.get(key)
         if hit is None:
-            hit = columns[key] = [layer.at(quantity, u) for layer in self.layers]
+            grid = self._grid(quantity)
+            hit = _grid_column(*grid, u) if grid is not None else None
+            if hit is None:
+                hit = [layer.at(quantity, u) for layer in self.layers]
+            columns[key] = hit
         return hit
+
+    def _grid(self, quantity: str) -> tuple[list[int], np.ndarray] | None:
+        """(sizes, values per layer and size) of ``quantity`` where every layer was sampled at the
+        same distinct sizes (a sweep or an analytic profile), else None: a column is then read off
+        or interpolated for all layers at once, with the arithmetic of ``Fit``."""
+        grids = self.__dict__.setdefault("_grids", {})
+        if quantity not in grids:
+            grids[quantity] = None
+            attr = "bwd_samples" if quantity in BWD_FIELDS else "fwd_samples"
+            rows = [sorted(getattr(layer, attr), key=lambda s: s.u) for layer in self.layers]
+            us = [s.u for s in rows[0]] if rows else []
+            if us and len(set(us)) == len(us) and all([s.u for s in row] == us for row in rows):
+                values = np.array([[float(getattr(s, quantity)) for s in row] for row in rows], dtype=np.float64)
+                grids[quantity] = (us, values)
+        return grids[quantity]
 
     def pack_time(self, first: int, last: int, u: int, quantity: str) -> float:
         """Seconds of a pack (layers first..last) for fwd_time, bwd_time or recompute_time.
