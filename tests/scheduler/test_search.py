@@ -118,3 +118,32 @@ def test_where_the_forward_is_one_pack_the_search_says_u_f_equals_u_b():
     found = search(profile, Machine.from_spec("1080ti", 1), "pp", 1, 8, keep_candidates=True)
     assert found.config.packs_f == [(0, len(profile.layers) - 1)]
     assert found.config.u_f == found.config.u_b
+
+
+def test_a_search_freezes_the_heap_it_found_and_leaves_it_as_it_was(monkeypatch):
+    """Its collections walk only its own objects; a heap frozen by someone else (the CLI, a
+    comparison worker) stays frozen, and an unfrozen one is unfrozen again."""
+    import gc
+
+    profile, machine = skewed_profile(), Machine.from_spec("1080ti", 2)
+    frozen_during = []
+    real_search = search.__globals__["_search"]
+
+    def spying(*args):
+        frozen_during.append(gc.get_freeze_count())
+        return real_search(*args)
+
+    monkeypatch.setitem(search.__globals__, "_search", spying)
+    was_frozen = gc.get_freeze_count() > 0  # an in-process CLI test before this one froze it
+    gc.unfreeze()
+    try:
+        search(profile, machine, "pp", 2, 8)
+        assert frozen_during[0] > 0 and gc.get_freeze_count() == 0
+        gc.freeze()
+        frozen = gc.get_freeze_count()
+        search(profile, machine, "pp", 2, 8)
+        assert frozen_during[1] == frozen and gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+        if was_frozen:
+            gc.freeze()
