@@ -91,6 +91,7 @@ producer's whole task. Nothing is matched here.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import heapq
 import math
@@ -157,6 +158,17 @@ class Estimate:
     # clock passed ``beat``: iteration_time is that clock, a lower bound) or "over capacity" (a
     # device went past it: fits is False, the peaks are those reached so far); None when played out
     cut: str | None = None
+    # the simulation's busy spans, unlabelled, where ``estimate(timeline_later=True)`` kept them
+    recorded: list[tuple] | None = field(default=None, repr=False, compare=False)
+
+    def with_timeline(self) -> "Estimate":
+        """This estimate with its ``events``, labelled from what the simulation recorded (itself
+        where it has them already)."""
+        if self.events or self.recorded is None:
+            return self
+        if self.cut:
+            raise ValueError(f"a simulation cut short ({self.cut}) has no whole timeline")
+        return dataclasses.replace(self, events=_timeline(self.recorded), recorded=None)
 
     def utilization(self, device: int, stream: str = "compute") -> float:
         """Fraction of the iteration the stream was busy."""
@@ -365,6 +377,7 @@ def estimate(
     capacity: int | None = None,
     record_events: bool = True,
     beat: float | None = None,
+    timeline_later: bool = False,
 ) -> Estimate:
     """Simulate one iteration of ``graph``; see the module docs for the model.
 
@@ -372,14 +385,19 @@ def estimate(
     against and what prefetching may use. ``beat`` (a search's best time so far): only an estimate
     that fits and is faster matters, so the simulation stops as soon as a device goes past
     ``capacity`` or its clock passes ``beat``, and says so in ``Estimate.cut``: most of a search's
-    candidates lose, and most of those that lose overflow early."""
+    candidates lose, and most of those that lose overflow early.
+
+    ``record_events`` builds the timeline (``Estimate.events``); ``timeline_later`` only keeps what
+    it is made of, for ``Estimate.with_timeline`` to label if asked: a search wants the winner's
+    timeline, and which candidate wins is known only once the others have been played."""
     profile = profile.for_graph(graph)  # the one ``generate`` sized the graph's weights with
     # The simulation allocates tens of thousands of small objects; in a process that holds a big
     # heap (torch, a model) the cyclic collector's full passes would triple the run time.
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _estimate(graph, profile, machine, capacity, record_events, beat)
+        recording = "now" if record_events else "later" if timeline_later else None
+        return _estimate(graph, profile, machine, capacity, recording, beat)
     finally:
         if enabled:
             gc.enable()
@@ -393,7 +411,7 @@ def promise(graph: TaskGraph, profile: Profile, machine: Machine, capacity: int 
     return memory.memory_plan(graph, est.peak_memory, est.task_peaks, est.prefetched, profile)
 
 
-def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: int | None, record_events: bool,
+def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: int | None, record_events: str | None,
               beat: float | None = None) -> Estimate:
     simulation = _Simulation(graph, lower(graph, None, streams=False), profile, machine, capacity, record_events)
     return simulation.run(beat)
@@ -441,7 +459,7 @@ class _Simulation:
     )
 
     def __init__(self, graph: TaskGraph, program: Program, profile: Profile, machine: Machine,
-                 capacity: int | None, record_events: bool):
+                 capacity: int | None, record_events: str | None):
         self.profile = profile
         self.machine = machine
         self.record_events = record_events
@@ -817,7 +835,7 @@ class _Simulation:
         self.swap_out_q: list[deque] = [deque() for _ in range(nslots)]
         self.p2p_in_q: list[deque] = [deque() for _ in range(nslots)]
         self.p2p_out_q: list[deque] = [deque() for _ in range(nslots)]
-        self.events: list[StreamEvent] = []
+        self.events: list[tuple] = []  # busy spans: (device, stream, task, unit or transfer, start, end)
         self.task_peak: dict[int, int] = {}  # task id -> device bytes at most from the previous task's end to its own
         self.prefetched: dict[int, int] = {}
         # On an emulated device the runtime's memory manager lets outputs still leaving the device (queued
@@ -1134,25 +1152,23 @@ class _Simulation:
             busy_flag[dst][_SWAP_IN] = False
             busy_time[dst][_SWAP_IN] += d
             if record:
-                self.events.append(StreamEvent(self.slot_dev[dst], "swap-in", x.task_id, _xfer_label(x), x.start, now))
+                self.events.append((self.slot_dev[dst], "swap-in", x.task_id, x, x.start, now))
         elif kind == _P2P:
             if src is not None:
                 busy_flag[src][_P2P_OUT] = False
                 busy_time[src][_P2P_OUT] += d
                 if record:
-                    self.events.append(
-                        StreamEvent(self.slot_dev[src], "p2p-out", x.task_id, _xfer_label(x), x.start, now))
+                    self.events.append((self.slot_dev[src], "p2p-out", x.task_id, x, x.start, now))
             if dst is not None:
                 busy_flag[dst][_P2P_IN] = False
                 busy_time[dst][_P2P_IN] += d
                 if record:
-                    self.events.append(
-                        StreamEvent(self.slot_dev[dst], "p2p-in", x.task_id, _xfer_label(x), x.start, now))
+                    self.events.append((self.slot_dev[dst], "p2p-in", x.task_id, x, x.start, now))
         else:
             busy_flag[src][_SWAP_OUT] = False
             busy_time[src][_SWAP_OUT] += d
             if record:
-                self.events.append(StreamEvent(self.slot_dev[src], "swap-out", x.task_id, _xfer_label(x), x.start, now))
+                self.events.append((self.slot_dev[src], "swap-out", x.task_id, x, x.start, now))
         if x.free_src:  # an output that has left
             self.mem[src] -= x.free_src
             self.outbound[src] -= x.free_src
@@ -1197,7 +1213,7 @@ class _Simulation:
             self.end_time = now
         self.busy_time[s][_COMPUTE] += now - u.start
         if self.record_events:
-            self.events.append(StreamEvent(self.slot_dev[s], "compute", u.task.id, _unit_label(u), u.start, now))
+            self.events.append((self.slot_dev[s], "compute", u.task.id, u, u.start, now))
         self.mem[s] += u.alloc_end - u.release_end
         self.outbound[s] += u.outbound_end
         self.bump(s, u.task.id)
@@ -1231,9 +1247,6 @@ class _Simulation:
             if slot_dev[s] == HOST and not any(busy_time[s]) and not slot_units[s]:
                 continue
             busy[slot_dev[s]] = {name: busy_time[s][k] for k, name in enumerate(STREAMS)}
-        events = self.events
-        if self.record_events:
-            events.sort(key=lambda e: (e.start, e.end))
         by_id = self.by_id
         return Estimate(
             iteration_time=(math.inf if deadlock or cut == "over capacity" else
@@ -1244,12 +1257,22 @@ class _Simulation:
             bytes_by_device={d: v for d, v in self.bytes_by_device.items() if v or d != HOST},
             busy=busy,
             deadlock=deadlock,
-            events=events,
+            events=_timeline(self.events) if self.record_events == "now" else [],
             capacity=cap,
             task_peaks={t: int(v) for t, v in self.task_peak.items() if by_id[t].device != HOST},
             prefetched=self.prefetched,
             cut=cut,
+            recorded=self.events if self.record_events == "later" else None,
         )
+
+
+def _timeline(recorded: list[tuple]) -> list[StreamEvent]:
+    """The simulation's recorded busy spans as events in time order, each labelled: the labels are
+    made here, once, not as the simulation plays."""
+    events = [StreamEvent(device, stream, task, _unit_label(what) if isinstance(what, _Unit) else _xfer_label(what),
+                          start, end) for device, stream, task, what, start, end in recorded]
+    events.sort(key=lambda e: (e.start, e.end))
+    return events
 
 
 def _unit_label(u: _Unit) -> str:

@@ -145,8 +145,8 @@ def search(
     ``keep``: a configuration whose packs the devices have room to keep across iterations is also
     tried so (``keep.py``: their state is not moved, and their update runs on the device).
 
-    ``timeline=False`` returns the winner's estimate as the search made it, without the events of
-    its timeline (a comparison row needs its figures only): one simulation fewer, the largest.
+    ``timeline=False`` returns the winner's estimate without the events of its timeline (a
+    comparison row needs its figures only): its candidates' simulations record nothing.
 
     Other ``options`` go to the task-graph generator: ``update`` fixes where the update runs, and
     the ablation switches of ``pp`` / ``dp`` (``grouping``, ``jit_update``, ``p2p``; see
@@ -265,7 +265,8 @@ def _search(profile, machine, mode, devices, minibatch, capacity, extra_packs, s
             return Estimate(iteration_time=math.inf, fits=False, peak_memory=floor, bytes_by_channel={},
                             bytes_by_device={}, busy={}, capacity=capacity, cut="over capacity")
         beat = None if keep_candidates else best[0] if best is not None else math.inf
-        est = estimate(graph, profile, machine, capacity=capacity, record_events=False, beat=beat)
+        est = estimate(graph, profile, machine, capacity=capacity, record_events=False, beat=beat,
+                       timeline_later=timeline)
         explored += 1
         if not est.fits and not est.deadlock:
             overflowed.append((config, variant))
@@ -293,17 +294,17 @@ def _search(profile, machine, mode, devices, minibatch, capacity, extra_packs, s
             f"no {mode} configuration fits {capacity:,} bytes per device (explored {explored}); "
             "give the devices more memory or cut the model into smaller layers", overflowed=overflowed)
     if keep and mode in KEEP_MODES and not keep_candidates and options.get("update") != "host":
-        best, tried = _partly_kept(best, mode, profile, machine, devices, minibatch, capacity, options)
+        best, tried = _partly_kept(best, mode, profile, machine, devices, minibatch, capacity, options, timeline)
         explored += tried
     _, config, graph, final = best  # the winner ran to its end: neither cut nor over capacity
     if timeline:
-        final = estimate(graph, profile, machine, capacity=capacity, record_events=True)
+        final = final.with_timeline()
     pruned = len(pending) * len(_variants(mode, options)) - explored
     return SearchResult(config, graph, final, explored, pruned, time.perf_counter() - start, candidates)
 
 
 def _partly_kept(best: tuple, mode: str, profile: Profile, machine: Machine, devices: int, minibatch: int,
-                 capacity: int, options: dict) -> tuple[tuple, int]:
+                 capacity: int, options: dict, timeline: bool) -> tuple[tuple, int]:
     """The search's best, or its configuration stepped on the devices keeping the packs there is
     room for where that is faster (``keep_state(partial=True)``): a device short of room for all of
     its packs' state may still keep some, saving their copies. Tried once, for the winner only, so
@@ -318,7 +319,8 @@ def _partly_kept(best: tuple, mode: str, profile: Profile, machine: Machine, dev
     partial = keep_state(device, profile, capacity, partial=True)
     if partial is None:
         return best, 0
-    est = estimate(partial, profile, machine, capacity=capacity, record_events=False, beat=time_)
+    est = estimate(partial, profile, machine, capacity=capacity, record_events=False, beat=time_,
+                   timeline_later=timeline)
     if est.fits and not est.deadlock and not est.cut and est.iteration_time < time_:
         return (est.iteration_time, config, partial, est), 1
     return best, 1

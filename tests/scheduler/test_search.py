@@ -147,3 +147,26 @@ def test_a_search_freezes_the_heap_it_found_and_leaves_it_as_it_was(monkeypatch)
         gc.unfreeze()
         if was_frozen:
             gc.freeze()
+
+
+@pytest.mark.parametrize("mode", ["pp", "dp", "gpipe-swap"])
+def test_the_winners_timeline_is_the_one_a_fresh_simulation_records(mode):
+    """The search labels its winner's recorded spans instead of simulating it again: the same
+    events, time and peaks as ``estimate(record_events=True)``."""
+    profile, machine = skewed_profile(), Machine.from_spec("1080ti", 2)
+    result = search(profile, machine, mode, 2, 8)
+    fresh = estimate(result.graph, profile, machine, capacity=profile.capacity, record_events=True)
+    assert result.estimate.events and result.estimate.events == fresh.events
+    assert (result.estimate.iteration_time, result.estimate.peak_memory) == (fresh.iteration_time, fresh.peak_memory)
+    bare = search(profile, machine, mode, 2, 8, timeline=False).estimate
+    assert bare.events == [] and bare.recorded is None and bare.iteration_time == fresh.iteration_time
+
+
+def test_a_simulation_cut_short_has_no_timeline_to_give():
+    profile, machine = skewed_profile(), Machine.from_spec("1080ti", 2)
+    graph = search(profile, machine, "pp", 2, 8).graph
+    cut = estimate(graph, profile, machine, capacity=profile.capacity, record_events=False, beat=1e-9,
+                   timeline_later=True)
+    assert cut.cut == "slower"
+    with pytest.raises(ValueError, match="cut short"):
+        cut.with_timeline()
