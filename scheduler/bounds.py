@@ -93,14 +93,13 @@ def _pass_times(profile: Profile, cache: dict, kind: str, packs: tuple, u: int,
     hit = cache.get(key)
     if hit is not None:
         return hit
-    quantities = {"fwd": ("fwd_time",), "loss": ("fwd_time", "bwd_time"), "bwd": ("recompute_time", "bwd_time"),
-                  "bwd-only": ("bwd_time",)}[kind]
+    again = {"loss": "fwd_time", "bwd": "recompute_time"}.get(kind)  # the forward a backward runs first
 
     def pack(first: int, last: int, size: int) -> float:
         if kind == "fwd":
             return profile.pack_time(first, last, size, "fwd_time")
-        again = 0.0 if kind == "bwd-only" else profile.pack_time(first, last, size, quantities[0])
-        return again + profile.pack_time(first, last, size, "bwd_time")
+        before = profile.pack_time(first, last, size, again) if again else 0.0
+        return before + profile.pack_time(first, last, size, "bwd_time")
 
     full, rest = divmod(samples, u)
     edge = (min(u, samples), samples - (-(-samples // u) - 1) * u)  # first and last microbatch

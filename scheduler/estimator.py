@@ -411,9 +411,9 @@ def promise(graph: TaskGraph, profile: Profile, machine: Machine, capacity: int 
     return memory.memory_plan(graph, est.peak_memory, est.task_peaks, est.prefetched, profile)
 
 
-def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: int | None, record_events: str | None,
+def _estimate(graph: TaskGraph, profile: Profile, machine: Machine, capacity: int | None, recording: str | None,
               beat: float | None = None) -> Estimate:
-    simulation = _Simulation(graph, lower(graph, None, streams=False), profile, machine, capacity, record_events)
+    simulation = _Simulation(graph, lower(graph, None, streams=False), profile, machine, capacity, recording)
     return simulation.run(beat)
 
 
@@ -443,7 +443,7 @@ class _Simulation:
 
     __slots__ = (
         # what is simulated
-        "profile", "machine", "record_events", "cap", "cache", "tasks", "by_id",
+        "profile", "machine", "recording", "cap", "cache", "tasks", "by_id",
         # slots: one per device, then the host
         "slot_of", "host_slot", "slot_dev", "nslots",
         # units: task id -> its units; per slot its units in order; the previous task's first / last unit
@@ -459,10 +459,10 @@ class _Simulation:
     )
 
     def __init__(self, graph: TaskGraph, program: Program, profile: Profile, machine: Machine,
-                 capacity: int | None, record_events: str | None):
+                 capacity: int | None, recording: str | None):
         self.profile = profile
         self.machine = machine
-        self.record_events = record_events
+        self.recording = recording  # "now": label the timeline, "later": keep its spans, None: neither
         self.cap = machine.capacity if capacity is None else int(capacity)
         self.cache = _profile_cache(profile)
         self.tasks = graph.tasks
@@ -1147,7 +1147,7 @@ class _Simulation:
         # its streams are idle again; their busy time (and timeline) count it
         d = now - x.start
         busy_flag, busy_time = self.busy_flag, self.busy_time
-        record = self.record_events
+        record = self.recording
         if kind == _IN or kind == _MSG_IN:
             busy_flag[dst][_SWAP_IN] = False
             busy_time[dst][_SWAP_IN] += d
@@ -1212,7 +1212,7 @@ class _Simulation:
         if now > self.end_time:
             self.end_time = now
         self.busy_time[s][_COMPUTE] += now - u.start
-        if self.record_events:
+        if self.recording:
             self.events.append((self.slot_dev[s], "compute", u.task.id, u, u.start, now))
         self.mem[s] += u.alloc_end - u.release_end
         self.outbound[s] += u.outbound_end
@@ -1257,12 +1257,12 @@ class _Simulation:
             bytes_by_device={d: v for d, v in self.bytes_by_device.items() if v or d != HOST},
             busy=busy,
             deadlock=deadlock,
-            events=_timeline(self.events) if self.record_events == "now" else [],
+            events=_timeline(self.events) if self.recording == "now" else [],
             capacity=cap,
             task_peaks={t: int(v) for t, v in self.task_peak.items() if by_id[t].device != HOST},
             prefetched=self.prefetched,
             cut=cut,
-            recorded=self.events if self.record_events == "later" else None,
+            recorded=self.events if self.recording == "later" else None,
         )
 
 
