@@ -26,7 +26,8 @@ last layer j such that packs [i..i], ..., [i..j] all fit. The min-max problem on
 min(reach[i], last layer with time ≤ T), so the layers coverable with k packs are always a prefix
 and the fewest packs for T come out of a prefix maximum in O(R log R). The optimal T is one of the
 pack times, found by selection over the sorted pack-time rows (weighted-median pivots), i.e.
-O(log R) checks. Any packing into k < P packs can be refined into P packs under the same bound
+O(log R) checks, until a few per row are left, which are then listed and bisected (most calls start
+there: between the lower bound and it plus the slowest layer a row holds one or two). Any packing into k < P packs can be refined into P packs under the same bound
 (split the last layer off a pack: both halves fit, neither is slower), so "at most P" and
 "exactly P" coincide, and the packing is rebuilt from the back in O(R·P) choosing each pack's end
 nearest the remaining average time, which keeps the packs even beyond the slowest one.
