@@ -369,23 +369,28 @@ class Launcher:
         start = time.perf_counter()
         sent = self._slots.fill(batch)
         scale = self.loss_scale.scale if self.loss_scale is not None else None
-        for q in self.commands:
-            q.put((iteration, sent, rates, scale))
         host_error: list[BaseException] = []
         host_events: list[tuple[int, str, float, float]] = []
         verdict: list[Verdict] = []
         host = threading.Thread(target=self._host_tasks,
                                 args=(iteration, host_error, host_events, rates, scale, verdict), daemon=True)
-        with torch_threads(self._host_threads):  # process-wide: this thread only waits meanwhile
-            host.start()
-            try:
+        # from the first command sent, anything raised here (a signal's ``Interrupted`` included, which
+        # can land in ``Thread.start``'s wait) stops the iteration on every worker before closing:
+        # closing with an iteration still running on some workers and not on others left ``close``
+        # waiting for their kept state's write-back forever (a flaky ``test_cli_signals``)
+        try:
+            for q in self.commands:
+                q.put((iteration, sent, rates, scale))
+            with torch_threads(self._host_threads):  # process-wide: this thread only waits meanwhile
+                host.start()
                 results = self._collect("done", timeout=self.timeout)
-            except BaseException:
-                self.shared.set_abort()
+                host.join()
+        except BaseException:
+            self.shared.set_abort()
+            if host.ident is not None:
                 host.join(timeout=5)
-                self.close()
-                raise
-            host.join()
+            self.close()
+            raise
         if host_error:
             self.close()
             raise WorkerError(f"the host update failed: {host_error[0]}") from host_error[0]
