@@ -377,7 +377,7 @@ class Launcher:
         # from the first command sent, anything raised here (a signal's ``Interrupted`` included, which
         # can land in ``Thread.start``'s wait) stops the iteration on every worker before closing:
         # closing with an iteration still running on some workers and not on others left ``close``
-        # waiting for their kept state's write-back forever (a flaky ``test_cli_signals``)
+        # waiting for their kept state's write-back until the run's timeout (a flaky ``test_cli_signals``)
         try:
             for q in self.commands:
                 q.put((iteration, sent, rates, scale))
