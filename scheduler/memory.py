@@ -23,7 +23,6 @@ reservations (issue 15) count the same bytes.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -179,8 +178,8 @@ def task_memory(task: Task, profile: Profile, stashes: tuple[int, ...] = ()) -> 
     if task.kind == Kind.UPD:
         return TaskMemory(0, (profile.pack_update_memory(first, last),))
     if task.kind == Kind.FWD:
-        fwd = functools.lru_cache(maxsize=None)(profile.pack_fwd_memory)  # microbatches share few sizes
-        work = tuple(fwd(first, last, u, stashes) - weights for u in task.microbatches)
+        by_size = {u: profile.pack_fwd_memory(first, last, u, stashes) for u in set(task.microbatches)}
+        work = tuple(by_size[u] - weights for u in task.microbatches)  # microbatches share few sizes
         return TaskMemory(0 if kept else weights, work or (0,))
     gradients = sum(layer.dw_bytes for layer in layers)
     # a recompute runs on copies of the buffers, so that running statistics are updated once
@@ -188,9 +187,9 @@ def task_memory(task: Task, profile: Profile, stashes: tuple[int, ...] = ()) -> 
     # the first microbatch makes the gradient buffers, unless a running gradient came in to start from
     running = _running_gradient(task)
     pack = profile.pack_bwd_memory_layerwise if stashes_every_layer(task) else profile.pack_bwd_memory
-    pack = functools.lru_cache(maxsize=None)(pack)  # microbatches share few sizes
-    work = tuple(pack(first, last, u, accumulate=bool(j) or running) - weights - gradients + scratch
-                 for j, u in enumerate(task.microbatches))
+    accumulates = [bool(j) or running for j in range(len(task.microbatches))]
+    by_size = {key: pack(first, last, key[0], accumulate=key[1]) for key in set(zip(task.microbatches, accumulates))}
+    work = tuple(by_size[key] - weights - gradients + scratch for key in zip(task.microbatches, accumulates))
     if fused_update(task):
         optimizer = 0 if kept else sum(layer.k_bytes for layer in layers)
         steps = task.jit_update()

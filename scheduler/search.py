@@ -114,6 +114,22 @@ class _Candidate:
     graph: TaskGraph = field(compare=False)
 
 
+@contextlib.contextmanager
+def _collecting_own() -> Iterator[None]:
+    """The cyclic collector's passes during a search walk only what the search made: the objects of
+    the process before it (torch's, the model's: hundreds of thousands) are frozen meanwhile. A
+    full pass over them took 0.1 s of BERT96's 0.13 s search in a process that had just built it.
+    Where something else froze the heap already (the CLI, a comparison worker), it stays so."""
+    if not gc.isenabled() or gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def search(
     profile: Profile,
     machine: Machine,
@@ -152,30 +168,6 @@ def search(
     the ablation switches of ``pp`` / ``dp`` (``grouping``, ``jit_update``, ``p2p``; see
     ``taskgraph``) turn one of Harmony's optimizations off, for the paper's Fig. 14.
     """
-    with _collecting_own():
-        return _widening(profile, machine, mode, devices, minibatch, capacity, extra_packs, sizes, keep_candidates,
-                         same_u, coarse, keep, timeline, options)
-
-
-@contextlib.contextmanager
-def _collecting_own() -> Iterator[None]:
-    """The cyclic collector's passes during a search walk only what the search made: the objects of
-    the process before it (torch's, the model's: hundreds of thousands) are frozen meanwhile. A
-    full pass over them took 0.1 s of BERT96's 0.13 s search in a process that had just built it.
-    Where something else froze the heap already (the CLI, a comparison worker), it stays so."""
-    if not gc.isenabled() or gc.get_freeze_count():
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-
-
-def _widening(profile, machine, mode, devices, minibatch, capacity, extra_packs, sizes, keep_candidates, same_u,
-              coarse, keep, timeline, options) -> SearchResult:
-    """``search`` over ever more packs until a configuration fits (see there)."""
     capacity = capacity if capacity is not None else profile.capacity
     start = time.perf_counter()
     # the fewest packs that fit the profile's memory can still overflow once prefetching and
@@ -187,8 +179,9 @@ def _widening(profile, machine, mode, devices, minibatch, capacity, extra_packs,
             continue
         tried.add(extra)
         try:
-            result = _search(profile, machine, mode, devices, minibatch, capacity, extra, sizes, keep_candidates, same_u,
-                             coarse, keep, timeline, options)
+            with _collecting_own():
+                result = _search(profile, machine, mode, devices, minibatch, capacity, extra, sizes, keep_candidates,
+                                 same_u, coarse, keep, timeline, options)
         except NoFeasibleConfiguration as exc:
             overflowed += exc.overflowed
             if extra >= len(profile.layers):
