@@ -126,7 +126,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer steps")
     ns = parser.parse_args()
-    Console().print(table(measure_all(steps=5 if ns.quick else 10)))
+    Console().print(table(measure_all(steps=5 if ns.quick else 24)))
 
 
 if __name__ == "__main__":

@@ -289,8 +289,12 @@ class Executor(Admission, PackState, Transport, Compute, Updates):
         which its own compute thread may wait for while the peer waits for it (a deadlock seen on
         gloo in 1f1b-swap on 4 devices)."""
         iteration = self.iteration
+        busy = [stream for stream in (self.p2p_out, self.swap_out) if stream.busy()]
+        if not busy:  # nothing of it is still leaving: done now, without waking a stream thread
+            self.shared.mark_done(task.id, iteration)
+            return
         lock = threading.Lock()
-        pending = [2]
+        pending = [len(busy)]
 
         def one_left(marker: Future) -> None:
             if marker.cancelled():
@@ -301,7 +305,7 @@ class Executor(Admission, PackState, Transport, Compute, Updates):
             if last:
                 self.shared.mark_done(task.id, iteration)
 
-        for stream in (self.p2p_out, self.swap_out):
+        for stream in busy:
             stream.submit(lambda: None).add_done_callback(one_left)
 
     # ================================================================ streams and waits
@@ -311,9 +315,14 @@ class Executor(Admission, PackState, Transport, Compute, Updates):
         self._transfers.setdefault(stream, []).append((op, what, nbytes))
 
     def _drain(self) -> None:
-        """Wait until every job queued on the four streams has finished."""
-        for stream in (self.swap_out, self.p2p_out, self.swap_in, self.p2p_in):
-            self._wait(stream.submit(lambda: None))
+        """Wait until every job queued on the four streams has finished: a marker on each stream
+        still busy, waited for together. Only the compute thread, which is here, queues real jobs,
+        so none can join a stream behind its marker, and an idle stream stays idle. Markers on all
+        four, one after another, took 0.6 ms of a one-device step (thread wake-ups)."""
+        streams = (self.swap_out, self.p2p_out, self.swap_in, self.p2p_in)
+        markers = [stream.submit(lambda: None) for stream in streams if stream.busy()]
+        for marker in markers:
+            self._wait(marker)
 
     def _wait(self, future: Future, what: str | None = None) -> Any:
         """Block the compute thread on a stream's job; while blocked, a prefetch that is short of

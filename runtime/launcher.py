@@ -33,10 +33,10 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import logging
+import multiprocessing.connection
 import os
 import signal
 import sys
-import queue
 import shutil
 import tempfile
 import threading
@@ -125,8 +125,8 @@ class _WorkerContext:
     store: HostStore
     shared: Shared
     inboxes: list[Any]
-    commands: Any
-    results: Any
+    commands: Any  # this worker's end of its command pipe (multiprocessing.connection.Connection)
+    results: Any  # this worker's end of its result pipe
     loss_fn: Callable
     build_optimizer: Callable
     slabs: Slabs
@@ -210,6 +210,22 @@ def _failure(ctx: _WorkerContext, exc: BaseException) -> dict[str, Any]:
     }
 
 
+def _next_command(commands: Any) -> Any:
+    """The launcher's next command; None (stop) once the launcher's end is closed."""
+    try:
+        return commands.recv()
+    except (EOFError, OSError):
+        return None
+
+
+def _report(ctx: _WorkerContext, message: tuple) -> None:
+    """A failure or an abort to the launcher, unless it has stopped listening (it closed first)."""
+    try:
+        ctx.results.send(message)
+    except (OSError, ValueError):
+        log.debug("dev%d: the launcher no longer reads: %s", ctx.rank, message[0])
+
+
 def _worker_main(ctx: _WorkerContext) -> None:
     """A worker's life: build the executor, then run iterations until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -241,28 +257,28 @@ def _worker_main(ctx: _WorkerContext) -> None:
         executor = Executor(ctx.rank, device, graph, routes, ctx.store, ctx.shared, mailbox, ctx.inboxes,
                             ctx.loss_fn, ctx.build_optimizer, ctx.seed, ctx.timeout, ctx.slabs,
                             prefetch=ctx.prefetch, transport=transport)
-        ctx.results.put(("ready", ctx.rank, None))
+        ctx.results.send(("ready", ctx.rank, None))
         batch = None
         while True:
-            command = ctx.commands.get()
+            command = _next_command(ctx.commands)
             if command is None:
                 break
             if command in (SYNC, DROP, DROP_WEIGHTS):  # the kept state (scheduler/keep.py) to the host store, or let go
                 executor.sync_kept() if command == SYNC else executor.drop_kept(optimizer=command == DROP)
-                ctx.results.put((command, ctx.rank, None))
+                ctx.results.send((command, ctx.rank, None))
                 continue
             iteration, sent, rates, loss_scale = command
             batch = received(sent, batch)
             result = executor.run_iteration(iteration, batch, rates, loss_scale)
-            ctx.results.put(("done", ctx.rank, (iteration, result)))
+            ctx.results.send(("done", ctx.rank, (iteration, result)))
     except Aborted:
         if transport is not None and transport.failure is not None:  # this worker's own P2P failed
-            ctx.results.put(("failed", ctx.rank, _failure(ctx, transport.failure)))
+            _report(ctx, ("failed", ctx.rank, _failure(ctx, transport.failure)))
         else:
-            ctx.results.put(("aborted", ctx.rank, None))
+            _report(ctx, ("aborted", ctx.rank, None))
     except BaseException as exc:  # reported to the launcher, which raises it
         ctx.shared.set_abort()
-        ctx.results.put(("failed", ctx.rank, _failure(ctx, exc)))
+        _report(ctx, ("failed", ctx.rank, _failure(ctx, exc)))
     finally:
         if executor is not None:
             executor.close()
@@ -300,6 +316,7 @@ class Launcher:
             raise HarmonyError(NO_PROMISE)
         check_clipping(tasks, clip_grad_norm)
         self.keeps = bool(kept_on(tasks))  # whether the devices keep state across iterations
+        self._host_work = any(t.device == HOST for t in tasks.tasks)  # updates or a norm on the host
         self._synced = 0  # the iteration after which the host store last held every kept state
         self.clip_grad_norm = clip_grad_norm
         self.loss_scale = None
@@ -327,8 +344,12 @@ class Launcher:
         self._slots = BatchSlots()
         mpctx = processes.context(method)
         self.inboxes = [mpctx.Queue() for _ in range(self.devices)]
-        self.commands = [mpctx.Queue() for _ in range(self.devices)]
-        self.results = mpctx.Queue()
+        # a pipe each way per worker, not a multiprocessing.Queue: a queue's feeder thread added a
+        # thread hand-off to every command and every result (0.1-0.3 ms of a one-device step)
+        command_pipes = [mpctx.Pipe(duplex=False) for _ in range(self.devices)]  # (worker's end, ours)
+        result_pipes = [mpctx.Pipe(duplex=False) for _ in range(self.devices)]  # (ours, worker's end)
+        self.commands = [ours for _, ours in command_pipes]
+        self.results = [ours for ours, _ in result_pipes]
         # a forked worker must not enter an OpenMP parallel region if this process ever did (it
         # would hang): emulated devices compute on one thread each, as the profiler measured them
         threads = threads or (1 if device_type == "cpu" else max(1, (os.cpu_count() or 1) // self.devices))
@@ -345,7 +366,8 @@ class Launcher:
             ctx = _WorkerContext(
                 rank=rank, device_type=device_type, capacity=capacity, threads=threads, seed=seed, timeout=timeout,
                 graph_data=graph_data, graph=graph if method == "fork" else None, tasks=tasks, store=store,
-                shared=self.shared, inboxes=self.inboxes, commands=self.commands[rank], results=self.results,
+                shared=self.shared, inboxes=self.inboxes, commands=command_pipes[rank][0],
+                results=result_pipes[rank][1],
                 loss_fn=loss_fn, build_optimizer=build_optimizer,
                 slabs=self.slabs, prefetch=prefetch, check_memory=memory_checked(check_memory), p2p_pairs=pairs,
                 p2p_store=os.path.join(self._rendezvous, "store") if self._rendezvous is not None else None,
@@ -353,6 +375,8 @@ class Launcher:
             process = mpctx.Process(target=_worker_main, args=(ctx,), name=f"harmony-dev{rank}", daemon=True)
             processes.start([process])
             self.processes.append(process)
+            command_pipes[rank][0].close()  # the worker's ends are its own: its exit then closes our result pipe
+            result_pipes[rank][1].close()
         try:
             self._collect("ready", timeout=max(60.0, timeout))
         except BaseException:
@@ -372,22 +396,27 @@ class Launcher:
         host_error: list[BaseException] = []
         host_events: list[tuple[int, str, float, float]] = []
         verdict: list[Verdict] = []
-        host = threading.Thread(target=self._host_tasks,
-                                args=(iteration, host_error, host_events, rates, scale, verdict), daemon=True)
+        host = None  # a plan with no host tasks (its updates on the devices) starts no thread per step
+        if self._host_work:
+            host = threading.Thread(target=self._host_tasks,
+                                    args=(iteration, host_error, host_events, rates, scale, verdict), daemon=True)
         # from the first command sent, anything raised here (a signal's ``Interrupted`` included, which
         # can land in ``Thread.start``'s wait) stops the iteration on every worker before closing:
         # closing with an iteration still running on some workers and not on others left ``close``
         # waiting for their kept state's write-back until the run's timeout (a flaky ``test_cli_signals``)
         try:
-            for q in self.commands:
-                q.put((iteration, sent, rates, scale))
-            with torch_threads(self._host_threads):  # process-wide: this thread only waits meanwhile
-                host.start()
+            for pipe in self.commands:
+                pipe.send((iteration, sent, rates, scale))
+            if host is None:
                 results = self._collect("done", timeout=self.timeout)
-                host.join()
+            else:
+                with torch_threads(self._host_threads):  # process-wide: this thread only waits meanwhile
+                    host.start()
+                    results = self._collect("done", timeout=self.timeout)
+                    host.join()
         except BaseException:
             self.shared.set_abort()
-            if host.ident is not None:
+            if host is not None and host.ident is not None:
                 host.join(timeout=5)
             self.close()
             raise
@@ -430,10 +459,13 @@ class Launcher:
         got: dict[int, Any] = {}
         deadline = time.monotonic() + timeout
         aborted: set[int] = set()
+        ended: set[int] = set()  # workers whose end of the result pipe closed: they exited
         while len(got) < self.devices:
-            try:
-                msg, rank, payload = self.results.get(timeout=0.5)
-            except queue.Empty:
+            waiting = [self.results[r] for r in range(self.devices) if r not in got and r not in ended]
+            ready = multiprocessing.connection.wait(waiting, timeout=0.5) if waiting else []
+            if not ready:
+                if not waiting:  # every silent worker has exited: give the kernel a moment to report it
+                    time.sleep(0.1)
                 self._check_alive(got)
                 if time.monotonic() > deadline:
                     status = self._status()
@@ -443,14 +475,20 @@ class Launcher:
                     raise WorkerError(f"no word from the workers for {timeout:.0f} s: a device is stalled.\n{status}\n"
                                       f"(their threads' stacks are in {paths})")
                 continue
-            log.debug("worker %d says %s", rank, msg)
-            if msg == kind:
-                got[rank] = payload
-            elif msg == "failed":
-                raise self._failed(rank, payload)
-            elif msg == "aborted":
-                aborted.add(rank)
-                got[rank] = None
+            for pipe in ready:
+                try:
+                    msg, rank, payload = pipe.recv()
+                except (EOFError, OSError):  # reported by _check_alive once the process is reaped
+                    ended.add(self.results.index(pipe))
+                    continue
+                log.debug("worker %d says %s", rank, msg)
+                if msg == kind:
+                    got[rank] = payload
+                elif msg == "failed":
+                    raise self._failed(rank, payload)
+                elif msg == "aborted":
+                    aborted.add(rank)
+                    got[rank] = None
         if aborted:
             raise WorkerError("a worker stopped because another one failed")
         return got
@@ -532,8 +570,8 @@ class Launcher:
     def _kept_command(self, command: str, close_on_failure: bool = True) -> None:
         if not self.keeps or self._closed:
             return
-        for q in self.commands:
-            q.put(command)
+        for pipe in self.commands:
+            pipe.send(command)
         try:
             self._collect(command, timeout=self.timeout)
         except BaseException:
@@ -556,10 +594,10 @@ class Launcher:
             except BaseException as exc:  # noqa: BLE001 - closing goes on; the store keeps the last synced state
                 log.warning("could not write the devices' kept state back to the host store: %s", exc)
         self._closed = True
-        for q in self.commands:
+        for pipe in self.commands:
             try:
-                q.put(None)
-            except (ValueError, OSError, AssertionError):
+                pipe.send(None)
+            except (ValueError, OSError):
                 pass
         deadline = time.monotonic() + (2 if self.shared.aborted() else 10)
         for p in self.processes:
@@ -575,9 +613,11 @@ class Launcher:
             path = _stacks_path(p.pid) if p.pid else None
             if path and os.path.exists(path) and os.path.getsize(path) == 0:
                 os.unlink(path)
-        for q in [*self.inboxes, *self.commands, self.results]:
+        for q in self.inboxes:
             q.close()
             q.cancel_join_thread()
+        for pipe in [*self.commands, *self.results]:
+            pipe.close()
         if self._rendezvous is not None:
             shutil.rmtree(self._rendezvous, ignore_errors=True)
 
