@@ -306,7 +306,7 @@ def measure_compute_scaling(machine: Machine, iterations: int = 5, rounds: int =
 
 
 def measure_model_scale(graph: LayerGraph, profile: Profile, machine: Machine, get_batch: Callable, loss_fn: Callable,
-                        build_optimizer: Callable, minibatch: int, iterations: int = 3, rounds: int = 2,
+                        build_optimizer: Callable, minibatch: int, iterations: int = 4, rounds: int = 3,
                         timeout: float = 60.0, precision: str = "fp32") -> tuple[float, float]:
     """``(compute_scale, compute_interference)`` measured on the model itself (module docs): its own
     layers in a few packs, data parallel on one device and then on all of ``machine``'s devices at
@@ -359,7 +359,7 @@ def _scaling(runs: dict[int, tuple[TaskGraph, dict[int, float]]], rounds: int,
         for count, (tasks, modelled) in runs.items():
             ratios[count].append(_median_ratio(tasks, measure(tasks), modelled))
     devices = max(runs)
-    alone, together = min(ratios[1]), min(ratios[devices])
+    alone, together = statistics.median(ratios[1]), statistics.median(ratios[devices])
     interference = max(0.0, (together / alone - 1.0) / (devices - 1))
     log.info("compute scaling on %s: tasks run %.2fx their estimate on one device, %.2fx on %d at once: %.3f "
              "per other device computing", what, alone, together, devices, interference)
