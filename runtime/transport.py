@@ -234,7 +234,7 @@ class Transport:
             if channel == Channel.LOCAL:
                 continue
             stream = self.p2p_in if channel == Channel.P2P else self.swap_in
-            if mb == 0 and channel == Channel.SWAP and not stream.busy():
+            if mb == 0 and not stream.busy():
                 # the task's first inputs: the compute thread waits for them at once, so an idle
                 # stream would only add a thread hand-off each way (0.2-0.3 ms a task); ``_inputs``
                 # fetches them itself, and nothing else can be queued on the stream meanwhile
@@ -243,12 +243,13 @@ class Transport:
         return out
 
     def _inputs(self, task: Task, streams: list[str], mb: int, ready: dict[str, Future]) -> dict[str, tuple]:
-        """Microbatch ``mb``'s inputs: the prefetched ones waited for, the others fetched now."""
-        got = {}
+        """Microbatch ``mb``'s inputs: those not prefetched fetched now, then the prefetched ones
+        waited for (a stash copied in while a gradient is still on its way, not after it came)."""
+        got = {name: self._fetch(task, name, mb) for name in streams if name not in ready}
         for name in streams:
-            future = ready.get(name)
-            got[name] = self._wait(future, f"{name} (mb {mb})") if future is not None else self._fetch(task, name, mb)
-        return got
+            if name in ready:
+                got[name] = self._wait(ready[name], f"{name} (mb {mb})")
+        return {name: got[name] for name in streams}
 
     def _p2p_buffers(self, src: int, specs: list[tuple[list[int], torch.dtype]]) -> list[torch.Tensor]:
         """Receive buffers on the device for a P2P message from ``src`` (the transport's receiving
