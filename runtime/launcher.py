@@ -346,10 +346,8 @@ class Launcher:
         self.inboxes = [mpctx.Queue() for _ in range(self.devices)]
         # a pipe each way per worker, not a multiprocessing.Queue: a queue's feeder thread added a
         # thread hand-off to every command and every result (0.1-0.3 ms of a one-device step)
-        command_pipes = [mpctx.Pipe(duplex=False) for _ in range(self.devices)]  # (worker's end, ours)
-        result_pipes = [mpctx.Pipe(duplex=False) for _ in range(self.devices)]  # (ours, worker's end)
-        self.commands = [ours for _, ours in command_pipes]
-        self.results = [ours for ours, _ in result_pipes]
+        self.commands: list[Any] = []  # our ends
+        self.results: list[Any] = []
         # a forked worker must not enter an OpenMP parallel region if this process ever did (it
         # would hang): emulated devices compute on one thread each, as the profiler measured them
         threads = threads or (1 if device_type == "cpu" else max(1, (os.cpu_count() or 1) // self.devices))
@@ -363,11 +361,16 @@ class Launcher:
             graph_data = {"graph": graph.to_dict(), "sources": dict(graph.sources)}
         self.processes = []
         for rank in range(self.devices):
+            # made just before its worker starts, so that no other worker inherits its ends: a
+            # worker's exit then closes its result pipe, and a command to it breaks its pipe
+            command_in, command_out = mpctx.Pipe(duplex=False)
+            result_in, result_out = mpctx.Pipe(duplex=False)
+            self.commands.append(command_out)
+            self.results.append(result_in)
             ctx = _WorkerContext(
                 rank=rank, device_type=device_type, capacity=capacity, threads=threads, seed=seed, timeout=timeout,
                 graph_data=graph_data, graph=graph if method == "fork" else None, tasks=tasks, store=store,
-                shared=self.shared, inboxes=self.inboxes, commands=command_pipes[rank][0],
-                results=result_pipes[rank][1],
+                shared=self.shared, inboxes=self.inboxes, commands=command_in, results=result_out,
                 loss_fn=loss_fn, build_optimizer=build_optimizer,
                 slabs=self.slabs, prefetch=prefetch, check_memory=memory_checked(check_memory), p2p_pairs=pairs,
                 p2p_store=os.path.join(self._rendezvous, "store") if self._rendezvous is not None else None,
@@ -375,8 +378,8 @@ class Launcher:
             process = mpctx.Process(target=_worker_main, args=(ctx,), name=f"harmony-dev{rank}", daemon=True)
             processes.start([process])
             self.processes.append(process)
-            command_pipes[rank][0].close()  # the worker's ends are its own: its exit then closes our result pipe
-            result_pipes[rank][1].close()
+            command_in.close()  # the worker's ends are its own
+            result_out.close()
         try:
             self._collect("ready", timeout=max(60.0, timeout))
         except BaseException:
@@ -405,8 +408,7 @@ class Launcher:
         # closing with an iteration still running on some workers and not on others left ``close``
         # waiting for their kept state's write-back until the run's timeout (a flaky ``test_cli_signals``)
         try:
-            for pipe in self.commands:
-                pipe.send((iteration, sent, rates, scale))
+            self._send((iteration, sent, rates, scale))
             if host is None:
                 results = self._collect("done", timeout=self.timeout)
             else:
@@ -453,6 +455,16 @@ class Launcher:
         except BaseException as exc:  # handed to step()
             self.shared.set_abort()
             errors.append(exc)
+
+    def _send(self, command: Any) -> None:
+        """``command`` to every worker. A worker that has died since its last word breaks its pipe:
+        that is reported as its death (how it ended), not as the broken pipe."""
+        for rank, pipe in enumerate(self.commands):
+            try:
+                pipe.send(command)
+            except OSError as exc:
+                self._check_alive({})
+                raise WorkerError(f"the worker of device {rank} no longer reads its commands ({exc})") from exc
 
     def _collect(self, kind: str, timeout: float) -> dict[int, Any]:
         """One ``kind`` message from every worker; a failure, a death or silence raises."""
@@ -570,9 +582,8 @@ class Launcher:
     def _kept_command(self, command: str, close_on_failure: bool = True) -> None:
         if not self.keeps or self._closed:
             return
-        for pipe in self.commands:
-            pipe.send(command)
         try:
+            self._send(command)
             self._collect(command, timeout=self.timeout)
         except BaseException:
             self.shared.set_abort()

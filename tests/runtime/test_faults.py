@@ -151,6 +151,24 @@ def test_worker_killed_by_sigkill_mid_iteration_is_reported_and_the_rest_stop(pl
     assert_clean(trainer, before)
 
 
+def test_worker_killed_between_steps_is_reported_as_killed_at_the_next_step(plan):
+    """Commands reach a worker through its own pipe: sending to a dead one breaks it, and the step
+    says which worker died and how, not that a pipe broke."""
+    before = shm_files()
+    with harmony.Trainer(plan, optimizer=sgd, timeout=20) as trainer:
+        trainer.step(*get_batch(MINIBATCH, 0))
+        victim = trainer.launcher.processes[1]
+        os.kill(victim.pid, signal.SIGKILL)
+        deadline = time.monotonic() + LIMIT
+        while victim.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        error, seconds = run_until_failure(trainer)
+    message = str(error)
+    assert "the worker of device 1" in message and "was killed by SIGKILL" in message, message
+    assert seconds < LIMIT
+    assert_clean(trainer, before)
+
+
 def test_stalled_worker_is_reported_with_what_each_worker_waits_for(plan, tmp_path):
     before = shm_files()
     with harmony.Trainer(plan, optimizer=sgd, loss_fn=Sleeping(tmp_path / "m", seconds=120), timeout=4) as trainer:
