@@ -24,8 +24,9 @@ grows with it). The probe's own half round trip between two processes sees none 
 
 ``measure_compute_scaling`` runs data parallelism over transformer MLP blocks (matrix products and
 the memory-bound element-wise ops around them, as in the models trained here) on the real launcher,
-on one device and on all: the runtime's task spans over the estimator's (with the overheads above),
-as a median over the tasks, is ``compute_scale`` on one device (the worker's compute thread shares
+on one device and on all: the factor on the estimator's compute that makes its task spans (with the
+overheads above) the runtime's, as a median over the tasks and then over a few runs, is
+``compute_scale`` on one device (the worker's compute thread shares
 the interpreter lock with its stream threads, which a layer profiled alone never does); its growth
 on all devices at once is ``compute_interference`` (the memory bus and caches the devices share).
 Both depend on the workload; the blocks are one point, chosen to look like the models in ``models/``.
@@ -60,7 +61,7 @@ import torch
 
 from harmony.decomposer.decompose import decompose
 from harmony.decomposer.layer_graph import LayerGraph
-from harmony.scheduler.estimator import estimate, promise
+from harmony.scheduler.estimator import estimate, promise, task_compute_seconds
 from harmony.scheduler.machine import Machine
 from harmony.profiling.profiles import LayerProfile, LayerSample, Profile
 from harmony.scheduler.taskgraph import generate
@@ -286,11 +287,9 @@ def measure_compute_scaling(machine: Machine, iterations: int = 5, rounds: int =
                             timeout: float = 60.0) -> tuple[float, float]:
     """``(compute_scale, compute_interference)`` (module docs): data parallelism over transformer
     blocks on the real launcher, one device alone and then all of ``machine``'s devices at once (at
-    least two), ``rounds`` times interleaved; per run, the median over the tasks of the measured
-    span over the span the estimator gives with ``machine``'s overheads and shared cores, as
-    profiled. The lowest one-device ratio is the scale (other processes on a shared machine only
-    ever slow a run down: the lowest is the runtime's own); the lowest all-devices ratio over it,
-    less one, spread over the other devices, the interference."""
+    least two), ``rounds`` times interleaved; per run, the median over the tasks of the compute
+    scale that turns the span the estimator gives (with ``machine``'s overheads and shared cores)
+    into the measured one (``_median_ratio``); read as ``_scaling`` reads it."""
     devices = max(2, machine.devices)
     base = dataclasses.replace(machine, devices=devices, compute_scale=1.0, compute_interference=0.0)
     shape = (BLOCK_TOKENS, BLOCK_WIDTH)
@@ -301,7 +300,7 @@ def measure_compute_scaling(machine: Machine, iterations: int = 5, rounds: int =
     for count in (1, devices):
         tasks = _promised(generate("dp", profile, config, count, MINIBATCH * count, update="host"), profile,
                           dataclasses.replace(base, devices=count))
-        runs[count] = tasks, _estimated_spans(tasks, profile, dataclasses.replace(base, devices=count))
+        runs[count] = tasks, _modelled(tasks, profile, dataclasses.replace(base, devices=count))
     return _scaling(runs, rounds, lambda tasks: _spans(graph, tasks, iterations, timeout, shape).tasks, "MLP blocks")
 
 
@@ -326,7 +325,7 @@ def measure_model_scale(graph: LayerGraph, profile: Profile, machine: Machine, g
         tasks = generate("dp", profile, config, count, 2 * u * count, update="host")
         tasks.precision = precision  # computed as the plan's runs will (under autocast for bf16)
         tasks.memory = promise(tasks, profile, counted, capacity=capacity)
-        runs[count] = tasks, _estimated_spans(tasks, profile, counted)
+        runs[count] = tasks, _modelled(tasks, profile, counted)
     step = sum(_step_seconds(tasks, spans) for tasks, spans in runs.values())
     rounds, iterations = _within(MODEL_SCALE_SECONDS, step, rounds, iterations)
 
@@ -347,13 +346,14 @@ def measure_model_scale(graph: LayerGraph, profile: Profile, machine: Machine, g
     return _scaling(runs, rounds, measure, "the model")
 
 
-def _scaling(runs: dict[int, tuple[TaskGraph, dict[int, float]]], rounds: int,
+def _scaling(runs: dict[int, tuple[TaskGraph, dict[int, tuple[float, float]]]], rounds: int,
              measure: Callable[[TaskGraph], dict[int, float]], what: str) -> tuple[float, float]:
     """``(compute_scale, compute_interference)`` from ``runs`` (per device count, one and all: a
-    task graph and the estimator's span of each task), each measured ``rounds`` times interleaved:
-    per run, the median over the tasks of measured span over estimated span; the lowest one-device
-    ratio is the scale (other processes on a shared machine only ever slow a run down), the lowest
-    all-devices ratio over it, less one, spread over the other devices, the interference."""
+    task graph and, per task, the estimator's span and the compute inside it), each measured
+    ``rounds`` times interleaved: per run, the median over the tasks of the compute scale that
+    explains the measured span (``_median_ratio``); the median one-device run is the scale (a run,
+    like a user's, sees the machine's typical load, not its best moment), the median all-devices
+    run over it, less one, spread over the other devices, the interference."""
     ratios: dict[int, list[float]] = {count: [] for count in runs}
     for _ in range(rounds):
         for count, (tasks, modelled) in runs.items():
@@ -369,11 +369,11 @@ def _scaling(runs: dict[int, tuple[TaskGraph, dict[int, float]]], rounds: int,
 MODEL_SCALE_SECONDS = 8.0  # what the model's calibration may take, by the estimate of its steps
 
 
-def _step_seconds(tasks: TaskGraph, spans: dict[int, float]) -> float:
+def _step_seconds(tasks: TaskGraph, modelled: dict[int, tuple[float, float]]) -> float:
     """The estimated step of a calibration graph: its busiest device's spans."""
     busy: dict[int, float] = {}
     for task in tasks.tasks:
-        busy[task.device] = busy.get(task.device, 0.0) + spans.get(task.id, 0.0)
+        busy[task.device] = busy.get(task.device, 0.0) + modelled.get(task.id, (0.0, 0.0))[0]
     return max(busy.values(), default=0.0)
 
 
@@ -394,10 +394,23 @@ def _calibration_packs(layers: int, packs: int = 3) -> list[tuple[int, int]]:
     return [(bounds[k], bounds[k + 1] - 1) for k in range(len(bounds) - 1)]
 
 
-def _median_ratio(tasks: TaskGraph, measured: dict[int, float], modelled: dict[int, float]) -> float:
-    """The median over the device's compute tasks of measured span over estimated span."""
-    return statistics.median(measured[t.id] / modelled[t.id] for t in tasks.tasks
-                             if t.kind != Kind.UPD and t.id in measured and modelled.get(t.id, 0) > 0)
+def _modelled(tasks: TaskGraph, profile: Profile, machine: Machine) -> dict[int, tuple[float, float]]:
+    """Per device task, the estimator's span on ``machine`` (compute at the profile's speed) and the
+    profiled compute inside it (what ``compute_scale`` multiplies)."""
+    spans = _estimated_spans(tasks, profile, machine)
+    return {t.id: (spans[t.id], task_compute_seconds(t, profile)) for t in tasks.tasks if t.id in spans}
+
+
+def _median_ratio(tasks: TaskGraph, measured: dict[int, float], modelled: dict[int, tuple[float, float]]) -> float:
+    """The median over the device's compute tasks of the scale ``s`` for which the estimate, with
+    its compute times ``s`` and the rest (the runtime's overheads, waits) as modelled, gives the
+    measured span: the estimator applies the scale to compute alone, so the calibration measures it
+    so. Measured over the whole span instead, a task whose overheads are half of it read 0.8 where
+    its compute ran at 0.6."""
+    return statistics.median(1.0 + (measured[t.id] - span) / compute for t in tasks.tasks
+                             if t.kind != Kind.UPD and t.id in measured
+                             and (span := modelled.get(t.id, (0.0, 0.0))[0]) > 0
+                             and (compute := modelled[t.id][1]) > 0)
 
 
 def _lower_quartile(values: list[float]) -> float:
