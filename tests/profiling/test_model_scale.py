@@ -82,3 +82,30 @@ def test_the_calibration_of_a_large_model_is_cut_to_its_time_budget():
     assert overheads._within(8.0, 0.1, 2, 3) == (2, 3)
     assert overheads._within(8.0, 1.5, 2, 3) == (1, 3)
     assert overheads._within(8.0, 10.0, 2, 3) == (1, 1)
+
+
+def _graph_of(tasks: int):
+    """A stand-in task graph: ``tasks`` compute tasks (ids 0..) on device 0."""
+    from types import SimpleNamespace
+
+    from harmony.scheduler.tasks import Kind
+    return SimpleNamespace(tasks=[SimpleNamespace(id=i, kind=Kind.FWD, device=0) for i in range(tasks)])
+
+
+def test_the_scale_is_read_on_the_compute_inside_a_span_not_on_the_whole_span():
+    # spans of 1 ms compute + 1 ms of modelled overheads, run with the compute at 0.6x: the estimator
+    # multiplies compute alone, so the scale it needs is 0.6 (measured / span would say 0.8)
+    tasks = _graph_of(3)
+    modelled = {i: (2e-3, 1e-3) for i in range(3)}
+    measured = {i: 0.6e-3 + 1e-3 for i in range(3)}
+    assert abs(overheads._median_ratio(tasks, measured, modelled) - 0.6) < 1e-9
+
+
+def test_the_scale_and_interference_are_the_median_rounds_not_the_fastest():
+    # three rounds on one device read 0.5, 0.7, 0.6 and on two 0.9, 0.7, 0.8: a run sees the machine's
+    # typical load, so the scale is 0.6 and the interference 0.8 / 0.6 - 1
+    tasks = _graph_of(1)
+    runs = {1: (tasks, {0: (1.0, 1.0)}), 2: (tasks, {0: (1.0, 1.0)})}
+    reads = iter([0.5, 0.9, 0.7, 0.7, 0.6, 0.8])  # the rounds interleave one device and two
+    scale, interference = overheads._scaling(runs, 3, lambda graph: {0: next(reads)}, "a test")
+    assert abs(scale - 0.6) < 1e-9 and abs(interference - (0.8 / 0.6 - 1)) < 1e-9
