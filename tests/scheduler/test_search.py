@@ -170,3 +170,23 @@ def test_a_simulation_cut_short_has_no_timeline_to_give():
     assert cut.cut == "slower"
     with pytest.raises(ValueError, match="cut short"):
         cut.with_timeline()
+
+
+@pytest.mark.parametrize("mode", ["pp", "dp-swap"])
+def test_a_simulation_leaves_no_reference_cycles_for_the_collector(mode):
+    """Units and transfers refer to each other while they play; once an estimate is made they are
+    let go by reference counting, not left for the cyclic collector (whose passes over them cost a
+    search 7%, and left GPT-2 1.5B's dp-swap search 2.3 million objects to find)."""
+    import gc
+
+    profile, machine = skewed_profile(), Machine.from_spec("1080ti", 2)
+    graph = search(profile, machine, mode, 2, 8).graph
+    gc.collect()
+    gc.disable()
+    try:
+        for recorded in (True, False):
+            estimate(graph, profile, machine, capacity=profile.capacity, record_events=recorded)
+        left = gc.collect()
+    finally:
+        gc.enable()
+    assert left < 50, left
