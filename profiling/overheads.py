@@ -406,11 +406,18 @@ def _median_ratio(tasks: TaskGraph, measured: dict[int, float], modelled: dict[i
     its compute times ``s`` and the rest (the runtime's overheads, waits) as modelled, gives the
     measured span: the estimator applies the scale to compute alone, so the calibration measures it
     so. Measured over the whole span instead, a task whose overheads are half of it read 0.8 where
-    its compute ran at 0.6."""
-    return statistics.median(1.0 + (measured[t.id] - span) / compute for t in tasks.tasks
-                             if t.kind != Kind.UPD and t.id in measured
-                             and (span := modelled.get(t.id, (0.0, 0.0))[0]) > 0
-                             and (compute := modelled[t.id][1]) > 0)
+    its compute ran at 0.6. Where the modelled overheads alone come near the measured spans (tasks
+    of almost no compute), that reading says nothing (it can go to zero or below): the ratio of the
+    whole spans stands instead."""
+    kept = [t for t in tasks.tasks if t.kind != Kind.UPD and t.id in measured and modelled.get(t.id, (0.0, 0.0))[0] > 0]
+    on_compute = [1.0 + (measured[t.id] - modelled[t.id][0]) / modelled[t.id][1] for t in kept if modelled[t.id][1] > 0]
+    if on_compute and statistics.median(on_compute) >= MIN_COMPUTE_SCALE:
+        return statistics.median(on_compute)
+    log.info("the runtime's overheads are most of these tasks' spans: their scale is read on the whole spans")
+    return statistics.median(measured[t.id] / modelled[t.id][0] for t in kept)
+
+
+MIN_COMPUTE_SCALE = 0.1  # below it, a scale read on compute alone is the overheads' error, not the compute's
 
 
 def _lower_quartile(values: list[float]) -> float:

@@ -109,3 +109,12 @@ def test_the_scale_and_interference_are_the_median_rounds_not_the_fastest():
     reads = iter([0.5, 0.9, 0.7, 0.7, 0.6, 0.8])  # the rounds interleave one device and two
     scale, interference = overheads._scaling(runs, 3, lambda graph: {0: next(reads)}, "a test")
     assert abs(scale - 0.6) < 1e-9 and abs(interference - (0.8 / 0.6 - 1)) < 1e-9
+
+
+def test_where_overheads_are_the_whole_span_the_scale_is_read_on_the_spans():
+    # modelled overheads of 1.5 ms where the tasks took 1.2 ms in all: a reading on compute would be
+    # below zero; the ratio of the spans (1.2 / 2.0) is taken instead
+    tasks = _graph_of(3)
+    modelled = {i: (2e-3, 0.5e-3) for i in range(3)}
+    measured = {i: 1.2e-3 for i in range(3)}
+    assert abs(overheads._median_ratio(tasks, measured, modelled) - 0.6) < 1e-9
