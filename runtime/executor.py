@@ -248,6 +248,12 @@ class Executor(Admission, PackState, Transport, Compute, Updates):
             self.shared.set_current(self.rank, None)
             with self._waiting_for("the last swap-outs and messages of the iteration to leave"):
                 self._drain()
+        # a stream's job that failed (a send whose transport broke) raised the abort flag, not an
+        # exception here; nor does a drain that finds its markers done check it: without this a
+        # worker whose last send failed reported its iteration done, and the launcher heard only
+        # that another worker had stopped (test_p2p_dist, once in CI)
+        if self.shared.aborted():
+            raise Aborted("the run was aborted while this device finished its iteration")
         self.device.synchronize()
         seconds = time.perf_counter() - start
         by_channel, by_tensor = self.counters.snapshot()
