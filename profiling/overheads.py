@@ -411,8 +411,9 @@ def _median_ratio(tasks: TaskGraph, measured: dict[int, float], modelled: dict[i
     whole spans stands instead."""
     kept = [t for t in tasks.tasks if t.kind != Kind.UPD and t.id in measured and modelled.get(t.id, (0.0, 0.0))[0] > 0]
     on_compute = [1.0 + (measured[t.id] - modelled[t.id][0]) / modelled[t.id][1] for t in kept if modelled[t.id][1] > 0]
-    if on_compute and statistics.median(on_compute) >= MIN_COMPUTE_SCALE:
-        return statistics.median(on_compute)
+    scale = statistics.median(on_compute) if on_compute else 0.0
+    if scale >= MIN_COMPUTE_SCALE:
+        return scale
     log.info("the runtime's overheads are most of these tasks' spans: their scale is read on the whole spans")
     return statistics.median(measured[t.id] / modelled[t.id][0] for t in kept)
 
