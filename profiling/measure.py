@@ -15,7 +15,7 @@ import statistics
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from torch.func import functional_call
@@ -254,17 +254,25 @@ def host_device() -> Device:
     return UncheckedCpuDevice("host")
 
 
+class UpdateMeasure(NamedTuple):
+    """One layer's optimizer step, as ``measure_update`` measured it."""
+
+    seconds: float
+    k_bytes: int
+    k_tensors: int
+
+
 def measure_update(
     params: list[torch.Tensor], build_optimizer: Callable[[Any], torch.optim.Optimizer], device: Device, trials: int = 3
-) -> tuple[float, int]:
+) -> UpdateMeasure:
     """Seconds of one optimizer step over a layer's parameters on ``device``, and the optimizer
-    state's bytes (K). The first step creates the state, is not timed, and is the one an emulated
-    device watches: it raises ``DeviceOutOfMemoryError`` when weights, gradients and state do not
+    state's bytes (K) and tensors (those the runtime moves: of more than one element). The first
+    step creates the state, is not timed, and is the one an emulated device watches: it raises ``DeviceOutOfMemoryError`` when weights, gradients and state do not
     fit together. The timed steps run unwatched (``Device.host_side``), as a run steps unless it
     checks memory: an optimizer's step is many small ops, and the memory tracker's per-op dispatch
     made GPT-2 small's device updates twice their run's time."""
     if not params:
-        return 0.0, 0
+        return UpdateMeasure(0.0, 0, 0)
     with device.memory_scope():
         copies = [device.to_device(p.detach()).requires_grad_(True) for p in params]
         for c in copies:
@@ -279,11 +287,9 @@ def measure_update(
             elapsed = timer.stop()
             if trial:
                 times.append(elapsed)
-        k_bytes = sum(
-            v.numel() * v.element_size()
-            for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0
-        )
-    return _median(times), k_bytes
+        state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+        k_bytes = sum(v.numel() * v.element_size() for v in state)
+    return UpdateMeasure(_median(times), k_bytes, len(state))
 
 
 def measure_cast(weight: torch.Tensor, dtype: torch.dtype, trials: int = 3) -> float:

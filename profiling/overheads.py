@@ -12,7 +12,12 @@ measured span minus the span the event-driven estimator gives it without overhea
 transfers as profiled and probed): the line ``task + microbatch * microbatches`` through the lower
 quartile of the residuals of the FWD/BWD tasks of one microbatch and that of the tasks of
 ``MINIBATCH`` microbatches gives ``task_overhead`` and ``microbatch_overhead``; the lower quartile of
-the residuals of the device UPD tasks, less ``task_overhead``, gives ``update_overhead``. (Lower
+the residuals of the device UPD tasks, less ``task_overhead``, gives ``update_overhead``. The
+probe's layers alternate between 2 state tensors and 12 (``_ManyTensors``) and step with Adam (two
+state tensors a parameter): the updates of the two kinds differ by the runtime's cost per state
+tensor moved (``tensor_overhead``, ``_tensor_cost``), which the fits above then take as modelled.
+A GPT-2 block's update moves about a hundred tensors one by one: with the plain linear layers'
+update cost alone, gpt2-tiny's device updates ran 1.7-2.0x their estimate. (Lower
 quartiles: on a shared machine other processes delay some tasks by whole scheduler slices, which
 is the machine's load at that moment, not the runtime's cost; a busy machine made the medians
 vary threefold from one probe to the next.) Last, a
@@ -95,19 +100,44 @@ class Overheads:
     message: float  # s, one p2p message on the runtime's path (the pipeline's calibration)
     tasks: int
     iteration: float = 0.0  # s, per iteration: the minibatch to the workers, their results back
+    tensor: float = 0.0  # s, per state tensor moved between the host store and a device
 
 
 def _optimizer(params):
-    return torch.optim.SGD(params, lr=0.01)
+    """Adam, as most models trained here use: its two state tensors per parameter are what a pack's
+    update moves most of (``tensor_overhead``)."""
+    return torch.optim.Adam(params, lr=0.01)
 
 
 def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return ((output - target) ** 2).mean()
 
 
+class _ManyTensors(torch.nn.Module):
+    """A layer of near-zero compute whose state is many small tensors (a linear layer and
+    ``EXTRA_TENSORS`` biases): beside plain linear layers, what its update costs more is the
+    runtime's cost per state tensor moved."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(width, width)
+        self.biases = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(width)) for _ in range(EXTRA_TENSORS)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.linear(x)
+        for b in self.biases:
+            x = x + b
+        return x
+
+
+EXTRA_TENSORS = 10
+
+
 def _model() -> torch.nn.Module:
+    """Linear layers of 2 tensors alternating with layers of 12."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+    return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) if i % 2 == 0 else _ManyTensors(WIDTH)
+                                 for i in range(LAYERS)])
 
 
 class _Block(torch.nn.Module):
@@ -149,12 +179,13 @@ def _profile(graph, device: CpuDevice, shape: tuple[int, ...] = (WIDTH,)) -> Pro
                                           act_bytes=m.act_bytes))
     for i, module in enumerate(graph.modules):
         params = [p for p in module.parameters() if p.requires_grad]
-        upd_host, k_bytes = measure_update(params, _optimizer, host_device(), 3)
-        upd_device, _ = measure_update(params, _optimizer, device, 3)
+        upd_host, k_bytes, k_tensors = measure_update(params, _optimizer, host_device(), 3)
+        upd_device = measure_update(params, _optimizer, device, 3).seconds
         nbytes = sum(p.numel() * p.element_size() for p in params)
         layers.append(LayerProfile(index=i, name=graph.layers[i].name, w_bytes=nbytes, dw_bytes=nbytes,
                                    k_bytes=k_bytes, b_bytes=0, upd_time_device=upd_device, upd_time_host=upd_host,
-                                   fwd_samples=samples[i], bwd_samples=samples[i]))
+                                   fwd_samples=samples[i], bwd_samples=samples[i], w_tensors=len(params),
+                                   dw_tensors=len(params), k_tensors=k_tensors))
     return Profile(source="measured", device="cpu:overhead-probe", capacity=device.capacity,
                    u_fmax=max(_SIZES), u_bmax=max(_SIZES), layers=layers)
 
@@ -242,20 +273,48 @@ def measure_overheads(machine: Machine, iterations: int = 4, timeout: float = 60
     ``machine`` gives the probed links (its overheads are ignored); at least two devices are used."""
     devices = max(2, machine.devices)
     base = dataclasses.replace(machine, devices=devices, task_overhead=0.0, microbatch_overhead=0.0,
-                               update_overhead=0.0, iteration_overhead=0.0, cpu_cores=None)
+                               update_overhead=0.0, iteration_overhead=0.0, tensor_overhead=0.0, cpu_cores=None)
     graph, profile = _profiled(_model(), (WIDTH,))
     packs = [(i, i) for i in range(len(profile.layers))]
     config = Configuration(u_f=1, packs_f=packs, u_b=1, packs_b=packs)
-    residuals: dict[int, list[float]] = {}
-    updates: list[float] = []
+    runs: list[tuple[TaskGraph, dict[int, float]]] = []
     launch: list[float] = []
     for mode in ("dp", "dp-swap"):
         tasks = _promised(generate(mode, profile, config, devices, MINIBATCH * devices), profile, base)
         spans = _spans(graph, tasks, iterations, timeout)
-        measured = spans.tasks
+        runs.append((tasks, spans.tasks))
         if mode == "dp-swap":  # no host tasks: the launcher's step beyond its workers is its own cost
             launch = spans.launch
-        modelled = _estimated_spans(tasks, profile, base)
+    tensor = _tensor_cost(runs, profile, base)
+    costed = dataclasses.replace(base, tensor_overhead=tensor)
+    residuals, updates = _residuals(runs, profile, costed)
+    one, many = min(residuals), max(residuals)
+    r_one, r_many = _lower_quartile(residuals[one]), _lower_quartile(residuals[many])
+    microbatch = max((r_many - r_one) / (many - one), 0.0) if many > one else 0.0
+    task = max(r_one - microbatch * one, 0.0)
+    counted = sum(len(v) for v in residuals.values())
+    update = max(_lower_quartile(updates) - task, 0.0) if updates else 0.0
+    with_overheads = dataclasses.replace(costed, task_overhead=task, microbatch_overhead=microbatch,
+                                         update_overhead=update)
+    pipeline = _promised(generate("pp", profile, config, devices, MINIBATCH * devices), profile, base)
+    seconds = _spans(graph, pipeline, iterations, timeout).slowest
+    message = _message_cost(pipeline, profile, with_overheads, seconds)
+    iteration = max(_lower_quartile(launch), 0.0)
+    log.info("runtime overheads: %.3f ms per task, %.3f ms per microbatch, %.3f ms per update (%d tasks), "
+             "%.1f us per state tensor, %.3f ms per p2p message, %.3f ms per iteration", task * 1e3, microbatch * 1e3,
+             update * 1e3, counted, tensor * 1e6, message * 1e3, iteration * 1e3)
+    return Overheads(task=task, microbatch=microbatch, update=update, message=message, tasks=counted,
+                     iteration=iteration, tensor=tensor)
+
+
+def _residuals(runs: list[tuple[TaskGraph, dict[int, float]]], profile: Profile,
+               machine: Machine) -> tuple[dict[int, list[float]], list[float]]:
+    """Per device task, its measured span less the span ``machine`` gives it: the FWD/BWD tasks'
+    by their number of microbatches, and the UPD tasks'."""
+    residuals: dict[int, list[float]] = {}
+    updates: list[float] = []
+    for tasks, measured in runs:
+        modelled = _estimated_spans(tasks, profile, machine)
         for task in tasks.tasks:
             if task.id not in measured or task.id not in modelled:
                 continue
@@ -264,23 +323,30 @@ def measure_overheads(machine: Machine, iterations: int = 4, timeout: float = 60
                 updates.append(residual)
             else:
                 residuals.setdefault(len(task.microbatches), []).append(residual)
-    one, many = min(residuals), max(residuals)
-    r_one, r_many = _lower_quartile(residuals[one]), _lower_quartile(residuals[many])
-    microbatch = max((r_many - r_one) / (many - one), 0.0) if many > one else 0.0
-    task = max(r_one - microbatch * one, 0.0)
-    counted = sum(len(v) for v in residuals.values())
-    update = max(_lower_quartile(updates) - task, 0.0) if updates else 0.0
-    with_overheads = dataclasses.replace(base, task_overhead=task, microbatch_overhead=microbatch,
-                                         update_overhead=update)
-    pipeline = _promised(generate("pp", profile, config, devices, MINIBATCH * devices), profile, base)
-    seconds = _spans(graph, pipeline, iterations, timeout).slowest
-    message = _message_cost(pipeline, profile, with_overheads, seconds)
-    iteration = max(_lower_quartile(launch), 0.0)
-    log.info("runtime overheads: %.3f ms per task, %.3f ms per microbatch, %.3f ms per update (%d tasks), "
-             "%.3f ms per p2p message, %.3f ms per iteration", task * 1e3, microbatch * 1e3, update * 1e3, counted,
-             message * 1e3, iteration * 1e3)
-    return Overheads(task=task, microbatch=microbatch, update=update, message=message, tasks=counted,
-                     iteration=iteration)
+    return residuals, updates
+
+
+_TENSOR_STEP = 1e-5  # s per tensor, the step at which the estimate's response to the per-tensor cost is read
+
+
+def _tensor_cost(runs: list[tuple[TaskGraph, dict[int, float]]], profile: Profile, machine: Machine) -> float:
+    """The runtime's cost per state tensor moved (``Machine.tensor_overhead``): the device UPD
+    tasks, grouped by how many tensors' costs their estimated span carries (read as the span's
+    response to a small per-tensor cost: a copy overlapped by compute carries none), differ in
+    residual (lower quartiles) by that many tensors' costs. 0 without two such groups."""
+    stepped = dataclasses.replace(machine, tensor_overhead=_TENSOR_STEP)
+    groups: dict[int, list[float]] = {}
+    for tasks, measured in runs:
+        plain = _estimated_spans(tasks, profile, machine)
+        bumped = _estimated_spans(tasks, profile, stepped)
+        for task in tasks.tasks:
+            if task.kind == Kind.UPD and task.id in measured and task.id in plain:
+                carried = round((bumped[task.id] - plain[task.id]) / _TENSOR_STEP)
+                groups.setdefault(carried, []).append(measured[task.id] - plain[task.id])
+    if len(groups) < 2:
+        return 0.0
+    few, many = min(groups), max(groups)
+    return max((_lower_quartile(groups[many]) - _lower_quartile(groups[few])) / (many - few), 0.0)
 
 
 def measure_compute_scaling(machine: Machine, iterations: int = 5, rounds: int = 2,

@@ -27,7 +27,7 @@ split evenly between the device workers (``cpu_count // devices`` torch threads 
 
 The runtime's own costs (``runtime=True``, ``cpu`` only; ``harmony.profiling.overheads``): the real
 launcher runs near-zero compute to give ``task_overhead``, ``microbatch_overhead``,
-``update_overhead`` and the per-message cost of its p2p path (``p2p_latency`` becomes the larger of
+``update_overhead``, ``tensor_overhead`` (per state tensor moved) and the per-message cost of its p2p path (``p2p_latency`` becomes the larger of
 that and the half round trip above), and a fixed loop in more processes than devices gives
 ``cpu_cores``, the cores the devices' compute shares; data parallelism over transformer blocks on the
 real launcher, on one device and on all, gives ``compute_scale`` and ``compute_interference``, how
@@ -490,7 +490,7 @@ def _with_runtime_costs(machine: Machine, timeout: float) -> Machine:
         costs = measure_overheads(machine, timeout=timeout)
         measured = dataclasses.replace(machine, task_overhead=costs.task, microbatch_overhead=costs.microbatch,
                                        update_overhead=costs.update, iteration_overhead=costs.iteration,
-                                       cpu_cores=cores)
+                                       tensor_overhead=costs.tensor, cpu_cores=cores)
         scale, interference = measure_compute_scaling(measured, timeout=timeout)
     except HarmonyError as exc:
         raise ProbeError(f"measuring the runtime's overheads failed: {exc}") from exc
@@ -499,7 +499,8 @@ def _with_runtime_costs(machine: Machine, timeout: float) -> Machine:
         **machine.notes,
         "overheads": f"the real launcher on {costs.tasks} tasks of near-zero compute: measured span minus the "
                      "estimator's, median residuals of one-microbatch and many-microbatch tasks; per iteration, "
-                     "the launcher's step beyond its slowest worker (lower quartile)",
+                     "the launcher's step beyond its slowest worker (lower quartile); per state tensor, the "
+                     "difference between updates of layers of 2 and of 12 tensors",
         "p2p_latency": f"the larger of the half round trip ({probed * 1e6:.0f} us) and the message cost that "
                        f"makes the estimate of a near-zero pipeline match its run ({costs.message * 1e6:.0f} us)",
         "cpu_cores": f"work of {machine.devices + 1} single-threaded loops at once over one alone, in one window",

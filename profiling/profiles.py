@@ -21,6 +21,7 @@ from harmony.errors import FormatError
 from harmony.scheduler.machine import Machine
 
 SCHEMA_VERSION = 1
+_TENSOR_FIELDS = {"W": "w_tensors", "dW": "dw_tensors", "K": "k_tensors", "B": "b_tensors"}
 KIND = "profile"
 PROFILE_FILE = "profile.msgpack"
 
@@ -169,6 +170,13 @@ class LayerProfile:
     upd_bytes: int = 0  # the optimizer's temporaries in a step of this layer on the device
     upd_scalar_bytes: int = 0  # its scalar state on the device (step counters), held through a step
     norm_time_host: float = 0.0  # s, the norm and the clip of its gradients on the host (clipping's NORM task)
+    # tensors the runtime moves one by one for this layer's state (0: not counted, as in profiles
+    # made before they were): parameters (W), trainable ones (dW), optimizer state of more than one
+    # element (K; a step counter stays on the host) and buffers (B)
+    w_tensors: int = 0
+    dw_tensors: int = 0
+    k_tensors: int = 0
+    b_tensors: int = 0
 
     def fit(self, quantity: str) -> Fit:
         """The fit of one quantity, made on first use (the search asks for a few of them only)."""
@@ -541,6 +549,22 @@ class Profile:
         layer = self.layers[-1]
         own = layer.w_bytes + layer.b_bytes + layer.dw_bytes + layer.at("x_bytes", u)
         return max(0.0, layer.at("bwd_peak", u) - own) + 2 * layer.at("y_bytes", u)
+
+    def state_tensors(self, tensor: str, first: int, last: int) -> int:
+        """Tensors the runtime moves one by one for ``tensor`` (W, dW, K or B) of layers first..last:
+        each pays the runtime's per-tensor cost (``Machine.tensor_overhead``). 0 where the profile
+        did not count them (a profile made before it did, an analytic one)."""
+        field_ = _TENSOR_FIELDS.get(tensor)
+        if field_ is None:
+            return 0
+        sums = self.__dict__.setdefault("_tensor_sums", {})
+        prefix = sums.get(field_)
+        if prefix is None:
+            prefix = [0]
+            for layer in self.layers:
+                prefix.append(prefix[-1] + getattr(layer, field_))
+            sums[field_] = prefix
+        return prefix[last + 1] - prefix[first]
 
     def pack_update_memory(self, first: int, last: int) -> int:
         """What one step of a pack's parameters holds on the device beyond the weights, gradients

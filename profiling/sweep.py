@@ -279,10 +279,10 @@ class Profiler:
         w_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
         b_bytes = sum(b.numel() * b.element_size() for b in module.buffers())
         self.on_progress(f"update layer {index}")
-        upd_host, k_bytes = measure_update(params, self.build_optimizer, host_device(), self.trials)
+        upd_host, k_bytes, k_tensors = measure_update(params, self.build_optimizer, host_device(), self.trials)
         norm_host = measure_norm(params, self.trials)
         try:
-            upd_device, _ = measure_update(params, self.build_optimizer, self.device, self.trials)
+            upd_device = measure_update(params, self.build_optimizer, self.device, self.trials).seconds
             upd_bytes, upd_scalar_bytes = update_scratch(params, self.build_optimizer, self.device)
         except DeviceOutOfMemoryError:
             upd_device = float("inf")  # the update of this layer must be offloaded to the host
@@ -291,7 +291,8 @@ class Profiler:
             index=index, name=self.graph.layers[index].name, w_bytes=w_bytes,
             dw_bytes=sum(p.numel() * p.element_size() for p in params), k_bytes=k_bytes, b_bytes=b_bytes,
             upd_time_device=upd_device, upd_time_host=upd_host, upd_bytes=upd_bytes,
-            upd_scalar_bytes=upd_scalar_bytes, norm_time_host=norm_host,
+            upd_scalar_bytes=upd_scalar_bytes, norm_time_host=norm_host, w_tensors=len(list(module.parameters())),
+            dw_tensors=len(params), k_tensors=k_tensors, b_tensors=len(list(module.buffers())),
         )
 
 

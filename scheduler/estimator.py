@@ -48,8 +48,10 @@ What is simulated (the runtime's semantics, which this module must keep in step 
 - **Host-link contention.** On a shared host link (``machine.host_link_shared``) the active h2d
   copies of all devices share the link (likewise d2h): each progresses at
   ``machine.bandwidth(channel, k)`` for the k copies active at the moment, rates recomputed whenever
-  one starts or ends (processor sharing); the fixed ``latency`` is paid before joining the link.
-  P2P and MSG copies do not contend.
+  one starts or ends (processor sharing); the fixed ``latency`` is paid before joining the link,
+  and for a pack's state (W, dW, K, B) ``machine.tensor_overhead`` per tensor in it
+  (``Profile.state_tensors``: the runtime moves a state one tensor at a time). P2P and MSG copies
+  do not contend.
 - **Memory.** What a task holds is ``memory.task_memory``'s: its state (W, B, and dW for a BWD)
   from its first unit's start to its last unit's end, and each unit's work while it computes (a
   microbatch's pack peak above the state, its inputs X, Xs, dY included; a fused update's optimizer
@@ -121,6 +123,7 @@ _KIND_LABEL = {_IN: "SWAP in", _OUT: "SWAP out", _MSG_IN: "MSG in", _MSG_OUT: "M
 _E_UNIT, _E_XFER, _E_JOIN, _E_LINK, _E_CPU = range(5)
 
 _STATE = ("W", "B")  # a pack's state, loaded before its first unit
+_STATE_TENSORS = frozenset(("W", "dW", "K", "B"))  # moved one tensor at a time (``Machine.tensor_overhead``)
 # outputs that are activations or gradients: their readers are paired with them by the program's edges
 _ACTIVATIONS = frozenset(("X", "Y", "Xs", "dX", "dY"))
 _HOSTLIKE = (Channel.SWAP, Channel.MSG, Channel.SHM)
@@ -214,7 +217,7 @@ class _Unit:
 
 class _Xfer:
     __slots__ = (
-        "kind", "nbytes", "dur", "link", "src", "dst", "need", "end_units", "end_xfers", "unit",
+        "kind", "nbytes", "dur", "fixed", "link", "src", "dst", "need", "end_units", "end_xfers", "unit",
         "alloc_dst", "free_src", "free_dst", "done", "start", "transfer", "task_id",
         "remaining", "version", "fetch_after", "fetch_at_end", "fetched", "fit",
     )
@@ -227,6 +230,7 @@ class _Xfer:
         self.src = src
         self.dst = dst
         self.dur = 0.0
+        self.fixed = 0.0  # s paid before its bytes move (on a shared link: before it joins)
         self.link = None
         self.need = 0
         self.end_units: list[_Unit] = []
@@ -452,7 +456,7 @@ class _Simulation:
         # units: task id -> its units; per slot its units in order; the previous task's first / last unit
         "units_of", "slot_units", "first_unit_prev", "last_unit_prev",
         # transfers and what they count
-        "links", "kinds", "latency", "xfers", "bytes_by_channel", "bytes_by_device",
+        "links", "kinds", "xfers", "bytes_by_channel", "bytes_by_device",
         # outputs by who may read them (records: [transfer, producing unit, swap-out xfer or None, used, slot])
         "made", "made_host", "records",
         # the simulation's state
@@ -478,7 +482,6 @@ class _Simulation:
             links["h2d"] = _Link("h2d", machine, self.nslots)
             links["d2h"] = _Link("d2h", machine, self.nslots)
         self.links = links
-        self.latency = machine.latency
         self.xfers: list[_Xfer] = []
         self.bytes_by_channel: dict[str, int] = {}
         self.bytes_by_device: dict[int, dict[str, int]] = {d: {} for d in self.slot_dev}
@@ -567,6 +570,11 @@ class _Simulation:
         n = transfer.nbytes
         if n < 0:
             raise ValueError(f"nbytes must be a number >= 0, got {n!r}")
+        per_tensor = self.machine.tensor_overhead
+        if per_tensor and kind in (_IN, _OUT) and transfer.tensor in _STATE_TENSORS:
+            task = self.by_id[task_id]
+            fixed += per_tensor * self.profile.state_tensors(transfer.tensor, task.first, task.last)
+        x.fixed = fixed
         x.dur = fixed + n / bandwidth if n else 0.0
         x.link = link
         by_device, slot_dev = self.bytes_by_device, self.slot_dev
@@ -1095,9 +1103,8 @@ class _Simulation:
             _heappush(self.heap, (now + x.dur, seq, _E_XFER, x, 0))
         else:
             x.remaining = float(x.nbytes)
-            latency = self.latency
-            if latency > 0:
-                self.push(now + latency, _E_JOIN, x, 0)
+            if x.fixed > 0:
+                self.push(now + x.fixed, _E_JOIN, x, 0)
             else:
                 self.join(link, x)
 

@@ -32,6 +32,10 @@ on layers of near-zero compute, ``harmony.profiling.overheads``; zero when nobod
   the task, the state and summed gradient handed to it, the write-back queued);
 - ``iteration_overhead``: seconds per iteration outside every device's tasks (the launcher handing
   the minibatch to the workers, their results coming back);
+- ``tensor_overhead``: seconds per tensor of a pack's state (W, dW, K, B) the runtime moves between
+  the host store and a device, beyond the transfer's ``latency`` and bytes: a pack's state moves one
+  tensor at a time (a GPT-2 block's Adam step moves about a hundred), each through the executor's
+  admission and ledger;
 - ``cpu_cores``: on the emulated ``cpu`` backend every device computes on the host's cores, and so
   do the host's offloaded updates: the number of cores they get between them (measured: a fixed
   single-threaded loop run in more processes than cores). ``None``: each device has its own
@@ -69,15 +73,15 @@ log = logging.getLogger(__name__)
 __all__ = ["Machine", "MachineError", "KIND", "VERSION", "CHANNELS", "ANALYTIC_LATENCY"]
 
 KIND = "machine"
-VERSION = 4  # 2: task_overhead, microbatch_overhead, update_overhead, cpu_cores; 3: compute_scale, compute_interference;
-# 4: iteration_overhead
-_OLDER = (3, 2, 1)  # versions read with the fields they lack at their defaults (not measured)
+VERSION = 5  # 2: task_overhead, microbatch_overhead, update_overhead, cpu_cores; 3: compute_scale, compute_interference;
+# 4: iteration_overhead; 5: tensor_overhead
+_OLDER = (4, 3, 2, 1)  # versions read with the fields they lack at their defaults (not measured)
 
 CHANNELS = ("h2d", "d2h", "d2d", "msg")
 _KINDS = ("cpu", "cuda", "analytic")
 _SOURCES = ("measured", "analytic", "given")
 _BANDWIDTHS = ("h2d", "d2h", "d2d", "h2d_all", "d2h_all", "msg")
-_OVERHEADS = ("task_overhead", "microbatch_overhead", "update_overhead", "iteration_overhead")
+_OVERHEADS = ("task_overhead", "microbatch_overhead", "update_overhead", "iteration_overhead", "tensor_overhead")
 
 # The fixed cost of one host<->device copy when nobody measured it: a cudaMemcpyAsync launch plus its
 # completion is about 5-10 us on PCIe systems (CUDA bandwidthTest / nvbandwidth at small sizes).
@@ -129,6 +133,7 @@ class Machine:
     microbatch_overhead: float = 0.0  # s, the runtime's fixed cost per microbatch of a task
     update_overhead: float = 0.0  # s, per optimizer step, beyond the step's own compute
     iteration_overhead: float = 0.0  # s, per iteration: the minibatch to the workers, their results back
+    tensor_overhead: float = 0.0  # s, per tensor of a pack's state moved between the host store and a device
     cpu_cores: float | None = None  # cores the devices' compute shares (cpu backend); None: no sharing
     compute_scale: float = 1.0  # the runtime's compute over the profile's, one device alone (cpu backend)
     compute_interference: float = 0.0  # slowdown per other unit computing at once (cpu backend)
@@ -306,7 +311,7 @@ class Machine:
             lines.append(
                 f"  runtime overhead {self.task_overhead * 1e3:.2f} ms per task, "
                 f"{self.microbatch_overhead * 1e3:.2f} ms per microbatch, {self.update_overhead * 1e3:.2f} ms per update, "
-                f"{self.iteration_overhead * 1e3:.2f} ms per iteration"
+                f"{self.iteration_overhead * 1e3:.2f} ms per iteration, {self.tensor_overhead * 1e6:.1f} us per state tensor"
                 + (f"; {self.cpu_cores:.2f} cores shared by the devices' compute" if self.cpu_cores is not None else "")
                 + (f"; compute {self.compute_scale:.2f}x the profile" if self.compute_scale != 1.0 else "")
                 + (f"; each other device computing at once slows one by {self.compute_interference:.0%}"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from harmony.errors import HarmonyError
-from harmony.profiling.overheads import _message_cost
+from harmony.profiling.overheads import _estimated_spans, _message_cost, _tensor_cost
 from harmony.profiling.probe import ProbeError, probe_machine
 from harmony.scheduler.estimator import estimate
 from harmony.scheduler.machine import Machine
@@ -83,6 +83,31 @@ def test_the_message_cost_is_the_one_that_reproduces_the_pipelines_time():
     assert _message_cost(tasks, profile, m, measured) == pytest.approx(2e-3, rel=1e-3)
     # a run faster than the probed cost explains keeps the probed cost
     assert _message_cost(tasks, profile, m, 1e-6) == 1e-4
+
+
+def _counted(tensors: list[int]) -> Profile:
+    """``_profile`` whose layers have ``tensors`` parameters each, and Adam's two state tensors per parameter."""
+    profile = _profile(len(tensors))
+    for layer, n in zip(profile.layers, tensors):
+        layer.w_tensors = layer.dw_tensors = n
+        layer.k_tensors, layer.k_bytes = 2 * n, 200
+    return profile
+
+
+def test_the_cost_per_state_tensor_is_what_separates_updates_of_few_and_many_tensors():
+    base = Machine(kind="cpu", device_name="t", devices=2, capacity=1 << 30, h2d=1e9, d2h=1e9, d2d=1e9,
+                   host_link_shared=True, h2d_all=1e9, d2h_all=1e9, msg=1e9, latency=1e-5)
+    slow = Machine(**{**base.to_dict(), "tensor_overhead": 8e-6, "update_overhead": 3e-4})
+    packs = [(i, i) for i in range(4)]
+    config = Configuration(u_f=1, packs_f=packs, u_b=1, packs_b=packs)
+    profile = _counted([2, 12, 2, 12])
+    tasks = generate("dp-swap", profile, config, 2, 8)
+    measured = _estimated_spans(tasks, profile, slow)
+    assert _tensor_cost([(tasks, measured)], profile, base) == pytest.approx(8e-6, rel=0.05)
+    # updates that all move as many tensors say nothing about the cost of one
+    same = _counted([2, 2, 2, 2])
+    tasks = generate("dp-swap", same, config, 2, 8)
+    assert _tensor_cost([(tasks, _estimated_spans(tasks, same, slow))], same, base) == 0.0
 
 
 def test_cpu_probe_result_round_trips(cpu_machine, tmp_path):

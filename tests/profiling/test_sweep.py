@@ -234,3 +234,28 @@ def test_host_updates_are_timed_on_host_memory_nobody_watches(monkeypatch):
     hosts = [d for d in devices if d.name == "host"]
     assert hosts and all(not d.measures_memory for d in hosts)
     assert any(d.measures_memory for d in devices if d.name != "host")  # the device's own step stays watched
+
+
+class _Scaled(torch.nn.Module):
+    """Two buffers, no parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(WIDTH))
+        self.register_buffer("shift", torch.zeros(WIDTH))
+
+    def forward(self, x):
+        return x * self.scale + self.shift
+
+
+def test_the_profile_counts_the_tensors_the_runtime_moves_for_each_layers_state():
+    model = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), _Scaled(), torch.nn.Linear(WIDTH, 10))
+    model[2].bias.requires_grad_(False)  # frozen: moved in, no gradient, no optimizer state
+    graph = harmony.decompose(model, _get_batch(2, 0)[0])
+    profiler = Profiler(graph, _get_batch, lambda p: torch.optim.Adam(p, lr=0.1), CpuDevice("emu", 10_000_000), trials=1)
+    profile = profiler.profile(u_cap=4, samples=2)
+    counts = [(lp.w_tensors, lp.dw_tensors, lp.k_tensors, lp.b_tensors) for lp in profile.layers]
+    # Adam's two moments per trainable parameter (its step counter stays on the host)
+    assert sum(c[0] for c in counts) == 4 and sum(c[1] for c in counts) == 3
+    assert sum(c[2] for c in counts) == 6 and sum(c[3] for c in counts) == 2
+    assert profile.state_tensors("W", 0, len(counts) - 1) == 4 and profile.state_tensors("Y", 0, 0) == 0

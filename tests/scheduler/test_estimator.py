@@ -93,6 +93,23 @@ def test_the_launchers_iteration_overhead_is_paid_once_per_iteration(profile):
     assert launched.busy == plain.busy
 
 
+def test_a_pack_state_pays_the_runtimes_cost_per_tensor_and_an_activation_does_not(profile):
+    layers = [_layer(i) for i in range(2)]
+    for layer in layers:
+        layer.w_tensors = 12
+    counted = Profile(source="analytic", device="test", capacity=1 << 30, u_fmax=8, u_bmax=8, layers=layers)
+    one = [fwd(0, 0, 0, [swap_w()])]
+    pack = [fwd(0, 0, 0, [swap_w()], last=1)]
+    stash = [fwd(0, 0, 0, [Transfer("X", Channel.SWAP, W)])]
+    for tasks, tensors in ((one, 12), (pack, 24), (stash, 0)):
+        plain = estimate(graph(tasks), counted, machine()).iteration_time
+        costed = estimate(graph(tasks), counted, machine(tensor_overhead=0.1 * MS)).iteration_time
+        assert costed - plain == pytest.approx(tensors * 0.1 * MS), tensors
+    # a profile that did not count its tensors (made before it did, or analytic) pays nothing extra
+    assert estimate(graph(one), profile, machine(tensor_overhead=0.1 * MS)).iteration_time == \
+        pytest.approx(estimate(graph(one), profile, machine()).iteration_time)
+
+
 def test_prefetch_overlaps_the_next_swap_in_with_compute(profile):
     # swaps of 4 ms, computes of 2 ms: the next task's weights come in while this one computes
     tasks = [fwd(i, 0, i, [swap_w(4 * W)]) for i in range(3)]

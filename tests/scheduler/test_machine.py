@@ -148,10 +148,10 @@ def test_runtime_costs_round_trip_and_default_to_unmeasured(tmp_path):
 
 
 def test_a_version_1_file_is_read_with_the_runtime_costs_unmeasured(tmp_path):
-    assert VERSION == 4
+    assert VERSION == 5
     body = make().to_dict()
     for name in ("task_overhead", "microbatch_overhead", "update_overhead", "cpu_cores", "compute_scale",
-                 "compute_interference", "iteration_overhead"):
+                 "compute_interference", "iteration_overhead", "tensor_overhead"):
         del body[name]
     serialization.save(tmp_path / "old", KIND, 1, body)
     old = Machine.load(tmp_path / "old")
@@ -173,6 +173,14 @@ def test_a_version_3_file_is_read_without_an_iteration_overhead(tmp_path):
     del body["iteration_overhead"]
     serialization.save(tmp_path / "v3", KIND, 3, body)
     assert Machine.load(tmp_path / "v3").iteration_overhead == 0.0
+
+
+def test_a_version_4_file_is_read_without_a_cost_per_state_tensor(tmp_path):
+    body = make(task_overhead=1e-3, iteration_overhead=2e-4).to_dict()
+    del body["tensor_overhead"]
+    serialization.save(tmp_path / "v4", KIND, 4, body)
+    old = Machine.load(tmp_path / "v4")
+    assert old == make(task_overhead=1e-3, iteration_overhead=2e-4) and old.tensor_overhead == 0.0
 
 
 @pytest.mark.parametrize(
