@@ -397,9 +397,9 @@ def profile_graph(graph, get_batch, build_optimizer, options: CompileOptions, on
 def _scaled_to_the_model(graph, profile: Profile, machine: Machine, get_batch, loss_fn, build_optimizer,
                          options: CompileOptions, on_progress: Callable[[str], None]) -> Machine:
     """``machine`` with the compute scale and interference of this model's own layers on the runtime,
-    not the probe's MLP blocks': how much faster the runtime computes than the profiler's watched trials depends on
-    the size of the model's ops (the memory tracker's cost is per op), 0.5-1.0 across the models of
-    ``bench.estimate_accuracy`` (``profiling/overheads.measure_model_scale``)."""
+    not the probe's MLP blocks': how much slower the runtime computes than the profiler's trials depends on
+    the size of the model's ops (the runtime's costs around them are per op and per layer)
+    (``profiling/overheads.measure_model_scale``)."""
     from harmony.profiling.overheads import measure_model_scale  # the launcher, only when probing
 
     on_progress("measuring the runtime on the model")

@@ -3,7 +3,11 @@
 A layer is measured as the runtime will run it: its weights and buffers copied to the device,
 its input swapped in, forward without autograd (a FWD task stashes only its input), then the
 backward task (recompute with autograd from the stashed input, then backward with an output
-gradient). Times are medians of trials; memory is the device's peak over each task. The model's
+gradient). Memory is the device's peak over each task, from the untimed warm-up trial, which an
+emulated device watches op by op; times are medians of the later trials, run unwatched
+(``_unwatched``), as a run computes unless it checks memory. Timed watched, GPT-2 tiny's layers
+took about twice their run's time, and by a different factor per layer, per pass and per
+microbatch size (the tracker's cost is per op), which no one compute scale could undo. The model's
 own tensors are never touched (work happens on device copies) and the RNG is restored afterwards,
 so profiling does not change training.
 """
@@ -13,12 +17,13 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from torch.func import functional_call
+from torch.utils._python_dispatch import _disable_current_modes
 
 from harmony.errors import DeviceOutOfMemoryError
 from harmony.runtime.device import Device, UncheckedCpuDevice, torch_threads
@@ -63,6 +68,14 @@ def _trial_indices(trials: int, timed: list[float]):
     ):
         yield trial
         trial += 1
+
+
+def _unwatched(device: Device, trial: int) -> AbstractContextManager:
+    """A timed trial (``trial`` > 0) runs without the emulated device's memory tracker, as a run's
+    unchecked device computes; the warm-up (0) is watched, for the memory figures. Only the
+    dispatch modes are lifted (``_disable_current_modes``): a model's own tensor subclasses still
+    dispatch."""
+    return _disable_current_modes() if trial and device.measures_memory else nullcontext()
 
 
 def _nbytes(values) -> int:
@@ -141,16 +154,17 @@ def measure_pack(
             xs = _on_device(device, inputs, grad=False)
             peaks: list[int] | None = None if trial else []  # the peak per layer, from the untimed run
             device.reset_peak()
-            timer = device.timer()
-            timer.start()
-            with torch.no_grad():
-                ys = _run_pack(modules, states, xs, peaks, device)
-            elapsed = timer.stop()
-            fwd_peak = max(fwd_peak, *(peaks or (device.peak(),)))
+            with _unwatched(device, trial):
+                timer = device.timer()
+                timer.start()
+                with torch.no_grad():
+                    ys = _run_pack(modules, states, xs, peaks, device)
+                elapsed = timer.stop()
             x_bytes, y_bytes = _nbytes(xs), _nbytes(ys)
             if trial:
                 fwd_times.append(elapsed)
             else:
+                fwd_peak = max(peaks or (device.peak(),))
                 layer_peaks = peaks
                 outputs = tuple(device.to_host(y) if isinstance(y, torch.Tensor) else y for y in ys)
             del xs, ys
@@ -177,7 +191,8 @@ def _measure_backward(modules, states, inputs: tuple, device: Device, trials: in
     # the later ones: each gradient is made, then added to the buffer
     rec_times, bwd_times = [], []
     for trial in _trial_indices(trials, bwd_times):
-        recompute, backward = _backward_once(modules, states, params, inputs, device, m, loss)
+        with _unwatched(device, trial):
+            recompute, backward = _backward_once(modules, states, params, inputs, device, m, loss, watched=not trial)
         if trial:
             rec_times.append(recompute)
             bwd_times.append(backward)
@@ -188,9 +203,11 @@ def _measure_backward(modules, states, inputs: tuple, device: Device, trials: in
 
 
 def _backward_once(modules, states, params, inputs: tuple, device: Device, m: Measurement,
-                   loss: Callable[[tuple, Device], tuple[torch.Tensor, Any]] | None = None) -> tuple[float, float]:
+                   loss: Callable[[tuple, Device], tuple[torch.Tensor, Any]] | None = None,
+                   watched: bool = True) -> tuple[float, float]:
     """One BWD task; in a function of its own so that every tensor it made is gone when it returns
-    (a tensor surviving into the next trial would inflate that trial's peak)."""
+    (a tensor surviving into the next trial would inflate that trial's peak). ``watched``: its
+    memory figures go into ``m`` (a timed trial runs unwatched and leaves them)."""
     xs = _on_device(device, inputs, grad=True)
     device.reset_peak()
     before = device.allocated()
@@ -198,7 +215,8 @@ def _backward_once(modules, states, params, inputs: tuple, device: Device, m: Me
     timer.start()
     ys = _run_pack(modules, states, xs)
     recompute = timer.stop()
-    m.act_bytes = device.allocated() - before
+    if watched:
+        m.act_bytes = device.allocated() - before
     outs = [y for y in ys if isinstance(y, torch.Tensor) and y.requires_grad]
     held = ys  # a BWD task holds all of its pack's outputs (masks relayed beside activations too)
     if loss is not None and outs:  # the loss task drops its outputs once the loss is computed
@@ -213,7 +231,8 @@ def _backward_once(modules, states, params, inputs: tuple, device: Device, m: Me
         torch.autograd.backward(outs, grads, inputs=wanted)
     del held
     backward = timer.stop()
-    m.bwd_peak = max(m.bwd_peak, device.peak())
+    if watched:
+        m.bwd_peak = max(m.bwd_peak, device.peak())
     m.dx_bytes = _nbytes([x.grad for x in xs if isinstance(x, torch.Tensor) and x.grad is not None])
     return recompute, backward
 

@@ -38,8 +38,7 @@ Both depend on the workload; the blocks are one point, chosen to look like the m
 ``measure_model_scale`` measures both again on the model being compiled, which a probed compile on
 emulated devices uses instead (``compiler._scaled_to_the_model``): its own layers in a few packs on
 one device and on all, at the square root of the largest microbatch its profile measured (plans under
-memory pressure run small microbatches, and the ratio moves with the microbatch: the profile's
-watched trials pay the memory tracker per op, the runtime does not). On ``bench.estimate_accuracy
+memory pressure run small microbatches, and the ratio moves with the microbatch). On ``bench.estimate_accuracy
 --full`` the blocks' scale left GPT-2 small, VGG and ResNet 24-35% under their runs; the model's
 own brought them within -20..+13% (one run each, bench/results/estimate_accuracy.md).
 

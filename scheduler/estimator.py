@@ -361,8 +361,8 @@ def unit_seconds(task: Task, profile: Profile, machine: Machine, cache: dict | N
     computes: its compute (scaled to the runtime's, on a device) and the runtime's overheads."""
     durs = _task_costs(task, profile, _profile_cache(profile) if cache is None else cache)
     scale = 1.0 if task.device == HOST else machine.compute_scale
-    # the scale is the runtime's forward and backward over the profile's watched trials; an update
-    # (a UPD task, a fused update's last unit) is profiled unwatched, as it runs (``measure_update``)
+    # the scale is the runtime's forward and backward over the profile's; an update (a UPD task, a
+    # fused update's last unit) is measured on its own, in ``measure_update``, and is not scaled
     scaled = len(task.microbatches) if task.kind in (Kind.FWD, Kind.BWD) else 0
     return [d * (scale if j < scaled else 1.0) + e
             for j, (d, e) in enumerate(zip(durs, unit_overheads(task, machine, len(durs))))]
