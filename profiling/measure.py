@@ -100,12 +100,19 @@ def _on_device(device: Device, values: tuple, grad: bool) -> tuple:
 
 
 def _device_state(module: torch.nn.Module, device: Device) -> dict[str, torch.Tensor]:
-    """The layer's parameters and buffers copied to the device (the task's resident weights)."""
+    """The layer's parameters and buffers copied to the device (the task's resident weights), by
+    every name, a tied tensor's names sharing one copy: the layer runs with ``tie_weights=False``,
+    as the runtime's do (``Compute._run_layer``)."""
     state: dict[str, torch.Tensor] = {}
-    for name, p in module.named_parameters():
-        state[name] = device.to_device(p.detach()).requires_grad_(p.requires_grad)
-    for name, b in module.named_buffers():
-        state[name] = device.to_device(b.detach())
+    copies: dict[int, torch.Tensor] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) not in copies:
+            copies[id(p)] = device.to_device(p.detach()).requires_grad_(p.requires_grad)
+        state[name] = copies[id(p)]
+    for name, b in module.named_buffers(remove_duplicate=False):
+        if id(b) not in copies:
+            copies[id(b)] = device.to_device(b.detach())
+        state[name] = copies[id(b)]
     return state
 
 
@@ -116,7 +123,7 @@ def _run_pack(modules: Sequence[torch.nn.Module], states: list[dict], values: tu
     for module, state in zip(modules, states):
         if peaks is not None:
             device.reset_peak()
-        values = tuple(functional_call(module, state, values))
+        values = tuple(functional_call(module, state, values, tie_weights=False))
         if peaks is not None:
             peaks.append(device.peak())
     return values
@@ -181,7 +188,7 @@ def measure_pack(
 
 def _measure_backward(modules, states, inputs: tuple, device: Device, trials: int, m: Measurement,
                       loss: Callable[[tuple, Device], tuple[torch.Tensor, Any]] | None = None) -> None:
-    params = [t for state in states for t in state.values() if t.requires_grad]
+    params = list({id(t): t for state in states for t in state.values() if t.requires_grad}.values())
     # the group's first microbatch: autograd makes the gradient buffers (it keeps each fresh gradient)
     _backward_once(modules, states, params, inputs, device, m, loss)
     m.bwd_first_peak, m.bwd_peak = m.bwd_peak, 0

@@ -157,6 +157,35 @@ def gpt_like_loss(output, target):
 
 
 # --------------------------------------------------------------------------- helpers
+class _TiedWithin(nn.Module):
+    """An embedding and the projection back onto its vocabulary in one module, sharing one matrix:
+    one layer holds both names of the tie."""
+
+    def __init__(self, vocab: int = 32, width: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.mix = nn.Linear(width, width)
+        self.unembed = nn.Linear(width, vocab, bias=False)
+        self.unembed.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.unembed(torch.tanh(self.mix(self.embed(ids))))
+
+
+def tied_within_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(_TiedWithin(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32)).double()
+
+
+def tied_within_batch(batch_size: int, step: int) -> tuple:
+    gen = torch.Generator().manual_seed(step)
+    return (torch.randint(0, 32, (batch_size, 8), generator=gen),), torch.randint(0, 32, (batch_size, 8), generator=gen)
+
+
+def tied_within_loss(output, target):
+    return nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+
+
 def compile_at(model: nn.Module, loss_fn, get_batch, mode: str, capacity: int) -> Plan:
     return harmony.compile(model, loss_fn, get_batch, minibatch_size=MINIBATCH, devices=DEVICES, mode=mode,
                            device_type="cpu", device_memory=capacity, build_optimizer=adam, probe=False)
@@ -274,3 +303,13 @@ def test_hf_falcon_whose_forward_writes_a_tensor_trains_like_eager_in_dp():
     assert any("lifted" in name for name in plan.graph.constants)
     assert not any("lifted" in key for m in model.modules() for key in vars(m))
     assert_trains_like_eager(model, plan, gpt2_batch)
+
+
+@pytest.mark.parametrize("mode", ["pp", "dp"])
+def test_a_weight_tied_within_one_layer_trains_like_eager(mode):
+    """The runtime runs a layer with ``functional_call(..., tie_weights=False)``: safe only while a
+    layer's state names both names of a tie, each given the same copy."""
+    model = tied_within_model()
+    plan = compile_at(model, tied_within_loss, tied_within_batch, mode, third_of_footprint(model, tied_within_batch))
+    assert any({"0.embed.weight", "0.unembed.weight"} <= set(layer.state) for layer in plan.graph.layers)
+    assert_trains_like_eager(model, plan, tied_within_batch)
