@@ -97,6 +97,7 @@ SAMPLE_FULL = [("gpt2-tiny", ("pp", "dp", BASELINE), 2), ("gpt2-small", ("pp",),
 def _cpu_loop(out=None) -> float:
     torch.set_num_threads(1)
     a = torch.randn(192, 192, generator=torch.Generator().manual_seed(0))
+    a @ a  # untimed: a fresh process's first product (its kernels' set-up) read the first model's contention as 0.44x
     t0 = time.perf_counter()
     for _ in range(150):
         a @ a
