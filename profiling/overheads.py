@@ -267,9 +267,13 @@ def _estimated_spans(tasks: TaskGraph, profile: Profile, machine: Machine) -> di
     return spans
 
 
-def measure_overheads(machine: Machine, iterations: int = 4, timeout: float = 60.0) -> Overheads:
+def measure_overheads(machine: Machine, iterations: int = 12, timeout: float = 60.0) -> Overheads:
     """Run the real launcher on near-zero compute and fit the runtime's own costs (module docs).
-    ``machine`` gives the probed links (its overheads are ignored); at least two devices are used."""
+    ``machine`` gives the probed links (its overheads are ignored); at least two devices are used.
+    ``iterations``: 12 per run (a few milliseconds each): with 4, the per-microbatch cost and the
+    message cost of five probes in a row spread 0.16-0.49 ms and 1.1-1.5 ms, and the README's
+    first command's estimate 18.8-21.9 ms between compiles (20.1-21.1 ms with 12 and five rounds
+    of the model's calibration, ``measure_model_scale``)."""
     devices = max(2, machine.devices)
     base = dataclasses.replace(machine, devices=devices, task_overhead=0.0, microbatch_overhead=0.0,
                                update_overhead=0.0, iteration_overhead=0.0, tensor_overhead=0.0, cpu_cores=None)
@@ -370,13 +374,14 @@ def measure_compute_scaling(machine: Machine, iterations: int = 5, rounds: int =
 
 
 def measure_model_scale(graph: LayerGraph, profile: Profile, machine: Machine, get_batch: Callable, loss_fn: Callable,
-                        build_optimizer: Callable, minibatch: int, iterations: int = 4, rounds: int = 3,
+                        build_optimizer: Callable, minibatch: int, iterations: int = 4, rounds: int = 5,
                         timeout: float = 60.0, precision: str = "fp32") -> tuple[float, float]:
     """``(compute_scale, compute_interference)`` measured on the model itself (module docs): its own
     layers in a few packs, data parallel on one device and then on all of ``machine``'s devices at
     once (at least two), two microbatches a task at the square root of the largest microbatch its
-    profile measured, ``rounds`` times interleaved (fewer, and fewer iterations, where their steps'
-    estimate says they would take more than ``MODEL_SCALE_SECONDS``), read as
+    profile measured, ``rounds`` times interleaved (five: with three, the scale of five compiles in
+    a row spread 1.8-2.3 on GPT-2 tiny; fewer, and fewer iterations, where their steps' estimate
+    says they would take more than ``MODEL_SCALE_SECONDS``), read as
     ``measure_compute_scaling`` reads the blocks'. ``precision``: the plan's, which the runs compute in."""
     u = max(1, round(math.sqrt(min(profile.u_fmax, profile.u_bmax, minibatch))))
     devices = max(2, machine.devices)
