@@ -5,8 +5,8 @@ its input swapped in, forward without autograd (a FWD task stashes only its inpu
 backward task (recompute with autograd from the stashed input, then backward with an output
 gradient). Memory is the device's peak over each task, from the untimed warm-up trial, which an
 emulated device watches op by op; times are medians of the later trials, run unwatched
-(``_unwatched``), as a run computes unless it checks memory. Timed watched, GPT-2 tiny's layers
-took about twice their run's time, and by a different factor per layer, per pass and per
+(``_unwatched``), as a run computes unless it checks memory. Timed watched, a GPT-2 tiny block's
+forward took 3.5x its unwatched time, by a factor that differed per layer, per pass and per
 microbatch size (the tracker's cost is per op), which no one compute scale could undo. The model's
 own tensors are never touched (work happens on device copies) and the RNG is restored afterwards,
 so profiling does not change training.
