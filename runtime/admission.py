@@ -86,6 +86,18 @@ class Admission:
             self.counters.add(channel, "in", tensor, nbytes)
         return out
 
+    def _many_to_device(self, tensors: list[torch.Tensor], wait: bool, room: int | None,
+                        owner: Hashable) -> list[torch.Tensor]:
+        """``_to_device`` of a whole pack state at once (uncounted: the caller counts it): one
+        admission and one entry into the ledger for all of it, as the plan reserves a state whole.
+        Tensor by tensor, each paid the admission's and the ledger's Python, 12-18 us a tensor on
+        the emulated device, on a stream thread that shares the interpreter lock with the compute
+        thread."""
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        urgent = self._compute_blocked if wait else on_compute_thread
+        to_device = self.device.to_device
+        return self._with_room(nbytes, lambda: [to_device(t) for t in tensors], urgent, wait, room, owner)
+
     def _values_to_device(self, values: Values, channel: str, tensor: str, owner: Hashable) -> Values:
         """A microbatch's inputs copied in. They come one microbatch ahead, as the plan counts them
         (beside the running microbatch's work): they keep no more room free."""

@@ -119,19 +119,20 @@ class PackState:
         before = self.routes.buffers_after.get(task.id)
         if before is not None:
             self._wait_done([before], f"task {task.id} reads the buffers task {before} updates")
-        state: dict[str, torch.Tensor] = {}
-        copies: dict[str, torch.Tensor] = {}
+        keys: dict[str, str] = {}  # state name -> the source it is copied from (a tie's names: one)
+        sources: dict[str, torch.Tensor] = {}
         for name in self._state_names(task):
-            spec = self.layers.state[name]
-            if spec.kind == "parameter":
-                canon = self.layers.canonical(name)
-                if canon not in copies:
-                    copies[canon] = self._to_device(self._carried(canon), "SWAP", "W", wait, count=False, room=room,
-                                                    owner=(task.id, STATE))
-                state[name] = copies[canon]
+            if self.layers.state[name].kind == "parameter":
+                key = self.layers.canonical(name)
+                if key not in sources:
+                    sources[key] = self._carried(key)
             else:
-                state[name] = self._to_device(self.store.view(f"B/{name}"), "SWAP", "B", wait, count=False, room=room,
-                                              owner=(task.id, STATE))
+                key = f"B/{name}"
+                sources[key] = self.store.view(key)
+            keys[name] = key
+        made = dict(zip(sources, self._many_to_device(list(sources.values()), wait, room, (task.id, STATE))))
+        state = {name: made[key] for name, key in keys.items()}
+        copies = {key: t for key, t in made.items() if not key.startswith("B/")}
         # counted once the whole state is in (an abandoned prefetch moved nothing the plan counts)
         buffers = [t for n, t in state.items() if self.layers.state[n].kind != "parameter"]
         for tensor, group in (("B", buffers), ("W", list(copies.values()))):
