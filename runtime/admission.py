@@ -78,23 +78,21 @@ class Admission:
         than hold its stream) it is never urgent: it fits beside the running task or not at all.
         ``room``: what it must leave free for the running task (default: the task's headroom).
         ``owner``: whose it is in the ledger (default: the running task's state)."""
-        nbytes = t.numel() * t.element_size()
-        urgent = self._compute_blocked if wait else on_compute_thread
-        owner = (self._task, STATE) if owner is None else owner
-        out = self._with_room(nbytes, lambda: self.device.to_device(t), urgent, wait, room, owner)
+        out = self._many_to_device([t], wait, room, owner)[0]
         if count:
-            self.counters.add(channel, "in", tensor, nbytes)
+            self.counters.add(channel, "in", tensor, t.numel() * t.element_size())
         return out
 
-    def _many_to_device(self, tensors: list[torch.Tensor], wait: bool, room: int | None,
-                        owner: Hashable) -> list[torch.Tensor]:
-        """``_to_device`` of a whole pack state at once (uncounted: the caller counts it): one
+    def _many_to_device(self, tensors: list[torch.Tensor], wait: bool = True, room: int | None = None,
+                        owner: Hashable = None) -> list[torch.Tensor]:
+        """``_to_device`` of several tensors at once, such as a whole pack state (uncounted: the caller counts it): one
         admission and one entry into the ledger for all of it, as the plan reserves a state whole.
         Tensor by tensor, each paid the admission's and the ledger's Python, 12-18 us a tensor on
         the emulated device, on a stream thread that shares the interpreter lock with the compute
         thread."""
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         urgent = self._compute_blocked if wait else on_compute_thread
+        owner = (self._task, STATE) if owner is None else owner
         to_device = self.device.to_device
         return self._with_room(nbytes, lambda: [to_device(t) for t in tensors], urgent, wait, room, owner)
 
