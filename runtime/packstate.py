@@ -237,8 +237,7 @@ class PackState:
         buffers = {name: t for name, t in state.items() if self.layers.state[name].kind != "parameter"}
 
         def write() -> None:
-            for name, t in buffers.items():
-                self._to_host_into(self.store.view(f"B/{name}"), t, "B")
+            self._many_to_host_into([(self.store.view(f"B/{name}"), t) for name, t in buffers.items()], "B")
 
         self._after_compute(self.swap_out, "B out", write)
 
@@ -265,26 +264,33 @@ class PackState:
         # deposits) is queued on this device's swap-out stream: wait until it has drained
         with self._waiting_for("this device's earlier gradient deposits to reach their host slots"):
             self._wait(self.swap_out.submit(lambda: None), "gradient deposits")
-        for name, p in params.items():
-            if self.store.slot_written(self.rank, name, self.iteration):
-                p.grad = self._to_device(self.store.grad_slot(self.rank, name), "SWAP", "dW")
+        written = [name for name in params if self.store.slot_written(self.rank, name, self.iteration)]
+        slots = [self.store.grad_slot(self.rank, name) for name in written]
+        for name, grad in zip(written, self._many_to_device(slots)):
+            params[name].grad = grad
+        self.counters.add("SWAP", "in", "dW", tensor_bytes(slots))
         return True
 
     def _deposit(self, grads: dict[str, torch.Tensor], overwrite: bool) -> None:
         """dW -> SWAP: leave gradients in this device's host slots (added to what an earlier task
         of this iteration left there, unless this task started from it)."""
+        fresh = {name for name in grads if overwrite or not self.store.slot_written(self.rank, name, self.iteration)}
+        self._many_to_host_into([(self.store.grad_slot(self.rank, name), g) for name, g in grads.items() if name in fresh], "dW")
         for name, g in grads.items():
-            slot = self.store.grad_slot(self.rank, name)
-            if overwrite or not self.store.slot_written(self.rank, name, self.iteration):
-                self._to_host_into(slot, g, "dW")
-            else:
+            if name not in fresh:
                 host = self.device.to_host(g)
                 self.counters.add("SWAP", "out", "dW", host.numel() * host.element_size())
-                slot.add_(host)
+                self.store.grad_slot(self.rank, name).add_(host)
             self.store.stamp_slot(self.rank, name, self.iteration)
 
     def _to_host_into(self, dst: torch.Tensor, src: torch.Tensor, tensor: str) -> None:
         """A counted copy from the device into host memory the store owns (a master, a slot)."""
+        self._many_to_host_into([(dst, src)], tensor)
+
+    def _many_to_host_into(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], tensor: str) -> None:
+        """``_to_host_into`` of several (destination, source) pairs, counted once: a state's
+        tensors leave together, as they came in (``Admission._many_to_device``)."""
         with torch.no_grad(), self.device.host_side():
-            dst.copy_(src.detach())
-        self.counters.add("SWAP", "out", tensor, src.numel() * src.element_size())
+            for dst, src in pairs:
+                dst.copy_(src.detach())
+        self.counters.add("SWAP", "out", tensor, sum(src.numel() * src.element_size() for _, src in pairs))

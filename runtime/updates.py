@@ -85,28 +85,37 @@ class Updates:
         elif memory.is_kept(task):  # kept on the device across iterations
             state = self._kept_pack_state(task)
         owned = self.routes.updates.get(task.id, [])
-        params = {}
-        for name in owned:
-            if state is not None:
-                params[name] = next(t for n, t in state.items() if self.layers.canonical(n) == name)
-            else:
-                params[name] = self._to_device(self.store.weight(name), "SWAP", "W")
-        if state is None and params:
-            self._moved("swap-in", "LOAD", (task.id, "W"), sum(t.numel() * t.element_size() for t in params.values()))
+        if state is not None:
+            params = {name: next(t for n, t in state.items() if self.layers.canonical(n) == name) for name in owned}
+        else:  # one admission for the whole pack's weights, as the plan reserves them
+            params = dict(zip(owned, self._many_to_device([self.store.weight(name) for name in owned])))
+            nbytes = tensor_bytes(list(params.values()))
+            self.counters.add("SWAP", "in", "W", nbytes)
+            if params:
+                self._moved("swap-in", "LOAD", (task.id, "W"), nbytes)
         replicas = self.routes.replicas.get(task.id, [task.id])
         writer = min(replicas, key=lambda t: self.routes.by_id[t].device)
         self._unit_starts(0)
         self._step(task, params, write=task.id == writer, replicas=replicas)
 
-    def _gradient(self, name: str, own: torch.Tensor | None) -> torch.Tensor | None:
-        """The full gradient of a parameter: this task's own (on the device) plus every host slot
-        written this iteration, summed on the host and copied in once."""
-        with self.device.host_side():  # the sum is host memory, not the device's
-            host = self.store.gradient_sum(name, self.iteration)
-        if host is None:
-            return own
-        g = self._to_device(host, "SWAP", "dW")
-        return g if own is None else own.add_(g)
+    def _gradients(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+        """The full gradient of each parameter: its own (on the device) plus every host slot
+        written this iteration, summed on the host and copied in once. The copies of gradients
+        with no device part come in with one admission (each tensor through admission and the
+        ledger cost 12-18 us of the interpreter lock on the emulated device); one added to a
+        device gradient comes in alone, so that it is let go before the next."""
+        with self.device.host_side():  # the sums are host memory, not the device's
+            host = {name: self.store.gradient_sum(name, self.iteration) for name in params}
+        alone = [name for name, g in host.items() if g is not None and params[name].grad is None]
+        copies = dict(zip(alone, self._many_to_device([host[name] for name in alone])))
+        self.counters.add("SWAP", "in", "dW", tensor_bytes(list(copies.values())))
+        out: dict[str, torch.Tensor | None] = {}
+        for name, p in params.items():
+            if host[name] is None or name in copies:
+                out[name] = copies.get(name, p.grad)
+            else:
+                out[name] = p.grad.add_(self._to_device(host[name], "SWAP", "dW"))
+        return out
 
     def _step(self, task: Task, params: dict[str, torch.Tensor], write: bool, replicas: list[int] | None = None) -> None:
         """Step ``params`` with their full gradients, once every task depositing one is done: the
@@ -122,24 +131,20 @@ class Updates:
                 p.grad = None
             self._write_state(task, {}, {}, write)
             return
+        grads = self._gradients(params)
         leaves = {}
         for name, p in params.items():
             leaf = p.detach().requires_grad_(True)
-            leaf.grad = self._gradient(name, p.grad)
+            leaf.grad = grads[name]
             leaves[name] = leaf
         opt = self.build_optimizer(list(leaves.values()))
         apply_rates(opt, leaves, self.rates)
         kept = any(t.tensor == "K" and t.channel == Channel.KEEP for t in task.inputs)
-        for name, leaf in leaves.items():
-            if kept:
+        if kept:
+            for name, leaf in leaves.items():
                 self._load_kept_optimizer_state(name, leaf, opt)
-            elif self.store.state_initialized(name):
-                opt.state[leaf] = {k: (self._to_device(v, "SWAP", "K") if v.dim() > 0 else v.clone())
-                                   for k, v in self.store.state(name).items()}
-            else:  # the first step starts from an empty state; the (zero) slots still come in
-                for v in self.store.state(name).values():
-                    if v.dim() > 0:
-                        self._to_device(v, "SWAP", "K")
+        else:
+            self._load_optimizer_state(leaves, opt)
         if replicas and len(replicas) > 1 and not kept:  # (kept replicas write no master: nothing to wait for)
             self.shared.mark_read(task.id, self.iteration)
             if write:
@@ -155,6 +160,23 @@ class Updates:
         self.ledger.hold([v for values in new_state.values() for v in values.values()], (task.id, STATE))
         weights = {name: leaf.detach() for name, leaf in leaves.items()}
         self._write_state(task, weights, new_state, write)
+
+    def _load_optimizer_state(self, leaves: dict[str, torch.Tensor], opt: torch.optim.Optimizer) -> None:
+        """The optimizer state (K) of ``leaves`` from the host store, with one admission for all of
+        it. A first step starts from an empty state and makes its own, but the (zero) slots still
+        come in, as the plan counts them."""
+        slots = [(name, key, v) for name in leaves for key, v in self.store.state(name).items() if v.dim() > 0]
+        copies = self._many_to_device([v for _, _, v in slots])
+        self.counters.add("SWAP", "in", "K", tensor_bytes(copies))
+        states: dict[str, dict[str, torch.Tensor]] = {}
+        for (name, key, _), copy in zip(slots, copies):
+            states.setdefault(name, {})[key] = copy
+        del copies
+        for name, leaf in leaves.items():
+            if self.store.state_initialized(name):
+                copied = states.get(name, {})
+                opt.state[leaf] = {k: copied[k] if v.dim() > 0 else v.clone() for k, v in self.store.state(name).items()}
+        states.clear()
 
     def _keep_optimizer_state(self, states: dict[str, dict]) -> None:
         """The optimizer state of kept weights stays on the device for their next step, held as the
@@ -186,26 +208,24 @@ class Updates:
         """W, K -> SWAP after a step: into the master (the writer) or a scratch copy (a replica)."""
 
         def out() -> None:
-            for name, w in weights.items():
-                if write:
-                    self._to_host_into(self.store.weight(name), w, "W")
-                else:
-                    self.counters.add("SWAP", "out", "W", tensor_bytes(self.device.to_host(w)))
+            if not write:  # a replica's copies go to scratch memory: the master is the writer's
+                tensors = [v for values in states.values() for v in values.values()
+                           if isinstance(v, torch.Tensor) and v.dim() > 0]
+                self.counters.add("SWAP", "out", "W", sum(tensor_bytes(self.device.to_host(w)) for w in weights.values()))
+                self.counters.add("SWAP", "out", "K", sum(tensor_bytes(self.device.to_host(v)) for v in tensors))
+                return
+            self._many_to_host_into([(self.store.weight(name), w) for name, w in weights.items()], "W")
+            pairs = []
             for name, values in states.items():
                 slots = self.store.state(name)
                 for key, v in values.items():
-                    if not isinstance(v, torch.Tensor):
-                        continue
-                    if v.dim() == 0:
-                        if write:
-                            slots[key].copy_(v)
-                        continue
-                    if write:
-                        self._to_host_into(slots[key], v, "K")
-                    else:
-                        self.counters.add("SWAP", "out", "K", tensor_bytes(self.device.to_host(v)))
-                if write:
-                    self.store.mark_state_initialized(name)
+                    if isinstance(v, torch.Tensor) and v.dim() == 0:
+                        slots[key].copy_(v)  # a step count: host memory both sides
+                    elif isinstance(v, torch.Tensor):
+                        pairs.append((slots[key], v))
+            self._many_to_host_into(pairs, "K")
+            for name in states:
+                self.store.mark_state_initialized(name)
 
         self._after_compute(self.swap_out, "W K out", out)
 
