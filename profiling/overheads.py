@@ -16,8 +16,9 @@ the residuals of the device UPD tasks, less ``task_overhead``, gives ``update_ov
 probe's layers alternate between 2 state tensors and 12 (``_ManyTensors``) and step with Adam (two
 state tensors a parameter): the updates of the two kinds differ by the runtime's cost per state
 tensor moved (``tensor_overhead``, ``_tensor_cost``), which the fits above then take as modelled.
-A GPT-2 block's update moves about a hundred tensors one by one: with the plain linear layers'
-update cost alone, gpt2-tiny's device updates ran 1.7-2.0x their estimate. (Lower
+A GPT-2 block's update moves about a hundred tensors (each a copy and a ledger entry, though under
+one admission): with the plain linear layers' update cost alone, gpt2-tiny's device updates ran
+1.7-2.0x their estimate. (Lower
 quartiles: on a shared machine other processes delay some tasks by whole scheduler slices, which
 is the machine's load at that moment, not the runtime's cost; a busy machine made the medians
 vary threefold from one probe to the next.) Last, a
