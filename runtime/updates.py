@@ -101,9 +101,8 @@ class Updates:
     def _gradients(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
         """The full gradient of each parameter: its own (on the device) plus every host slot
         written this iteration, summed on the host and copied in once. The copies of gradients
-        with no device part come in with one admission (each tensor through admission and the
-        ledger cost 12-18 us of the interpreter lock on the emulated device); one added to a
-        device gradient comes in alone, so that it is let go before the next."""
+        with no device part come in with one admission (``Admission._many_to_device``); one added
+        to a device gradient comes in alone, so that it is let go before the next."""
         with self.device.host_side():  # the sums are host memory, not the device's
             host = {name: self.store.gradient_sum(name, self.iteration) for name in params}
         alone = [name for name, g in host.items() if g is not None and params[name].grad is None]
@@ -111,8 +110,10 @@ class Updates:
         self.counters.add("SWAP", "in", "dW", tensor_bytes(list(copies.values())))
         out: dict[str, torch.Tensor | None] = {}
         for name, p in params.items():
-            if host[name] is None or name in copies:
-                out[name] = copies.get(name, p.grad)
+            if name in copies:
+                out[name] = copies[name]
+            elif host[name] is None:
+                out[name] = p.grad
             else:
                 out[name] = p.grad.add_(self._to_device(host[name], "SWAP", "dW"))
         return out
@@ -165,18 +166,17 @@ class Updates:
         """The optimizer state (K) of ``leaves`` from the host store, with one admission for all of
         it. A first step starts from an empty state and makes its own, but the (zero) slots still
         come in, as the plan counts them."""
-        slots = [(name, key, v) for name in leaves for key, v in self.store.state(name).items() if v.dim() > 0]
+        stored = {name: self.store.state(name) for name in leaves}
+        slots = [(name, key, v) for name, kv in stored.items() for key, v in kv.items() if v.dim() > 0]
         copies = self._many_to_device([v for _, _, v in slots])
         self.counters.add("SWAP", "in", "K", tensor_bytes(copies))
         states: dict[str, dict[str, torch.Tensor]] = {}
         for (name, key, _), copy in zip(slots, copies):
             states.setdefault(name, {})[key] = copy
-        del copies
         for name, leaf in leaves.items():
             if self.store.state_initialized(name):
                 copied = states.get(name, {})
-                opt.state[leaf] = {k: copied[k] if v.dim() > 0 else v.clone() for k, v in self.store.state(name).items()}
-        states.clear()
+                opt.state[leaf] = {k: copied[k] if v.dim() > 0 else v.clone() for k, v in stored[name].items()}
 
     def _keep_optimizer_state(self, states: dict[str, dict]) -> None:
         """The optimizer state of kept weights stays on the device for their next step, held as the
@@ -208,22 +208,18 @@ class Updates:
         """W, K -> SWAP after a step: into the master (the writer) or a scratch copy (a replica)."""
 
         def out() -> None:
+            values = [(name, key, v) for name, kv in states.items() for key, v in kv.items() if isinstance(v, torch.Tensor)]
             if not write:  # a replica's copies go to scratch memory: the master is the writer's
-                tensors = [v for values in states.values() for v in values.values()
-                           if isinstance(v, torch.Tensor) and v.dim() > 0]
                 self.counters.add("SWAP", "out", "W", sum(tensor_bytes(self.device.to_host(w)) for w in weights.values()))
-                self.counters.add("SWAP", "out", "K", sum(tensor_bytes(self.device.to_host(v)) for v in tensors))
+                self.counters.add("SWAP", "out", "K", sum(tensor_bytes(self.device.to_host(v)) for _, _, v in values
+                                                          if v.dim() > 0))
                 return
             self._many_to_host_into([(self.store.weight(name), w) for name, w in weights.items()], "W")
-            pairs = []
-            for name, values in states.items():
-                slots = self.store.state(name)
-                for key, v in values.items():
-                    if isinstance(v, torch.Tensor) and v.dim() == 0:
-                        slots[key].copy_(v)  # a step count: host memory both sides
-                    elif isinstance(v, torch.Tensor):
-                        pairs.append((slots[key], v))
-            self._many_to_host_into(pairs, "K")
+            slots = {name: self.store.state(name) for name in states}
+            for name, key, v in values:
+                if v.dim() == 0:  # a step count: host memory both sides
+                    slots[name][key].copy_(v)
+            self._many_to_host_into([(slots[name][key], v) for name, key, v in values if v.dim() > 0], "K")
             for name in states:
                 self.store.mark_state_initialized(name)
 

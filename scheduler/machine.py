@@ -33,9 +33,9 @@ on layers of near-zero compute, ``harmony.profiling.overheads``; zero when nobod
 - ``iteration_overhead``: seconds per iteration outside every device's tasks (the launcher handing
   the minibatch to the workers, their results coming back);
 - ``tensor_overhead``: seconds per tensor of a pack's state (W, dW, K, B) the runtime moves between
-  the host store and a device, beyond the transfer's ``latency`` and bytes: a state moves one tensor
-  at a time (a GPT-2 block's Adam step moves about a hundred), and an update's tensors each pass the
-  executor's admission and ledger (measured on updates: ``profiling/overheads._tensor_cost``);
+  the host store and a device, beyond the transfer's ``latency`` and bytes: a state comes in with
+  one admission, but each of its tensors is still a copy, a host-store view and a ledger entry (a
+  GPT-2 block's Adam step moves about a hundred; measured on updates: ``profiling/overheads._tensor_cost``);
 - ``cpu_cores``: on the emulated ``cpu`` backend every device computes on the host's cores, and so
   do the host's offloaded updates: the number of cores they get between them (measured: a fixed
   single-threaded loop run in more processes than cores). ``None``: each device has its own
