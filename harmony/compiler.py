@@ -382,7 +382,7 @@ def profile_graph(graph, get_batch, build_optimizer, options: CompileOptions, on
             from harmony.profiling.probe import probe_machine
 
             on_progress("probing links")
-            machine = probe_machine(options.device_type, options.devices, device.capacity, size=16 << 20, repeats=2)
+            machine = probe_machine(options.device_type, options.devices, device.capacity, size=16 << 20, repeats=5)
         else:
             machine = _nominal_machine(options, device.capacity)
     profile.graph_hash = graph.fingerprint()
