@@ -684,7 +684,7 @@ def _add_probe_parser(sub: argparse._SubParsersAction) -> None:
     )
     _add_device_args(p)
     p.add_argument("--size", default="64MiB", help="bytes per timed transfer (default 64MiB)")
-    p.add_argument("--repeats", type=int, default=3, help="timed repetitions, the median is kept (default 3)")
+    p.add_argument("--repeats", type=int, default=5, help="timed repetitions, the median is kept (default 5, as a compile)")
     p.add_argument("--out", type=Path, help="file to write the machine description (msgpack) to")
     p.set_defaults(func=_cmd_probe)
 
