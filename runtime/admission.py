@@ -78,23 +78,25 @@ class Admission:
         than hold its stream) it is never urgent: it fits beside the running task or not at all.
         ``room``: what it must leave free for the running task (default: the task's headroom).
         ``owner``: whose it is in the ledger (default: the running task's state)."""
-        out = self._many_to_device([t], wait, room, owner)[0]
-        if count:
-            self.counters.add(channel, "in", tensor, t.numel() * t.element_size())
-        return out
+        return self._many_to_device([t], wait, room, owner, tensor if count else None, channel)[0]
 
     def _many_to_device(self, tensors: list[torch.Tensor], wait: bool = True, room: int | None = None,
-                        owner: Hashable = None) -> list[torch.Tensor]:
-        """``_to_device`` of several tensors at once, such as a whole pack state (uncounted: the caller counts it): one
-        admission and one entry into the ledger for all of it, as the plan reserves a state whole.
-        Tensor by tensor, each paid the admission's and the ledger's Python, 12-18 us a tensor on
-        the emulated device, on a stream thread that shares the interpreter lock with the compute
-        thread."""
+                        owner: Hashable = None, counted: str | None = None,
+                        channel: str = "SWAP") -> list[torch.Tensor]:
+        """``_to_device`` of several tensors at once, such as a whole pack state: one admission and
+        one entry into the ledger for all of it, as the plan reserves a state whole. Tensor by
+        tensor, each paid the admission's and the ledger's Python, 12-18 us a tensor on the emulated
+        device, on a stream thread that shares the interpreter lock with the compute thread.
+        ``counted``: the kind of tensor (W, dW, K) the bytes are counted as on ``channel``; None
+        for a caller that counts them itself (a pack state, once all of it is in)."""
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         urgent = self._compute_blocked if wait else on_compute_thread
         owner = (self._task, STATE) if owner is None else owner
         to_device = self.device.to_device
-        return self._with_room(nbytes, lambda: [to_device(t) for t in tensors], urgent, wait, room, owner)
+        out = self._with_room(nbytes, lambda: [to_device(t) for t in tensors], urgent, wait, room, owner)
+        if counted is not None:
+            self.counters.add(channel, "in", counted, nbytes)
+        return out
 
     def _values_to_device(self, values: Values, channel: str, tensor: str, owner: Hashable) -> Values:
         """A microbatch's inputs copied in. They come one microbatch ahead, as the plan counts them

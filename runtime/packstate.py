@@ -266,16 +266,16 @@ class PackState:
             self._wait(self.swap_out.submit(lambda: None), "gradient deposits")
         written = [name for name in params if self.store.slot_written(self.rank, name, self.iteration)]
         slots = [self.store.grad_slot(self.rank, name) for name in written]
-        for name, grad in zip(written, self._many_to_device(slots)):
+        for name, grad in zip(written, self._many_to_device(slots, counted="dW")):
             params[name].grad = grad
-        self.counters.add("SWAP", "in", "dW", tensor_bytes(slots))
         return True
 
     def _deposit(self, grads: dict[str, torch.Tensor], overwrite: bool) -> None:
         """dW -> SWAP: leave gradients in this device's host slots (added to what an earlier task
         of this iteration left there, unless this task started from it)."""
         fresh = {name for name in grads if overwrite or not self.store.slot_written(self.rank, name, self.iteration)}
-        self._many_to_host_into([(self.store.grad_slot(self.rank, name), g) for name, g in grads.items() if name in fresh], "dW")
+        self._many_to_host_into([(self.store.grad_slot(self.rank, name), g) for name, g in grads.items()
+                                 if name in fresh], "dW")
         for name, g in grads.items():
             if name not in fresh:
                 host = self.device.to_host(g)

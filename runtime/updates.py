@@ -88,11 +88,9 @@ class Updates:
         if state is not None:
             params = {name: next(t for n, t in state.items() if self.layers.canonical(n) == name) for name in owned}
         else:  # one admission for the whole pack's weights, as the plan reserves them
-            params = dict(zip(owned, self._many_to_device([self.store.weight(name) for name in owned])))
-            nbytes = tensor_bytes(list(params.values()))
-            self.counters.add("SWAP", "in", "W", nbytes)
+            params = dict(zip(owned, self._many_to_device([self.store.weight(name) for name in owned], counted="W")))
             if params:
-                self._moved("swap-in", "LOAD", (task.id, "W"), nbytes)
+                self._moved("swap-in", "LOAD", (task.id, "W"), tensor_bytes(list(params.values())))
         replicas = self.routes.replicas.get(task.id, [task.id])
         writer = min(replicas, key=lambda t: self.routes.by_id[t].device)
         self._unit_starts(0)
@@ -106,8 +104,7 @@ class Updates:
         with self.device.host_side():  # the sums are host memory, not the device's
             host = {name: self.store.gradient_sum(name, self.iteration) for name in params}
         alone = [name for name, g in host.items() if g is not None and params[name].grad is None]
-        copies = dict(zip(alone, self._many_to_device([host[name] for name in alone])))
-        self.counters.add("SWAP", "in", "dW", tensor_bytes(list(copies.values())))
+        copies = dict(zip(alone, self._many_to_device([host[name] for name in alone], counted="dW")))
         out: dict[str, torch.Tensor | None] = {}
         for name, p in params.items():
             if name in copies:
@@ -168,8 +165,7 @@ class Updates:
         come in, as the plan counts them."""
         stored = {name: self.store.state(name) for name in leaves}
         slots = [(name, key, v) for name, kv in stored.items() for key, v in kv.items() if v.dim() > 0]
-        copies = self._many_to_device([v for _, _, v in slots])
-        self.counters.add("SWAP", "in", "K", tensor_bytes(copies))
+        copies = self._many_to_device([v for _, _, v in slots], counted="K")
         states: dict[str, dict[str, torch.Tensor]] = {}
         for (name, key, _), copy in zip(slots, copies):
             states.setdefault(name, {})[key] = copy
