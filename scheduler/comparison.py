@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import gc
 import logging
 import multiprocessing
 import os
@@ -26,7 +25,7 @@ from typing import Any, Callable, Iterator
 
 from harmony.profiling.profiles import Profile
 from harmony.scheduler.machine import Machine
-from harmony.scheduler.search import NoFeasibleConfiguration, SearchResult, pack_doublings, search
+from harmony.scheduler.search import NoFeasibleConfiguration, SearchResult, freeze_heap, pack_doublings, search
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +64,11 @@ def _search_row(mode: str, profile: Profile, machine: Machine, devices: int, min
 def _start_worker() -> None:
     """A forked worker logs nothing: a handler writing to a console (rich's) may have been locked
     by another thread of the parent at the fork, and would stay locked in the child for good.
-    And its collector leaves the parent's heap alone (``gc.freeze``): the search's task graphs
+    And its collector leaves the parent's heap alone (``search.freeze_heap``): the search's task graphs
     trigger collections, which would otherwise walk torch's and the model's objects each time
     (a tenth of the comparison's time for GPT-2 1.5B)."""
     logging.disable(logging.CRITICAL)
-    gc.freeze()
+    freeze_heap()
 
 
 def compare_modes(modes: list[str], profile: Profile, machine: Machine, devices: int, minibatch: int, capacity: int,

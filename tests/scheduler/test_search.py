@@ -155,6 +155,26 @@ def test_a_search_freezes_the_heap_it_found_and_leaves_it_as_it_was(monkeypatch)
             real_freeze()
 
 
+def test_after_freeze_heap_a_search_neither_counts_nor_thaws_the_frozen_heap(monkeypatch):
+    """A comparison worker freezes its heap once (``freeze_heap``); its searches must not ask
+    ``gc.get_freeze_count()``, which walks every frozen object (0.14 s a search in a worker forked
+    from a compile of GPT-2 1.5B), nor freeze or unfreeze it."""
+    import gc
+
+    from harmony.scheduler import search as search_module
+
+    calls: list[str] = []  # the collector's calls, stubbed: the test process's own heap is left as it is
+    monkeypatch.setattr(search_module, "_frozen_for_good", False)
+    monkeypatch.setattr(gc, "freeze", lambda: calls.append("freeze"))
+    monkeypatch.setattr(gc, "unfreeze", lambda: calls.append("unfreeze"))
+    monkeypatch.setattr(gc, "get_freeze_count", lambda: calls.append("count") or 1)
+    search_module.freeze_heap()
+    assert calls == ["freeze"]
+    calls.clear()
+    search(skewed_profile(), Machine.from_spec("1080ti", 2), "pp", 2, 8)
+    assert calls == []
+
+
 @pytest.mark.parametrize("mode", ["pp", "dp", "gpipe-swap"])
 def test_the_winners_timeline_is_the_one_a_fresh_simulation_records(mode):
     """The search labels its winner's recorded spans instead of simulating it again: the same
