@@ -52,7 +52,7 @@ from harmony.decomposer.layer_graph import LayerGraph
 from harmony.errors import DeviceOutOfMemoryError, HarmonyError
 from harmony.runtime import p2p as p2p_transport
 from harmony.runtime.batches import BatchSlots, received
-from harmony.runtime.channels import Aborted, Mailbox, Slabs
+from harmony.runtime.channels import Aborted, Inbox, Mailbox, Slabs
 from harmony.runtime import processes
 from harmony.runtime.device import Device, cpu_device, cuda_device, memory_checked, torch_threads
 from harmony.runtime.executor import Batch, Executor, IterationResult, describe
@@ -343,7 +343,7 @@ class Launcher:
         self._closed = False
         self._slots = BatchSlots()
         mpctx = processes.context(method)
-        self.inboxes = [mpctx.Queue() for _ in range(self.devices)]
+        self.inboxes = [Inbox(mpctx) for _ in range(self.devices)]
         # a pipe each way per worker, not a multiprocessing.Queue: a queue's feeder thread added a
         # thread hand-off to every command and every result (0.1-0.3 ms of a one-device step)
         self.commands: list[Any] = []  # our ends
@@ -624,9 +624,8 @@ class Launcher:
             path = _stacks_path(p.pid) if p.pid else None
             if path and os.path.exists(path) and os.path.getsize(path) == 0:
                 os.unlink(path)
-        for q in self.inboxes:
-            q.close()
-            q.cancel_join_thread()
+        for inbox in self.inboxes:
+            inbox.close()
         for pipe in [*self.commands, *self.results]:
             pipe.close()
         if self._rendezvous is not None:
