@@ -135,7 +135,10 @@ class Transport:
             def send() -> None:
                 self.peers[dst].put((key, (self._encode(values, dst), state_bytes(state), self.rank)))
 
-            self._after_compute(self.p2p_out, f"{tensor} to dev{dst}", send)
+            if self.device.kind == "cpu":  # nothing to order against: the compute thread's work is done
+                self.p2p_out.run_here(send, f"{tensor} to dev{dst}", self._task)
+            else:
+                self._after_compute(self.p2p_out, f"{tensor} to dev{dst}", send)
             return
         # SWAP / MSG: park in host memory; a consumer in another worker reads it from there
 
