@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import logging
 import queue
-from multiprocessing.reduction import ForkingPickler
 import threading
 import time
 from collections import Counter
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Hashable
 
 import torch
