@@ -8,15 +8,18 @@ rather than re-profiling.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
+import json
 import os
 import platform
 import socket
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -24,6 +27,7 @@ import harmony
 from harmony.compiler import CompileOptions, compile_plan
 from harmony.models import bert, gpt2, resnet, vgg
 from harmony.plan import Plan
+from harmony.runtime import launcher
 from harmony.scheduler.search import SearchResult, search
 
 
@@ -151,3 +155,29 @@ class Stopwatch:
 
     def __call__(self) -> float:
         return time.perf_counter() - self.start
+
+
+@contextlib.contextmanager
+def from_workers(snapshot: Callable[[], Any]) -> Iterator[list[Any]]:
+    """What each worker forked inside the block holds at its end: ``snapshot()``, taken in the
+    worker as it exits (a diagnostic's counters, gathered there by functions this process wrapped
+    before the fork) and written as JSON. The yielded list is filled with one entry per worker when
+    the block ends; train with the workers closed inside it."""
+    gathered: list[Any] = []
+    original = launcher._worker_main
+    with tempfile.TemporaryDirectory(prefix="harmony-bench-") as out_dir:
+        def dumping_main(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return original(*args, **kwargs)
+            finally:
+                with open(os.path.join(out_dir, f"{os.getpid()}.json"), "w") as f:
+                    json.dump(snapshot(), f)
+
+        launcher._worker_main = dumping_main
+        try:
+            yield gathered
+        finally:
+            launcher._worker_main = original
+            for name in sorted(os.listdir(out_dir)):
+                with open(os.path.join(out_dir, name)) as f:
+                    gathered.append(json.load(f))

@@ -14,10 +14,7 @@ tiny, minibatch 16, two emulated devices, pp), compiled afresh with the machine 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import tempfile
 import time
 from typing import Any, Callable
 
@@ -26,8 +23,11 @@ from rich.console import Console
 from rich.table import Table
 
 import harmony
+from bench.common import from_workers
 from bench.estimate_accuracy import CASES
-from harmony.runtime import launcher, streams
+from harmony.runtime import streams
+
+_LAGS: dict[str, list[float]] = {}  # a worker's waits by stream name, filled in the worker
 
 
 def _timing_submit(original: Callable) -> Callable:
@@ -44,38 +44,25 @@ def _timing_submit(original: Callable) -> Callable:
     return submit
 
 
-_LAGS: dict[str, list[float]] = {}
-
-
 def measure(iterations: int, mode: str) -> dict[str, list[float]]:
     """Each stream's job waits (seconds) over ``iterations`` of the gpt2-tiny plan in ``mode``."""
     case = CASES["gpt2-tiny"]
     torch.manual_seed(0)
     plan = harmony.compile(case.build(), case.loss_fn, case.get_batch, minibatch_size=case.minibatch, devices=2,
                            mode=mode, build_optimizer=case.build_optimizer, probe=True, compare=False)
-    out_dir = tempfile.mkdtemp(prefix="harmony-stream-lag-")
-    original_submit, original_main = streams.Stream.submit, launcher._worker_main
-
-    def worker_main(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return original_main(*args, **kwargs)
-        finally:
-            with open(os.path.join(out_dir, f"{os.getpid()}.json"), "w") as f:
-                json.dump(_LAGS, f)
-
-    streams.Stream.submit = _timing_submit(original_submit)
-    launcher._worker_main = worker_main
+    original = streams.Stream.submit
+    streams.Stream.submit = _timing_submit(original)
     try:
-        with harmony.Trainer(plan, optimizer=case.build_optimizer, loss_fn=case.loss_fn) as trainer:
-            for step in range(iterations):
-                trainer.step(*case.get_batch(case.minibatch, step))
+        with from_workers(lambda: _LAGS) as workers:
+            with harmony.Trainer(plan, optimizer=case.build_optimizer, loss_fn=case.loss_fn) as trainer:
+                for step in range(iterations):
+                    trainer.step(*case.get_batch(case.minibatch, step))
     finally:
-        streams.Stream.submit, launcher._worker_main = original_submit, original_main
+        streams.Stream.submit = original
     lags: dict[str, list[float]] = {}
-    for name in sorted(os.listdir(out_dir)):
-        with open(os.path.join(out_dir, name)) as f:
-            for stream, waits in json.load(f).items():
-                lags.setdefault(stream, []).extend(waits)
+    for worker in workers:
+        for stream, waits in worker.items():
+            lags.setdefault(stream, []).extend(waits)
     return lags
 
 

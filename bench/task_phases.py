@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import os
-import tempfile
 import threading
 import time
 from typing import Any, Callable
@@ -23,8 +20,9 @@ from rich.console import Console
 from rich.table import Table
 
 import harmony
+from bench.common import from_workers
 from bench.estimate_accuracy import CASES, Case, plans_for
-from harmony.runtime import executor, launcher
+from harmony.runtime import executor
 from harmony.scheduler.estimator import task_compute_seconds
 
 PHASES = ("_run_layer", "_inputs", "_send", "_pack_state", "_after_backward", "_write_buffers", "_evict_weights",
@@ -45,8 +43,8 @@ def _timed(name: str, fn: Callable) -> Callable:
     return wrapper
 
 
-def _instrument(out_dir: str) -> None:
-    """Wrap the executor's phases and make each worker write its totals to ``out_dir`` at exit."""
+def _instrument() -> None:
+    """Wrap the executor's phases (each worker's totals are gathered by ``from_workers``)."""
     for name in PHASES:
         setattr(executor.Executor, name, _timed(name, getattr(executor.Executor, name)))
     run_task = executor.Executor._run_task
@@ -56,16 +54,6 @@ def _instrument(out_dir: str) -> None:
         return _timed("total", run_task)(self, task)
 
     executor.Executor._run_task = timed_task
-    worker_main = launcher._worker_main
-
-    def dumping_main(ctx) -> None:
-        try:
-            worker_main(ctx)
-        finally:
-            with open(os.path.join(out_dir, f"{ctx.rank}.json"), "w") as f:
-                json.dump([[task, phase, s] for (task, phase), s in _TOTALS.items()], f)
-
-    launcher._worker_main = dumping_main
 
 
 def _plan(case: Case, mode: str, devices: int):
@@ -80,15 +68,14 @@ def measure(model: str, mode: str, devices: int, iterations: int) -> list[dict[s
     """Per device task: the profile's compute and the mean measured ms of each phase."""
     case = CASES[model]
     plan = _plan(case, mode, devices)
-    with tempfile.TemporaryDirectory() as out_dir:
-        _instrument(out_dir)
+    _instrument()
+    with from_workers(lambda: [[task, phase, s] for (task, phase), s in _TOTALS.items()]) as workers:
         with harmony.Trainer(plan, optimizer=case.build_optimizer, timeout=120) as trainer:
             for step in range(iterations):
                 trainer.step(*case.get_batch(case.minibatch, step))
-        totals: dict[tuple[int, str], float] = {}
-        for rank in range(plan.tasks.devices):
-            with open(os.path.join(out_dir, f"{rank}.json")) as f:
-                totals.update({(task, phase): s for task, phase, s in json.load(f)})
+    totals: dict[tuple[int, str], float] = {}
+    for rows in workers:
+        totals.update({(task, phase): s for task, phase, s in rows})
     rows = []
     for task in plan.tasks.tasks:
         if task.device < 0:
