@@ -101,6 +101,8 @@ class Overheads:
     tasks: int
     iteration: float = 0.0  # s, per iteration: the minibatch to the workers, their results back
     tensor: float = 0.0  # s, per state tensor moved between the host store and a device
+    host_update: float = 0.0  # s, per update on the host beyond its step
+    host_tensor: float = 0.0  # s, per parameter an update on the host steps
 
 
 def _optimizer(params):
@@ -208,6 +210,7 @@ class Spans(NamedTuple):
     """What the real launcher measured over a few iterations (after one warm-up)."""
 
     tasks: dict[int, float]  # median span of every device task
+    host: dict[int, float]  # median span of every host task (from its inputs' arrival to its end)
     slowest: float  # median iteration time of the slowest worker
     launch: list[float]  # per iteration, the launcher's step time minus its slowest worker's
 
@@ -233,6 +236,7 @@ def _run(graph, tasks: TaskGraph, store: HostStore, loss_fn: Callable, build_opt
     launcher = Launcher(graph, tasks, store, loss_fn, build_optimizer, device_type="cpu", timeout=timeout)
     try:
         per_task: dict[int, list[float]] = {}
+        per_host: dict[int, list[float]] = {}
         slowest: list[float] = []
         launch: list[float] = []
         for step in range(iterations + 1):
@@ -244,7 +248,10 @@ def _run(graph, tasks: TaskGraph, store: HostStore, loss_fn: Callable, build_opt
             for worker in result.workers:
                 for task_id, seconds in worker.task_seconds.items():
                     per_task.setdefault(task_id, []).append(seconds)
-        return Spans({t: statistics.median(v) for t, v in per_task.items()}, statistics.median(slowest), launch)
+            for task_id, _, began, ended in result.host_events:
+                per_host.setdefault(task_id, []).append(ended - began)
+        return Spans({t: statistics.median(v) for t, v in per_task.items()},
+                     {t: statistics.median(v) for t, v in per_host.items()}, statistics.median(slowest), launch)
     finally:
         launcher.close()
 
@@ -277,16 +284,20 @@ def measure_overheads(machine: Machine, iterations: int = 12, timeout: float = 6
     of the model's calibration, ``measure_model_scale``)."""
     devices = max(2, machine.devices)
     base = dataclasses.replace(machine, devices=devices, task_overhead=0.0, microbatch_overhead=0.0,
-                               update_overhead=0.0, iteration_overhead=0.0, tensor_overhead=0.0, cpu_cores=None)
+                               update_overhead=0.0, iteration_overhead=0.0, tensor_overhead=0.0, host_update_overhead=0.0,
+                               host_tensor_overhead=0.0, cpu_cores=None)
     graph, profile = _profiled(_model(), (WIDTH,))
     packs = [(i, i) for i in range(len(profile.layers))]
     config = Configuration(u_f=1, packs_f=packs, u_b=1, packs_b=packs)
     runs: list[tuple[TaskGraph, dict[int, float]]] = []
     launch: list[float] = []
+    host: tuple[float, float] = (0.0, 0.0)
     for mode in ("dp", "dp-swap"):
         tasks = _promised(generate(mode, profile, config, devices, MINIBATCH * devices), profile, base)
         spans = _spans(graph, tasks, iterations, timeout)
         runs.append((tasks, spans.tasks))
+        if mode == "dp":  # its updates are the host's
+            host = _host_update_cost(tasks, spans.host, profile)
         if mode == "dp-swap":  # no host tasks: the launcher's step beyond its workers is its own cost
             launch = spans.launch
     tensor = _tensor_cost(runs, profile, base)
@@ -305,10 +316,30 @@ def measure_overheads(machine: Machine, iterations: int = 12, timeout: float = 6
     message = _message_cost(pipeline, profile, with_overheads, seconds)
     iteration = max(_lower_quartile(launch), 0.0)
     log.info("runtime overheads: %.3f ms per task, %.3f ms per microbatch, %.3f ms per update (%d tasks), "
-             "%.1f us per state tensor, %.3f ms per p2p message, %.3f ms per iteration", task * 1e3, microbatch * 1e3,
-             update * 1e3, counted, tensor * 1e6, message * 1e3, iteration * 1e3)
+             "%.1f us per state tensor, %.3f ms per p2p message, %.3f ms per iteration, %.3f ms and %.1f us per "
+             "parameter per host update", task * 1e3, microbatch * 1e3, update * 1e3, counted, tensor * 1e6,
+             message * 1e3, iteration * 1e3, host[0] * 1e3, host[1] * 1e6)
     return Overheads(task=task, microbatch=microbatch, update=update, message=message, tasks=counted,
-                     iteration=iteration, tensor=tensor)
+                     iteration=iteration, tensor=tensor, host_update=host[0], host_tensor=host[1])
+
+
+def _host_update_cost(tasks: TaskGraph, spans: dict[int, float], profile: Profile) -> tuple[float, float]:
+    """``(host_update_overhead, host_tensor_overhead)``: the host's UPD tasks' measured spans less
+    their profiled steps, grouped by the parameters each steps (the probe's layers alternate
+    between 2 and 12), the line through the two groups' lower quartiles. The span starts once the
+    update's gradients are all there, so the residual is the launcher's own work around the step;
+    the probe's steps are too small to contend with the devices' near-zero compute."""
+    groups: dict[int, list[float]] = {}
+    for task in tasks.tasks:
+        if task.device == HOST and task.kind == Kind.UPD and task.id in spans:
+            step = sum(layer.upd_time_host for layer in profile.layers[task.first:task.last + 1])
+            groups.setdefault(profile.state_tensors("dW", task.first, task.last), []).append(spans[task.id] - step)
+    if not groups:
+        return 0.0, 0.0
+    few, many = min(groups), max(groups)
+    r_few, r_many = _lower_quartile(groups[few]), _lower_quartile(groups[many])
+    per = max((r_many - r_few) / (many - few), 0.0) if many > few else 0.0
+    return max(r_few - per * few, 0.0), per
 
 
 def _residuals(runs: list[tuple[TaskGraph, dict[int, float]]], profile: Profile,

@@ -36,7 +36,8 @@ What is simulated (the runtime's semantics, which this module must keep in step 
   ``machine.compute_scale`` (the runtime's compute over the profiler's, measured; 1 where nobody
   did) plus the machine's measured
   overheads (``Machine.task_overhead`` on a task's first unit, ``microbatch_overhead`` on each
-  microbatch, ``update_overhead`` on each optimizer step, fused or not, device or host), and
+  microbatch, ``update_overhead`` on each optimizer step on a device, fused or not;
+  ``host_update_overhead`` and ``host_tensor_overhead`` per parameter on each update on the host), and
   ``iteration_overhead`` once on the iteration (the launcher handing out the minibatch and taking
   the results back, outside every task); zero on a machine nobody measured.
 - **Shared cores.** With ``machine.cpu_cores`` set (emulated devices computing on the host's
@@ -334,16 +335,20 @@ def task_compute_seconds(task: Task, profile: Profile) -> float:
     return sum(_task_costs(task, profile, _profile_cache(profile)))
 
 
-def unit_overheads(task: Task, machine: Machine, units: int) -> list[float]:
+def unit_overheads(task: Task, machine: Machine, units: int, tensors: int = 0) -> list[float]:
     """The runtime's own seconds on each of a task's ``units`` compute units (see the module docs):
     the task's fixed cost on the first, a microbatch's on each microbatch, an update's on a fused
-    device update and on a UPD task. A task on the host (an offloaded update) pays the update's only:
-    the launcher runs it without the executor's per-task work."""
+    device update and on a UPD task. A task on the host (an offloaded update of ``tensors``
+    parameters) pays the host update's: the launcher runs it without the executor's per-task work,
+    and with work of its own around the step (``Machine.host_update_overhead``)."""
     extra = [0.0] * units
     if units == 0:
         return extra
+    if task.kind == Kind.UPD and task.device == HOST:
+        extra[0] = machine.host_update_overhead + machine.host_tensor_overhead * tensors
+        return extra
     if task.kind == Kind.UPD:
-        extra[0] = machine.update_overhead + (0.0 if task.device == HOST else machine.task_overhead)
+        extra[0] = machine.update_overhead + machine.task_overhead
         return extra
     if task.kind == Kind.NORM:
         return extra
@@ -364,8 +369,9 @@ def unit_seconds(task: Task, profile: Profile, machine: Machine, cache: dict | N
     # the scale is the runtime's forward and backward over the profile's; an update (a UPD task, a
     # fused update's last unit) is measured on its own, in ``measure_update``, and is not scaled
     scaled = len(task.microbatches) if task.kind in (Kind.FWD, Kind.BWD) else 0
+    tensors = profile.state_tensors("dW", task.first, task.last) if task.kind == Kind.UPD and task.device == HOST else 0
     return [d * (scale if j < scaled else 1.0) + e
-            for j, (d, e) in enumerate(zip(durs, unit_overheads(task, machine, len(durs))))]
+            for j, (d, e) in enumerate(zip(durs, unit_overheads(task, machine, len(durs), tensors)))]
 
 
 def task_seconds(task: Task, profile: Profile, machine: Machine) -> float:

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from harmony.errors import HarmonyError
-from harmony.profiling.overheads import _estimated_spans, _message_cost, _tensor_cost
+from harmony.profiling.overheads import _estimated_spans, _host_update_cost, _message_cost, _tensor_cost
 from harmony.profiling.probe import ProbeError, probe_machine
 from harmony.scheduler.estimator import estimate
 from harmony.scheduler.machine import Machine
 from harmony.profiling.profiles import LayerProfile, LayerSample, Profile
 from harmony.scheduler.taskgraph import generate
-from harmony.scheduler.tasks import Configuration
+from harmony.scheduler.tasks import HOST, Configuration, Kind
 
 MiB = 1 << 20
 
@@ -46,8 +46,10 @@ def test_cpu_probe_measures_the_runtime_costs_on_its_own_path(cpu_machine):
     # the executor does real work around every task: a one-microbatch task costs something, and
     # less than 100 ms even on a busy two-core machine
     assert m.task_overhead + m.microbatch_overhead > 0
-    for name in ("task_overhead", "microbatch_overhead", "update_overhead"):
+    for name in ("task_overhead", "microbatch_overhead", "update_overhead", "host_update_overhead"):
         assert 0 <= getattr(m, name) < 0.1, name
+    # an update on the host does work around its step (summing slots, building the optimizer)
+    assert m.host_update_overhead + m.host_tensor_overhead > 0
     assert m.cpu_cores is not None and 0 < m.cpu_cores <= m.devices + 1
     assert m.p2p_latency < 0.05
     assert "overheads" in m.notes and "cpu_cores" in m.notes
@@ -108,6 +110,26 @@ def test_the_cost_per_state_tensor_is_what_separates_updates_of_few_and_many_ten
     same = _counted([2, 2, 2, 2])
     tasks = generate("dp-swap", same, config, 2, 8)
     assert _tensor_cost([(tasks, _estimated_spans(tasks, same, slow))], same, base) == 0.0
+
+
+def test_a_host_updates_own_cost_is_its_span_beyond_its_step_fixed_and_per_parameter():
+    packs = [(i, i) for i in range(4)]
+    profile = _counted([2, 12, 2, 12])
+    tasks = generate("dp", profile, Configuration(u_f=1, packs_f=packs, u_b=1, packs_b=packs), 2, 8)
+    host = [t for t in tasks.tasks if t.device == HOST and t.kind == Kind.UPD]
+    assert len(host) == 4
+    # each span: the step the profile timed (1e-5 s a layer), 0.3 ms, 20 us per parameter
+    spans = {t.id: 1e-5 + 3e-4 + 2e-5 * profile.layers[t.first].dw_tensors for t in host}
+    fixed, per = _host_update_cost(tasks, spans, profile)
+    assert fixed == pytest.approx(3e-4) and per == pytest.approx(2e-5)
+    # with one kind of layer the line is not determined: the whole residual is the fixed cost
+    same = _counted([2, 2, 2, 2])
+    tasks = generate("dp", same, Configuration(u_f=1, packs_f=packs, u_b=1, packs_b=packs), 2, 8)
+    spans = {t.id: 1e-5 + 3e-4 for t in tasks.tasks if t.device == HOST}
+    assert _host_update_cost(tasks, spans, same) == (pytest.approx(3e-4), 0.0)
+    # a graph without host updates (dp-swap) has none to measure
+    assert _host_update_cost(generate("dp-swap", same, Configuration(u_f=1, packs_f=packs, u_b=1, packs_b=packs), 2,
+                                      8), {}, same) == (0.0, 0.0)
 
 
 def test_cpu_probe_result_round_trips(cpu_machine, tmp_path):

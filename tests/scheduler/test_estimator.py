@@ -4,6 +4,8 @@ deadlocks, and speed."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 import time
@@ -446,15 +448,26 @@ def test_the_runtime_overheads_are_charged_per_task_and_per_microbatch(profile):
     assert first[1] - first[0] == pytest.approx(2 * MS + 1 * MS + 0.25 * MS)
 
 
-def test_an_update_pays_the_update_overhead_fused_on_the_device_or_on_the_host(profile):
+def test_an_update_pays_the_update_overhead_fused_on_the_device_or_not(profile):
     m = machine(shared=False, task_overhead=1 * MS, update_overhead=2 * MS)
     upd = Task(id=0, device=0, kind=Kind.UPD, first=0, last=0, microbatches=[])
     assert estimate(graph([upd]), profile, m).iteration_time == pytest.approx(UPD_DEVICE + 1 * MS + 2 * MS)
     host = Task(id=0, device=HOST, kind=Kind.UPD, first=0, last=0, microbatches=[])
-    assert estimate(graph([host]), profile, m).iteration_time == pytest.approx(UPD_HOST + 2 * MS)
+    assert estimate(graph([host]), profile, m).iteration_time == pytest.approx(UPD_HOST)
     fused = Task(id=0, device=0, kind=Kind.BWD, first=0, last=0, microbatches=[4], update="device")
     compute = 4 * (FWD_PER_SAMPLE + BWD_PER_SAMPLE) + UPD_DEVICE
     assert estimate(graph([fused]), profile, m).iteration_time == pytest.approx(compute + 1 * MS + 2 * MS)
+
+
+def test_an_update_on_the_host_pays_the_hosts_cost_fixed_and_per_parameter_not_the_devices():
+    profile = Profile(source="analytic", device="test", capacity=1 << 30, u_fmax=8, u_bmax=8,
+                      layers=[dataclasses.replace(_layer(i), dw_tensors=3) for i in range(2)])
+    m = machine(shared=False, task_overhead=1 * MS, update_overhead=2 * MS, host_update_overhead=0.5 * MS,
+                host_tensor_overhead=0.1 * MS)
+    host = Task(id=0, device=HOST, kind=Kind.UPD, first=0, last=1, microbatches=[])
+    assert estimate(graph([host]), profile, m).iteration_time == pytest.approx(2 * UPD_HOST + 0.5 * MS + 6 * 0.1 * MS)
+    device = Task(id=0, device=0, kind=Kind.UPD, first=0, last=1, microbatches=[])
+    assert estimate(graph([device]), profile, m).iteration_time == pytest.approx(2 * UPD_DEVICE + 1 * MS + 2 * MS)
 
 
 def test_a_device_update_loads_its_inputs_after_the_previous_task_not_under_it(profile):

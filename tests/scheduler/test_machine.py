@@ -148,10 +148,11 @@ def test_runtime_costs_round_trip_and_default_to_unmeasured(tmp_path):
 
 
 def test_a_version_1_file_is_read_with_the_runtime_costs_unmeasured(tmp_path):
-    assert VERSION == 5
+    assert VERSION == 6
     body = make().to_dict()
     for name in ("task_overhead", "microbatch_overhead", "update_overhead", "cpu_cores", "compute_scale",
-                 "compute_interference", "iteration_overhead", "tensor_overhead"):
+                 "compute_interference", "iteration_overhead", "tensor_overhead", "host_update_overhead",
+                 "host_tensor_overhead"):
         del body[name]
     serialization.save(tmp_path / "old", KIND, 1, body)
     old = Machine.load(tmp_path / "old")
@@ -183,12 +184,22 @@ def test_a_version_4_file_is_read_without_a_cost_per_state_tensor(tmp_path):
     assert old == make(task_overhead=1e-3, iteration_overhead=2e-4) and old.tensor_overhead == 0.0
 
 
+def test_a_version_5_file_is_read_without_a_host_updates_own_cost(tmp_path):
+    body = make(task_overhead=1e-3, tensor_overhead=1e-5).to_dict()
+    del body["host_update_overhead"], body["host_tensor_overhead"]
+    serialization.save(tmp_path / "v5", KIND, 5, body)
+    old = Machine.load(tmp_path / "v5")
+    assert old == make(task_overhead=1e-3, tensor_overhead=1e-5)
+    assert (old.host_update_overhead, old.host_tensor_overhead) == (0.0, 0.0)
+
+
 @pytest.mark.parametrize(
     "overrides, words",
     [
         ({"task_overhead": -1e-3}, "task_overhead"),
         ({"microbatch_overhead": math.inf}, "microbatch_overhead"),
         ({"update_overhead": "1ms"}, "update_overhead"),
+        ({"host_tensor_overhead": -1e-6}, "host_tensor_overhead"),
         ({"cpu_cores": 0}, "cpu_cores"),
         ({"cpu_cores": True}, "cpu_cores"),
         ({"compute_interference": -0.1}, "compute_interference"),
