@@ -164,7 +164,8 @@ def without_runtime_costs(machine: Machine) -> Machine:
     """``machine`` as the estimator saw it before the runtime's own costs were measured."""
     return dataclasses.replace(machine, task_overhead=0.0, microbatch_overhead=0.0, update_overhead=0.0,
                                tensor_overhead=0.0, iteration_overhead=0.0, host_update_overhead=0.0,
-                               host_tensor_overhead=0.0, cpu_cores=None, compute_scale=1.0, compute_interference=0.0)
+                               host_tensor_overhead=0.0, p2p_send_overhead=0.0, cpu_cores=None, compute_scale=1.0,
+                               compute_interference=0.0)
 
 
 def _best_configurations(base: Plan, machine: Machine, mode: str, case: Case, count: int) -> list[Configuration]:
@@ -382,8 +383,8 @@ def main() -> None:
                 "contention": pair / plan.cpu_alone, "load_average": os.getloadavg()[0],
                 "machine": {name: getattr(machine, name) for name in (
                     "h2d", "d2h", "d2d", "latency", "p2p_latency", "task_overhead", "microbatch_overhead",
-                    "update_overhead", "host_update_overhead", "host_tensor_overhead", "cpu_cores", "compute_scale",
-                    "compute_interference")},
+                    "update_overhead", "host_update_overhead", "host_tensor_overhead", "p2p_send_overhead",
+                    "cpu_cores", "compute_scale", "compute_interference")},
             })
             if ns.breakdown:
                 row["breakdown"] = breakdown(plan, est, steady)

@@ -496,7 +496,8 @@ def _with_runtime_costs(machine: Machine, timeout: float) -> Machine:
         measured = dataclasses.replace(machine, task_overhead=costs.task, microbatch_overhead=costs.microbatch,
                                        update_overhead=costs.update, iteration_overhead=costs.iteration,
                                        tensor_overhead=costs.tensor, host_update_overhead=costs.host_update,
-                                       host_tensor_overhead=costs.host_tensor, cpu_cores=cores)
+                                       host_tensor_overhead=costs.host_tensor, p2p_send_overhead=costs.send,
+                                       cpu_cores=cores)
         scale, interference = measure_compute_scaling(measured, timeout=timeout)
     except HarmonyError as exc:
         raise ProbeError(f"measuring the runtime's overheads failed: {exc}") from exc
@@ -507,7 +508,8 @@ def _with_runtime_costs(machine: Machine, timeout: float) -> Machine:
                      "estimator's, median residuals of one-microbatch and many-microbatch tasks; per iteration, "
                      "the launcher's step beyond its slowest worker (lower quartile); per state tensor, the "
                      "difference between updates of layers of 2 and of 12 tensors; per host update, its span less "
-                     "its profiled step, fixed and per parameter, on the same two kinds of layer",
+                     "its profiled step, fixed and per parameter, on the same two kinds of layer; per p2p "
+                     "message, the median hand-off on its sender's p2p-out stream in the pipeline below",
         "p2p_latency": f"the larger of the half round trip ({probed * 1e6:.0f} us) and the message cost that "
                        f"makes the estimate of a near-zero pipeline match its run ({costs.message * 1e6:.0f} us)",
         "cpu_cores": f"work of {machine.devices + 1} single-threaded loops at once over one alone, in one window",

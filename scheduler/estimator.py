@@ -37,7 +37,9 @@ What is simulated (the runtime's semantics, which this module must keep in step 
   did) plus the machine's measured
   overheads (``Machine.task_overhead`` on a task's first unit, ``microbatch_overhead`` on each
   microbatch, ``update_overhead`` on each optimizer step on a device, fused or not;
-  ``host_update_overhead`` and ``host_tensor_overhead`` per parameter on each update on the host), and
+  ``host_update_overhead`` and ``host_tensor_overhead`` per parameter on each update on the host;
+  ``p2p_send_overhead`` on a unit per P2P piece it sends, which an emulated device's compute thread
+  hands over itself), and
   ``iteration_overhead`` once on the iteration (the launcher handing out the minibatch and taking
   the results back, outside every task); zero on a machine nobody measured.
 - **Shared cores.** With ``machine.cpu_cores`` set (emulated devices computing on the host's
@@ -124,6 +126,7 @@ _KIND_LABEL = {_IN: "SWAP in", _OUT: "SWAP out", _MSG_IN: "MSG in", _MSG_OUT: "M
 _E_UNIT, _E_XFER, _E_JOIN, _E_LINK, _E_CPU = range(5)
 
 _STATE = ("W", "B")  # a pack's state, loaded before its first unit
+_P2P_CHANNEL = Channel.P2P.value  # an edge's channel, as lowering writes it
 _STATE_TENSORS = frozenset(("W", "dW", "K", "B"))  # moved one tensor at a time (``Machine.tensor_overhead``)
 # outputs that are activations or gradients: their readers are paired with them by the program's edges
 _ACTIVATIONS = frozenset(("X", "Y", "Xs", "dX", "dY"))
@@ -482,6 +485,7 @@ class _Simulation:
         self.by_id = {t.id: t for t in self.tasks}
         self._build_slots(graph)
         self._build_units()
+        self._build_inline_sends(program)
         # transfer rates: a shared host link in each direction
         links = {}
         if machine.host_link_shared:
@@ -548,6 +552,19 @@ class _Simulation:
         self.slot_units = slot_units
         self.first_unit_prev = first_unit_prev
         self.last_unit_prev = last_unit_prev
+
+    def _build_inline_sends(self, program: Program) -> None:
+        """Each P2P piece a unit sends keeps its compute busy ``machine.p2p_send_overhead`` longer
+        (an emulated device's compute thread hands its messages over itself)."""
+        cost = self.machine.p2p_send_overhead
+        if not cost:
+            return
+        units_of = self.units_of
+        for e in program.edges:
+            if e.channel == _P2P_CHANNEL and e.producer is not None and e.src_unit is not None:
+                us = units_of.get(e.producer)
+                if us is not None and 0 <= e.src_unit < len(us):
+                    us[e.src_unit].dur += cost
 
     def _unit_for(self, task: Task, mb: int | None, produce: bool) -> _Unit:
         us = self.units_of[task.id]

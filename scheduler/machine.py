@@ -42,6 +42,11 @@ on layers of near-zero compute, ``harmony.profiling.overheads``; zero when nobod
   the task and handed the state in shared memory, the state written back (measured on the
   launcher's host updates of layers of 2 and of 12 tensors: about 0.27 ms and 20 us here, beside
   0.12-0.38 ms steps; ``update_overhead``, fitted on the devices' updates, left them out);
+- ``p2p_send_overhead``: seconds of a device's compute thread per P2P message it sends: an emulated
+  device's compute thread sends through shared memory itself when its p2p-out stream is idle
+  (``runtime/transport``), so the message's hand-off delays its next unit (measured: the p2p-out
+  spans of the overheads probe's pipeline, 0.15-0.25 ms here). Zero on GPUs, whose sends are
+  issued to a stream;
 - ``cpu_cores``: on the emulated ``cpu`` backend every device computes on the host's cores, and so
   do the host's offloaded updates: the number of cores they get between them (measured: a fixed
   single-threaded loop run in more processes than cores). ``None``: each device has its own
@@ -80,7 +85,7 @@ __all__ = ["Machine", "MachineError", "KIND", "VERSION", "CHANNELS", "ANALYTIC_L
 
 KIND = "machine"
 VERSION = 6  # 2: task_overhead, microbatch_overhead, update_overhead, cpu_cores; 3: compute_scale, compute_interference;
-# 4: iteration_overhead; 5: tensor_overhead; 6: host_update_overhead, host_tensor_overhead
+# 4: iteration_overhead; 5: tensor_overhead; 6: host_update_overhead, host_tensor_overhead, p2p_send_overhead
 _OLDER = (5, 4, 3, 2, 1)  # versions read with the fields they lack at their defaults (not measured)
 
 CHANNELS = ("h2d", "d2h", "d2d", "msg")
@@ -88,7 +93,7 @@ _KINDS = ("cpu", "cuda", "analytic")
 _SOURCES = ("measured", "analytic", "given")
 _BANDWIDTHS = ("h2d", "d2h", "d2d", "h2d_all", "d2h_all", "msg")
 _OVERHEADS = ("task_overhead", "microbatch_overhead", "update_overhead", "iteration_overhead", "tensor_overhead",
-              "host_update_overhead", "host_tensor_overhead")
+              "host_update_overhead", "host_tensor_overhead", "p2p_send_overhead")
 
 # The fixed cost of one host<->device copy when nobody measured it: a cudaMemcpyAsync launch plus its
 # completion is about 5-10 us on PCIe systems (CUDA bandwidthTest / nvbandwidth at small sizes).
@@ -143,6 +148,7 @@ class Machine:
     tensor_overhead: float = 0.0  # s, per tensor of a pack's state moved between the host store and a device
     host_update_overhead: float = 0.0  # s, per update on the host, beyond its optimizer step
     host_tensor_overhead: float = 0.0  # s, per parameter an update on the host steps, beyond the step
+    p2p_send_overhead: float = 0.0  # s, of the sender's compute thread per P2P message (emulated devices)
     cpu_cores: float | None = None  # cores the devices' compute shares (cpu backend); None: no sharing
     compute_scale: float = 1.0  # the runtime's compute over the profile's, one device alone (cpu backend)
     compute_interference: float = 0.0  # slowdown per other unit computing at once (cpu backend)
@@ -323,6 +329,8 @@ class Machine:
                 f"{self.iteration_overhead * 1e3:.2f} ms per iteration, {self.tensor_overhead * 1e6:.1f} us per state tensor"
                 + (f", {self.host_update_overhead * 1e3:.2f} ms and {self.host_tensor_overhead * 1e6:.1f} us per "
                    "parameter per host update" if self.host_update_overhead or self.host_tensor_overhead else "")
+                + (f", {self.p2p_send_overhead * 1e3:.2f} ms of the sender's compute per p2p message"
+                   if self.p2p_send_overhead else "")
                 + (f"; {self.cpu_cores:.2f} cores shared by the devices' compute" if self.cpu_cores is not None else "")
                 + (f"; compute {self.compute_scale:.2f}x the profile" if self.compute_scale != 1.0 else "")
                 + (f"; each other device computing at once slows one by {self.compute_interference:.0%}"

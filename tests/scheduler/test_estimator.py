@@ -162,6 +162,23 @@ def test_per_microbatch_p2p_pipelines_the_two_devices(profile):
     assert est.iteration_time == pytest.approx(7 * MS)
 
 
+def test_an_emulated_sender_computes_its_next_microbatch_after_handing_its_message_over(profile):
+    n = 2_000_000  # 1 ms
+    outs = [Transfer("Y", Channel.P2P, n, peer=1, task=1, microbatch=j) for j in range(2)]
+    ins = [Transfer("X", Channel.P2P, n, peer=0, task=0, microbatch=j) for j in range(2)]
+    a = fwd(0, 0, 0, outputs=outs, mbs=(4, 4))
+    b = fwd(1, 1, 1, inputs=ins, mbs=(4, 4))
+    est = estimate(graph([a, b], devices=2), profile, machine(p2p_send_overhead=0.5 * MS))
+    # dev0 mb0 [0,2.5] (its send's hand-off on its compute) mb1 [2.5,5]; copies [2.5,3.5] [5,6];
+    # dev1 mb0 [3.5,5.5] mb1 [6,8]
+    assert est.iteration_time == pytest.approx(8 * MS)
+    spans = sorted((e.start, e.end) for e in est.events if e.stream == "compute" and e.device == 0)
+    assert [end - start for start, end in spans] == [pytest.approx(2.5 * MS)] * 2
+    # the receiver's compute pays nothing: its microbatches are 2 ms each
+    spans = sorted((e.start, e.end) for e in est.events if e.stream == "compute" and e.device == 1)
+    assert [end - start for start, end in spans] == [pytest.approx(2 * MS)] * 2
+
+
 @pytest.mark.parametrize("latency", [0.0, 20e-6])
 def test_host_link_contention_only_on_a_shared_link(profile, latency):
     tasks = [fwd(0, 0, 0, [swap_w(4 * W)]), fwd(1, 1, 1, [swap_w(4 * W)])]

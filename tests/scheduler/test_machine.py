@@ -152,7 +152,7 @@ def test_a_version_1_file_is_read_with_the_runtime_costs_unmeasured(tmp_path):
     body = make().to_dict()
     for name in ("task_overhead", "microbatch_overhead", "update_overhead", "cpu_cores", "compute_scale",
                  "compute_interference", "iteration_overhead", "tensor_overhead", "host_update_overhead",
-                 "host_tensor_overhead"):
+                 "host_tensor_overhead", "p2p_send_overhead"):
         del body[name]
     serialization.save(tmp_path / "old", KIND, 1, body)
     old = Machine.load(tmp_path / "old")
@@ -184,13 +184,13 @@ def test_a_version_4_file_is_read_without_a_cost_per_state_tensor(tmp_path):
     assert old == make(task_overhead=1e-3, iteration_overhead=2e-4) and old.tensor_overhead == 0.0
 
 
-def test_a_version_5_file_is_read_without_a_host_updates_own_cost(tmp_path):
+def test_a_version_5_file_is_read_without_a_host_updates_or_a_senders_own_cost(tmp_path):
     body = make(task_overhead=1e-3, tensor_overhead=1e-5).to_dict()
-    del body["host_update_overhead"], body["host_tensor_overhead"]
+    del body["host_update_overhead"], body["host_tensor_overhead"], body["p2p_send_overhead"]
     serialization.save(tmp_path / "v5", KIND, 5, body)
     old = Machine.load(tmp_path / "v5")
     assert old == make(task_overhead=1e-3, tensor_overhead=1e-5)
-    assert (old.host_update_overhead, old.host_tensor_overhead) == (0.0, 0.0)
+    assert (old.host_update_overhead, old.host_tensor_overhead, old.p2p_send_overhead) == (0.0, 0.0, 0.0)
 
 
 @pytest.mark.parametrize(
