@@ -130,15 +130,16 @@ def _run_pack(modules: Sequence[torch.nn.Module], states: list[dict], values: tu
 
 
 def measure_layer(
-    module: torch.nn.Module, inputs: tuple, device: Device, trials: int = 3, backward: bool = True
+    module: torch.nn.Module, inputs: tuple, device: Device, trials: int = 3, backward: bool = True,
+    input_grad: bool = True,
 ) -> tuple[Measurement, tuple]:
     """One layer measured as a pack of one; see ``measure_pack``."""
-    return measure_pack([module], inputs, device, trials=trials, backward=backward)
+    return measure_pack([module], inputs, device, trials=trials, backward=backward, input_grad=input_grad)
 
 
 def measure_pack(
     modules: Sequence[torch.nn.Module], inputs: tuple, device: Device, trials: int = 3, backward: bool = True,
-    loss: Callable[[tuple, Device], tuple[torch.Tensor, Any]] | None = None,
+    loss: Callable[[tuple, Device], tuple[torch.Tensor, Any]] | None = None, input_grad: bool = True,
 ) -> tuple[Measurement, tuple]:
     """Time and peak memory of a pack's FWD task and (with ``backward``) its BWD task, and the
     pack's outputs in host memory (the next layer's inputs).
@@ -147,7 +148,9 @@ def measure_pack(
     (allocated before the task), and the recompute and backward add to them. Its backward starts
     from an output gradient of ones, or, with ``loss`` (the pack's outputs and the device -> the
     scalar loss and what the loss task holds until its backward ends: the target it copied in),
-    from the loss, as a loss task runs it. A forward that does
+    from the loss, as a loss task runs it. ``input_grad``: the backward computes the gradient of
+    the pack's floating inputs (False for a pack starting at layer 0: the runtime, as eager
+    training, leaves the model's inputs without one). A forward that does
     not fit raises ``DeviceOutOfMemoryError``; a backward that does not fit is recorded in
     ``Measurement.bwd_error``, since the forward figures are still good. The device is left as
     before either way.
@@ -179,7 +182,7 @@ def measure_pack(
                         fwd_layer_peaks=layer_peaks)
         if backward:
             try:
-                _measure_backward(modules, states, inputs, device, trials, m, loss)
+                _measure_backward(modules, states, inputs, device, trials, m, loss, input_grad)
             except DeviceOutOfMemoryError as exc:
                 m.bwd_error = str(exc)
         del states
@@ -187,10 +190,11 @@ def measure_pack(
 
 
 def _measure_backward(modules, states, inputs: tuple, device: Device, trials: int, m: Measurement,
-                      loss: Callable[[tuple, Device], tuple[torch.Tensor, Any]] | None = None) -> None:
+                      loss: Callable[[tuple, Device], tuple[torch.Tensor, Any]] | None = None,
+                      input_grad: bool = True) -> None:
     params = list({id(t): t for state in states for t in state.values() if t.requires_grad}.values())
     # the group's first microbatch: autograd makes the gradient buffers (it keeps each fresh gradient)
-    _backward_once(modules, states, params, inputs, device, m, loss)
+    _backward_once(modules, states, params, inputs, device, m, loss, input_grad=input_grad)
     m.bwd_first_peak, m.bwd_peak = m.bwd_peak, 0
     for p in params:  # the gradient buffer, resident across the group's microbatches
         if p.grad is None:
@@ -199,7 +203,8 @@ def _measure_backward(modules, states, inputs: tuple, device: Device, trials: in
     rec_times, bwd_times = [], []
     for trial in _trial_indices(trials, bwd_times):
         with _unwatched(device, trial):
-            recompute, backward = _backward_once(modules, states, params, inputs, device, m, loss, watched=not trial)
+            recompute, backward = _backward_once(modules, states, params, inputs, device, m, loss, watched=not trial,
+                                                 input_grad=input_grad)
         if trial:
             rec_times.append(recompute)
             bwd_times.append(backward)
@@ -211,11 +216,11 @@ def _measure_backward(modules, states, inputs: tuple, device: Device, trials: in
 
 def _backward_once(modules, states, params, inputs: tuple, device: Device, m: Measurement,
                    loss: Callable[[tuple, Device], tuple[torch.Tensor, Any]] | None = None,
-                   watched: bool = True) -> tuple[float, float]:
+                   watched: bool = True, input_grad: bool = True) -> tuple[float, float]:
     """One BWD task; in a function of its own so that every tensor it made is gone when it returns
     (a tensor surviving into the next trial would inflate that trial's peak). ``watched``: its
     memory figures go into ``m`` (a timed trial runs unwatched and leaves them)."""
-    xs = _on_device(device, inputs, grad=True)
+    xs = _on_device(device, inputs, grad=input_grad)
     device.reset_peak()
     before = device.allocated()
     timer = device.timer()

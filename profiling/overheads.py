@@ -175,7 +175,7 @@ def _profile(graph, device: CpuDevice, shape: tuple[int, ...] = (WIDTH,)) -> Pro
     for u in _SIZES:
         values: tuple = (torch.randn(u, *shape),)
         for i, module in enumerate(graph.modules):
-            m, values = measure_layer(module, values, device, trials=3)
+            m, values = measure_layer(module, values, device, trials=3, input_grad=i > 0)
             samples[i].append(LayerSample(u=u, fwd_time=m.fwd_time, bwd_time=m.bwd_time,
                                           recompute_time=m.recompute_time, fwd_peak=m.fwd_peak, bwd_peak=m.bwd_peak,
                                           x_bytes=m.x_bytes, y_bytes=m.y_bytes, dx_bytes=m.dx_bytes,

@@ -84,7 +84,8 @@ class Profiler:
             attempt.last_inputs = values
             try:
                 with _naming_failures(i, spec.name, u):
-                    m, values = measure_layer(module, values, self.device, trials=trials, backward=attempt.bwd_fits)
+                    m, values = measure_layer(module, values, self.device, trials=trials, backward=attempt.bwd_fits,
+                                              input_grad=i > 0)
             except DeviceOutOfMemoryError as exc:
                 attempt.fwd_fits = attempt.bwd_fits = False
                 attempt.failure = f"forward of layer {i} ({spec.name}) at u={u}: {exc}"
@@ -130,7 +131,8 @@ class Profiler:
         values = self._inputs(1)
         for module in self.graph.modules[:i]:
             values = measure_layer(module, values, CpuDevice("need"), trials=0, backward=False)[1]
-        need, _ = measure_layer(self.graph.modules[i], values, CpuDevice("need"), trials=0, backward=True)
+        need, _ = measure_layer(self.graph.modules[i], values, CpuDevice("need"), trials=0, backward=True,
+                                input_grad=i > 0)
         needed = max(need.fwd_peak, need.bwd_peak)
         if needed <= self.device.capacity:  # the layer fits; something else took the room
             return (
@@ -216,7 +218,8 @@ class Profiler:
                 loss = self.loss_on_device(u) if last == last_layer else None
                 if last == last_layer and loss is None:
                     continue  # a loss task without its loss would be measured short
-                m, _ = measure_pack(self.graph.modules[first:last + 1], inputs[first], self.device, trials=0, loss=loss)
+                m, _ = measure_pack(self.graph.modules[first:last + 1], inputs[first], self.device, trials=0, loss=loss,
+                                    input_grad=first > 0)
                 if m.bwd_error:
                     log.info("pack L%d-%d at u=%d: %s", first, last, u, m.bwd_error)
                     continue
@@ -246,7 +249,7 @@ class Profiler:
         index = len(self.graph.modules) - 1
         module = self.graph.modules[index]
         try:
-            m, _ = measure_pack([module], inputs, self.device, trials=0, loss=loss)
+            m, _ = measure_pack([module], inputs, self.device, trials=0, loss=loss, input_grad=index > 0)
         except DeviceOutOfMemoryError:
             m = None
         except Exception as exc:  # noqa: BLE001 - the loss is the user's; training will say what is wrong
@@ -320,7 +323,7 @@ def training_footprint(graph: LayerGraph, get_batch: Callable[[int, int], tuple]
     activations = 0
     for index, module in enumerate(graph.modules):
         with _naming_failures(index, graph.layers[index].name, 1):
-            m, values = measure_layer(module, values, device, trials=0, backward=True)
+            m, values = measure_layer(module, values, device, trials=0, backward=True, input_grad=index > 0)
         activations += m.act_bytes
     return int((2 + k_per_w) * graph.parameter_bytes() + minibatch * activations)
 
