@@ -182,7 +182,8 @@ def test_stalled_worker_is_reported_with_what_each_worker_waits_for(plan, tmp_pa
 
 
 LAUNCHER_SCRIPT = textwrap.dedent("""
-    import sys, torch, harmony
+    import faulthandler, signal, sys, torch, harmony
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for the stacks of a launcher that hangs
     sys.path.insert(0, {tests!r})
     from test_faults import MINIBATCH, get_batch, sgd
     from harmony.models import gpt2
@@ -217,7 +218,14 @@ def test_signal_to_the_launcher_stops_every_worker(signum, tmp_path):
             os.killpg(process.pid, signum)
         else:
             process.send_signal(signum)
-        _, err = process.communicate(timeout=LIMIT)
+        try:
+            _, err = process.communicate(timeout=LIMIT)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
+            os.killpg(process.pid, signal.SIGKILL)
+            _, err = process.communicate()
+            pytest.fail(f"the launcher did not end within {LIMIT:.0f} s of the signal; its threads then:\n{err[-6000:]}")
         seconds = time.monotonic() - start
     finally:
         if process.poll() is None:
