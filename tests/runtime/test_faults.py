@@ -184,6 +184,9 @@ def test_stalled_worker_is_reported_with_what_each_worker_waits_for(plan, tmp_pa
 LAUNCHER_SCRIPT = textwrap.dedent("""
     import faulthandler, signal, sys, torch, harmony
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for the stacks of a launcher that hangs
+    # Ctrl-C as a terminal delivers it: a shell without job control (a CI script started in the
+    # background) starts its children with SIGINT ignored, which Python then keeps
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.path.insert(0, {tests!r})
     from test_faults import MINIBATCH, get_batch, sgd
     from harmony.models import gpt2
