@@ -27,7 +27,7 @@ task that the profile does not see. Last, one P2P message on the CPU runtime's o
 into shared memory, a ``torch.multiprocessing`` queue to another process, a copy in) is timed at
 a few sizes beside the time the estimator gives it (the probed per-message cost plus bytes over ``d2d``).
 
-    python -m bench.estimate_accuracy [--quick | --full] [--breakdown] [--iterations K] [--json PATH]
+    python -m bench.estimate_accuracy [--quick | --full] [--models NAME ...] [--breakdown] [--iterations K] [--json PATH]
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from rich.table import Table
 
 import harmony
 from bench.common import Model
+from harmony.compiler import estimate_range
 from harmony.errors import HarmonyError
 from harmony.models import gpt2, resnet, vgg
 from harmony.models.gpt2 import GPT, GPTConfig
@@ -335,6 +336,8 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=6, help="iterations per configuration, the first discarded")
     parser.add_argument("--breakdown", action="store_true", help="per-task estimated vs measured seconds")
     parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument("--models", nargs="+", choices=sorted(CASES), metavar="MODEL",
+                        help=f"only these models' rows of the sample ({', '.join(sorted(CASES))})")
     ns = parser.parse_args()
     if ns.iterations < 2:
         parser.error("--iterations must be at least 2 (the first is discarded)")
@@ -343,6 +346,10 @@ def main() -> None:
         parser.error("choose one of --quick and --full")
     sample = [(name, modes, 1) for name, modes in QUICK] if ns.quick else (
         SAMPLE_FULL if ns.full else [(name, modes, 1) for name, modes in FULL])
+    if ns.models:
+        sample = [entry for entry in sample if entry[0] in ns.models]
+        if not sample:
+            parser.error(f"none of {', '.join(ns.models)} is in the chosen sample")
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
     last_machine = None
@@ -360,8 +367,10 @@ def main() -> None:
             machine = plan.profile.machine
             plain = estimate(plan.tasks, plan.profile, without_runtime_costs(machine),
                              capacity=plan.options["planned_memory"], record_events=False).iteration_time
+            span = estimate_range(plan.tasks, plan.profile, machine, plan.options["planned_memory"])
             row.update({"configuration": str(plan.tasks.config), "capacity": plan.options["device_memory"],
-                        "estimated_seconds": est.iteration_time, "estimated_without_runtime_costs": plain})
+                        "estimated_seconds": est.iteration_time, "estimated_without_runtime_costs": plain,
+                        "estimated_range": span.get("iteration_time_range")})
             with console.status(f"training {name} {mode}"):
                 pair = cpu_seconds(2)
                 try:
@@ -375,7 +384,9 @@ def main() -> None:
             steady = history[1:]
             measured = statistics.median(seconds[1:])
             estimated = est.iteration_time
+            lo_hi = row["estimated_range"]
             row.update({
+                "within_range": lo_hi[0] <= measured <= lo_hi[1] if lo_hi else None,
                 "measured_seconds": measured,
                 "relative_error": (estimated - measured) / measured,
                 "relative_error_without_runtime_costs": (plain - measured) / measured,
@@ -392,7 +403,7 @@ def main() -> None:
 
     table = Table(title=f"Estimated vs measured iteration time, 2 emulated CPU devices, capacity 1/4 of the "
                         f"training footprint, median of {ns.iterations - 1} iterations after one warm-up")
-    for col in ("model", "mode", "configuration", "estimated ms", "measured ms", "rel. error",
+    for col in ("model", "mode", "configuration", "estimated ms", "range ms", "measured ms", "rel. error",
                 "without runtime costs", "noise (spread)", "contention"):
         table.add_column(col, justify="left" if col in ("model", "mode", "configuration") else "right",
                          overflow="fold")
@@ -400,9 +411,11 @@ def main() -> None:
         if "measured_seconds" not in r:
             estimated = f"{r['estimated_seconds'] * 1e3:.1f}" if "estimated_seconds" in r else "-"
             measured = "run failed" if "failed" in r else "-"
-            table.add_row(r["model"], r["mode"], r["configuration"], estimated, measured, "-", "-", "-", "-")
+            table.add_row(r["model"], r["mode"], r["configuration"], estimated, "-", measured, "-", "-", "-", "-")
             continue
-        table.add_row(r["model"], r["mode"], r["configuration"], f"{r['estimated_seconds'] * 1e3:.1f}",
+        span = r.get("estimated_range")
+        span_text = (f"{span[0] * 1e3:.1f}-{span[1] * 1e3:.1f}" + ("" if r["within_range"] else " (out)")) if span else "-"
+        table.add_row(r["model"], r["mode"], r["configuration"], f"{r['estimated_seconds'] * 1e3:.1f}", span_text,
                       f"{r['measured_seconds'] * 1e3:.1f}", f"{r['relative_error']:+.1%}",
                       f"{r['relative_error_without_runtime_costs']:+.1%}", f"{r['spread']:.1%}",
                       f"{r['contention']:.2f}x")
@@ -418,6 +431,8 @@ def main() -> None:
                       f"machine noise (median spread of the measured iterations): {noise:.1%}; "
                       f"CPU contention (median, 1.00x = a free core per device): {contention:.2f}x; "
                       f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; "
+                      f"{sum(bool(r.get('within_range')) for r in measured_rows)} of "
+                      f"{sum(r.get('within_range') is not None for r in measured_rows)} within the plan's stated range; "
                       f"wall time {time.perf_counter() - started:.0f} s")
     if ns.breakdown:
         for r in measured_rows:

@@ -181,7 +181,8 @@ def _cmd_compile(ns: argparse.Namespace) -> int:
         write_gantt(ns.out / "gantt.png", plan.events, title=f"{plan.tasks.mode}: {plan.tasks.config}")
     _print_comparison(plan)
     console.print(f"chosen: {plan.tasks.mode} {plan.tasks.config}")
-    console.print(f"estimated iteration: {plan.estimate['iteration_time'] * 1e3:.2f} ms; wrote {ns.out}/ (plan.msgpack, program.msgpack, trace.json, summary.md)")
+    console.print(f"estimated iteration: {plan.estimate['iteration_time'] * 1e3:.2f} ms{_estimate_range_text(plan)}; "
+                  f"wrote {ns.out}/ (plan.msgpack, program.msgpack, trace.json, summary.md)")
     _print_host_memory(plan)
     return 0
 
@@ -437,8 +438,27 @@ def _print_run(report: dict) -> None:
     console.print(
         f"iteration: {report['mean_iteration_seconds'] * 1e3:.1f} ms measured"
         + (f", {est * 1e3:.1f} ms estimated ({report['relative_error']:+.1%})" if est else "")
+        + _range_verdict(report)
         + f"; {report['samples_per_second']:,.1f} samples/s; final loss {report['iterations'][-1]['loss']:.6f}"
     )
+
+
+def _range_verdict(report: dict) -> str:
+    """Where the run's mean fell against the plan's stated range, if it stated one."""
+    span = report.get("estimated_iteration_range")
+    if not span:
+        return ""
+    where = "within" if report["within_estimated_range"] else "outside"
+    return f", {where} its range {span[0] * 1e3:.1f}-{span[1] * 1e3:.1f} ms"
+
+
+def _estimate_range_text(plan: Plan) -> str:
+    """`` (a-b ms on this machine's calibration)`` where the compile measured how much the
+    runtime's compute moves here (``Plan.estimate["iteration_time_range"]``), else nothing."""
+    span = plan.estimate.get("iteration_time_range")
+    if not span:
+        return ""
+    return f" ({span[0] * 1e3:.2f}-{span[1] * 1e3:.2f} ms at the calibration's fastest and slowest rounds)"
 
 
 def _print_comparison(plan) -> None:

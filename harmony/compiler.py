@@ -182,6 +182,7 @@ def _compile_plan(model, get_batch, build_optimizer, options: CompileOptions, mo
             "task_peak_memory": {str(k): int(v) for k, v in est.task_peaks.items()},
             "bytes_by_channel": {k: int(v) for k, v in est.bytes_by_channel.items()},
             "busy": {str(d): dict(s) for d, s in est.busy.items()},
+            **estimate_range(chosen.graph, profile, machine, planned),
         },
         options={
             "minibatch": options.minibatch, "devices": options.devices, "mode": options.mode,
@@ -194,6 +195,18 @@ def _compile_plan(model, get_batch, build_optimizer, options: CompileOptions, mo
     )
     plan.events = est.events  # for a Gantt picture; not saved (trace.json holds the same)
     return plan, chrome_trace(est)
+
+
+def estimate_range(tasks, profile: Profile, machine: Machine, capacity: int) -> dict[str, list[float]]:
+    """``{"iteration_time_range": [low, high]}``: the plan's iteration time at the lowest and the
+    highest compute scale the machine's calibration read (``Machine.compute_scale_range``), what the
+    machine's own variation leaves open and the estimate cannot know; nothing where it read one
+    scale (GPUs, analytic machines, an unprobed compile)."""
+    if not machine.compute_scale_range:
+        return {}
+    times = [estimate(tasks, profile, dataclasses.replace(machine, compute_scale=scale), capacity=capacity,
+                      record_events=False).iteration_time for scale in machine.compute_scale_range]
+    return {"iteration_time_range": [min(times), max(times)]}
 
 
 def finish_plan(result: SearchResult, profile: Profile, machine: Machine, options: CompileOptions, planned: int,
@@ -404,8 +417,8 @@ def _scaled_to_the_model(graph, profile: Profile, machine: Machine, get_batch, l
 
     on_progress("measuring the runtime on the model")
     try:
-        scale, interference = measure_model_scale(graph, profile, machine, get_batch, loss_fn, build_optimizer,
-                                                  options.minibatch, precision=options.precision)
+        scaling = measure_model_scale(graph, profile, machine, get_batch, loss_fn, build_optimizer, options.minibatch,
+                                      precision=options.precision)
     except HarmonyError as exc:
         log.warning("the model's compute scale could not be measured (%s); the probe's %.2f stands", exc,
                     machine.compute_scale)
@@ -415,7 +428,7 @@ def _scaled_to_the_model(graph, profile: Profile, machine: Machine, get_batch, l
                               "from its profile (median)",
              "compute_interference": f"the same on {max(2, machine.devices)} devices at once over one device, less "
                                      "one, per other device"}
-    return dataclasses.replace(machine, compute_scale=scale, compute_interference=interference, notes=notes)
+    return dataclasses.replace(scaling.applied(machine), notes=notes)
 
 
 def tied_weights(graph: LayerGraph, build_optimizer: Callable) -> list[TiedWeight]:

@@ -67,10 +67,19 @@ def run_report(plan: Plan, history: list[StepResult], warmup: int = 1, first: in
                        for i, r in enumerate(history, first)],
         "mean_iteration_seconds": mean, "estimated_iteration_seconds": estimated,
         "relative_error": (estimated - mean) / mean if estimated and mean else None,
+        **_within_range(est.get("iteration_time_range"), mean),
         "samples_per_second": plan.tasks.minibatch / mean if mean else None,
         "bytes_by_channel": total, "planned_bytes_by_channel": {k: v for k, v in planned.items() if v},
         "per_device": devices,
     }
+
+
+def _within_range(span: list[float] | None, mean: float) -> dict[str, Any]:
+    """The plan's stated range for its iteration time (``iteration_time_range``: the estimate at
+    the calibration's fastest and slowest rounds) and whether the run's mean fell in it."""
+    if not span:
+        return {}
+    return {"estimated_iteration_range": list(span), "within_estimated_range": span[0] <= mean <= span[1]}
 
 
 def _device_bytes(plan: Plan, rank: int) -> dict[str, int]:

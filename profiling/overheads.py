@@ -81,7 +81,7 @@ from .measure import host_device, measure_layer, measure_update, torch_threads
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Overheads", "measure_overheads", "measure_cores", "measure_compute_scaling", "measure_model_scale"]
+__all__ = ["Overheads", "Scaling", "measure_overheads", "measure_cores", "measure_compute_scaling", "measure_model_scale"]
 
 WIDTH = 8  # features of the probe's layers: compute of a few microseconds
 LAYERS = 4
@@ -393,8 +393,8 @@ def _tensor_cost(runs: list[tuple[TaskGraph, dict[int, float]]], profile: Profil
 
 
 def measure_compute_scaling(machine: Machine, iterations: int = 5, rounds: int = 2,
-                            timeout: float = 60.0) -> tuple[float, float]:
-    """``(compute_scale, compute_interference)`` (module docs): data parallelism over transformer
+                            timeout: float = 60.0) -> Scaling:
+    """The compute scale, interference and range (``Scaling``, module docs): data parallelism over transformer
     blocks on the real launcher, one device alone and then all of ``machine``'s devices at once (at
     least two), ``rounds`` times interleaved; per run, the median over the tasks of the compute
     scale that turns the span the estimator gives (with ``machine``'s overheads and shared cores)
@@ -415,8 +415,8 @@ def measure_compute_scaling(machine: Machine, iterations: int = 5, rounds: int =
 
 def measure_model_scale(graph: LayerGraph, profile: Profile, machine: Machine, get_batch: Callable, loss_fn: Callable,
                         build_optimizer: Callable, minibatch: int, iterations: int = 4, rounds: int = 5,
-                        timeout: float = 60.0, precision: str = "fp32") -> tuple[float, float]:
-    """``(compute_scale, compute_interference)`` measured on the model itself (module docs): its own
+                        timeout: float = 60.0, precision: str = "fp32") -> Scaling:
+    """The compute scale, interference and range (``Scaling``) measured on the model itself (module docs): its own
     layers in a few packs, data parallel on one device and then on all of ``machine``'s devices at
     once (at least two), two microbatches a task at the square root of the largest microbatch its
     profile measured, ``rounds`` times interleaved (five: with three, the scale of five compiles in
@@ -456,8 +456,22 @@ def measure_model_scale(graph: LayerGraph, profile: Profile, machine: Machine, g
     return _scaling(runs, rounds, measure, "the model")
 
 
+class Scaling(NamedTuple):
+    """What a calibration read (``_scaling``): the compute scale (the median round on one device),
+    the interference, and the lowest and highest one-device rounds (``Machine.compute_scale_range``)."""
+
+    scale: float
+    interference: float
+    low: float
+    high: float
+
+    def applied(self, machine: Machine) -> Machine:
+        return dataclasses.replace(machine, compute_scale=self.scale, compute_interference=self.interference,
+                                   compute_scale_range=[self.low, self.high] if self.high > self.low else None)
+
+
 def _scaling(runs: dict[int, tuple[TaskGraph, dict[int, tuple[float, float]]]], rounds: int,
-             measure: Callable[[TaskGraph], dict[int, float]], what: str) -> tuple[float, float]:
+             measure: Callable[[TaskGraph], dict[int, float]], what: str) -> Scaling:
     """``(compute_scale, compute_interference)`` from ``runs`` (per device count, one and all: a
     task graph and, per task, the estimator's span and the compute inside it), each measured
     ``rounds`` times interleaved: per run, the median over the tasks of the compute scale that
@@ -465,15 +479,36 @@ def _scaling(runs: dict[int, tuple[TaskGraph, dict[int, tuple[float, float]]]], 
     like a user's, sees the machine's typical load, not its best moment), the median all-devices
     run over it, less one, spread over the other devices, the interference."""
     ratios: dict[int, list[float]] = {count: [] for count in runs}
+    tasks_alone: list[float] = []  # every one-device task's reading, all rounds
     for _ in range(rounds):
         for count, (tasks, modelled) in runs.items():
-            ratios[count].append(_median_ratio(tasks, measure(tasks), modelled))
+            reads = _task_ratios(tasks, measure(tasks), modelled)
+            ratios[count].append(statistics.median(reads or [0.0]))
+            if count == 1:
+                tasks_alone += reads
     devices = max(runs)
     alone, together = statistics.median(ratios[1]), statistics.median(ratios[devices])
     interference = max(0.0, (together / alone - 1.0) / (devices - 1))
-    log.info("compute scaling on %s: tasks run %.2fx their estimate on one device, %.2fx on %d at once: %.3f "
-             "per other device computing", what, alone, together, devices, interference)
-    return alone, interference
+    low, high = _range(tasks_alone, ratios[1])
+    log.info("compute scaling on %s: tasks run %.2fx their estimate on one device (%.2f-%.2f over its tasks and "
+             "rounds), %.2fx on %d at once: %.3f per other device computing", what, alone, low, high, together,
+             devices, interference)
+    return Scaling(alone, interference, low, high)
+
+
+def _range(tasks: list[float], rounds: list[float]) -> tuple[float, float]:
+    """The scale's range (``Machine.compute_scale_range``): the 10th and 90th percentiles of the
+    one-device tasks' readings over all rounds, and at least the rounds' medians. The tasks of a
+    plan are not the calibration's (other packs, other kinds, other microbatches), and on the
+    emulated devices the model's kinds of task read differently (a forward's layers start on cold
+    caches, a backward's after its recompute): the spread over its own tasks is where a plan's can
+    land, and the rounds' spread alone (a few percent) left 10 of 15 runs of ``bench.estimate_accuracy
+    --full`` outside it."""
+    positive = [r for r in tasks if r > 0]
+    if len(positive) < 2:
+        return min(rounds), max(rounds)
+    tenth, *_, ninetieth = statistics.quantiles(positive, n=10, method="inclusive")
+    return min(tenth, *rounds), max(ninetieth, *rounds)
 
 
 MODEL_SCALE_SECONDS = 8.0  # what the model's calibration may take, by the estimate of its steps
@@ -512,20 +547,24 @@ def _modelled(tasks: TaskGraph, profile: Profile, machine: Machine) -> dict[int,
 
 
 def _median_ratio(tasks: TaskGraph, measured: dict[int, float], modelled: dict[int, tuple[float, float]]) -> float:
-    """The median over the device's compute tasks of the scale ``s`` for which the estimate, with
-    its compute times ``s`` and the rest (the runtime's overheads, waits) as modelled, gives the
-    measured span: the estimator applies the scale to compute alone, so the calibration measures it
-    so. Measured over the whole span instead, a task whose overheads are half of it read 0.8 where
-    its compute ran at 0.6. Where the modelled overheads alone come near the measured spans (tasks
-    of almost no compute), that reading says nothing (it can go to zero or below): the ratio of the
-    whole spans stands instead."""
+    """The median over the device's compute tasks of their scales (``_task_ratios``)."""
+    return statistics.median(_task_ratios(tasks, measured, modelled) or [0.0])
+
+
+def _task_ratios(tasks: TaskGraph, measured: dict[int, float], modelled: dict[int, tuple[float, float]]) -> list[float]:
+    """Per compute task, the scale ``s`` for which the estimate, with its compute times ``s`` and
+    the rest (the runtime's overheads, waits) as modelled, gives the measured span: the estimator
+    applies the scale to compute alone, so the calibration measures it so. Measured over the whole
+    span instead, a task whose overheads are half of it read 0.8 where its compute ran at 0.6.
+    Where the modelled overheads alone come near the measured spans (tasks of almost no compute),
+    that reading says nothing (its median can go to zero or below): the ratios of the whole spans
+    stand instead."""
     kept = [t for t in tasks.tasks if t.kind != Kind.UPD and t.id in measured and modelled.get(t.id, (0.0, 0.0))[0] > 0]
     on_compute = [1.0 + (measured[t.id] - modelled[t.id][0]) / modelled[t.id][1] for t in kept if modelled[t.id][1] > 0]
-    scale = statistics.median(on_compute) if on_compute else 0.0
-    if scale >= MIN_COMPUTE_SCALE:
-        return scale
+    if on_compute and statistics.median(on_compute) >= MIN_COMPUTE_SCALE:
+        return on_compute
     log.info("the runtime's overheads are most of these tasks' spans: their scale is read on the whole spans")
-    return statistics.median(measured[t.id] / modelled[t.id][0] for t in kept)
+    return [measured[t.id] / modelled[t.id][0] for t in kept]
 
 
 MIN_COMPUTE_SCALE = 0.1  # below it, a scale read on compute alone is the overheads' error, not the compute's

@@ -498,7 +498,7 @@ def _with_runtime_costs(machine: Machine, timeout: float) -> Machine:
                                        tensor_overhead=costs.tensor, host_update_overhead=costs.host_update,
                                        host_tensor_overhead=costs.host_tensor, p2p_send_overhead=costs.send,
                                        cpu_cores=cores)
-        scale, interference = measure_compute_scaling(measured, timeout=timeout)
+        scaling = measure_compute_scaling(measured, timeout=timeout)
     except HarmonyError as exc:
         raise ProbeError(f"measuring the runtime's overheads failed: {exc}") from exc
     probed = machine.p2p_latency if machine.p2p_latency is not None else machine.latency
@@ -518,5 +518,4 @@ def _with_runtime_costs(machine: Machine, timeout: float) -> Machine:
         "compute_interference": f"the same on {max(2, machine.devices)} devices at once over one device, "
                                 "less one, per other device",
     }
-    return dataclasses.replace(measured, p2p_latency=max(probed, costs.message), compute_scale=scale,
-                               compute_interference=interference, notes=notes)
+    return dataclasses.replace(scaling.applied(measured), p2p_latency=max(probed, costs.message), notes=notes)

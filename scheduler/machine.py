@@ -60,6 +60,11 @@ on layers of near-zero compute, ``harmony.profiling.overheads``; zero when nobod
   ``k`` units computing at once runs ``1 + compute_interference * (k - 1)`` times slower than the
   profile, which timed one layer alone (measured: the real launcher's tasks on all devices at once
   against the same layers profiled alone). Zero: no interference (GPUs, or nobody measured it).
+- ``compute_scale_range``: the lowest and highest of the rounds ``compute_scale`` is the median of
+  (the calibration runs its tasks a few times, interleaved): how much the runtime's compute moved on
+  this machine while it was measured, which a plan's estimate states as its range
+  (``Plan.estimate["iteration_time_range"]``) rather than promise a precision the machine does not
+  have. None: one reading, or nobody measured it.
 
 The scheduler must not import the runtime, so this module imports only the standard library,
 ``harmony.errors``, ``harmony.serialization`` and the device specs.
@@ -84,9 +89,10 @@ log = logging.getLogger(__name__)
 __all__ = ["Machine", "MachineError", "KIND", "VERSION", "CHANNELS", "ANALYTIC_LATENCY"]
 
 KIND = "machine"
-VERSION = 6  # 2: task_overhead, microbatch_overhead, update_overhead, cpu_cores; 3: compute_scale, compute_interference;
-# 4: iteration_overhead; 5: tensor_overhead; 6: host_update_overhead, host_tensor_overhead, p2p_send_overhead
-_OLDER = (5, 4, 3, 2, 1)  # versions read with the fields they lack at their defaults (not measured)
+VERSION = 7  # 2: task_overhead, microbatch_overhead, update_overhead, cpu_cores; 3: compute_scale, compute_interference;
+# 4: iteration_overhead; 5: tensor_overhead; 6: host_update_overhead, host_tensor_overhead, p2p_send_overhead;
+# 7: compute_scale_range
+_OLDER = (6, 5, 4, 3, 2, 1)  # versions read with the fields they lack at their defaults (not measured)
 
 CHANNELS = ("h2d", "d2h", "d2d", "msg")
 _KINDS = ("cpu", "cuda", "analytic")
@@ -152,6 +158,7 @@ class Machine:
     cpu_cores: float | None = None  # cores the devices' compute shares (cpu backend); None: no sharing
     compute_scale: float = 1.0  # the runtime's compute over the profile's, one device alone (cpu backend)
     compute_interference: float = 0.0  # slowdown per other unit computing at once (cpu backend)
+    compute_scale_range: list[float] | None = None  # [lowest, highest] of the calibration's rounds; None: one reading
 
     def __post_init__(self) -> None:
         problems = []
@@ -186,6 +193,12 @@ class Machine:
             problems.append(f"cpu_cores must be a positive number or null, got {self.cpu_cores!r}")
         if not _positive_number(self.compute_scale):
             problems.append(f"compute_scale must be a positive number, got {self.compute_scale!r}")
+        if self.compute_scale_range is not None and not (
+                isinstance(self.compute_scale_range, (list, tuple)) and len(self.compute_scale_range) == 2
+                and all(_positive_number(v) for v in self.compute_scale_range)
+                and self.compute_scale_range[0] <= self.compute_scale_range[1]):
+            problems.append(f"compute_scale_range must be [lowest, highest] positive numbers or null, got "
+                            f"{self.compute_scale_range!r}")
         if not _seconds(self.compute_interference):
             problems.append(f"compute_interference must be a finite number >= 0, got {self.compute_interference!r}")
         if not isinstance(self.host_link_shared, bool):
@@ -208,6 +221,8 @@ class Machine:
             self.cpu_cores = float(self.cpu_cores)
         self.compute_scale = float(self.compute_scale)
         self.compute_interference = float(self.compute_interference)
+        if self.compute_scale_range is not None:
+            self.compute_scale_range = [float(v) for v in self.compute_scale_range]
         self.notes = dict(self.notes)
 
     # ------------------------------------------------------------------ transfer model
@@ -333,6 +348,8 @@ class Machine:
                    if self.p2p_send_overhead else "")
                 + (f"; {self.cpu_cores:.2f} cores shared by the devices' compute" if self.cpu_cores is not None else "")
                 + (f"; compute {self.compute_scale:.2f}x the profile" if self.compute_scale != 1.0 else "")
+                + (" ({:.2f}-{:.2f} over the calibration's rounds)".format(*self.compute_scale_range)
+                   if self.compute_scale_range else "")
                 + (f"; each other device computing at once slows one by {self.compute_interference:.0%}"
                    if self.compute_interference else "")
             )

@@ -45,8 +45,10 @@ def _profiled(probe_flag: bool = False):
 def test_the_model_scale_is_its_own_layers_on_the_runtime_over_their_estimate():
     graph, options = _profiled()
     profile, machine = profile_graph(graph, _get_batch, _sgd, options, loss_fn=_loss)
-    scale, interference = overheads.measure_model_scale(graph, profile, machine, _get_batch, _loss, _sgd, MINIBATCH,
-                                                        iterations=2, rounds=1)
+    scaling = overheads.measure_model_scale(graph, profile, machine, _get_batch, _loss, _sgd, MINIBATCH,
+                                            iterations=2, rounds=1)
+    scale, interference = scaling.scale, scaling.interference
+    assert scaling.low <= scale <= scaling.high  # the spread of its tasks' readings
     # a ratio of spans, both of the same work: the runtime not free, and finite. These layers compute
     # for microseconds, profiled unwatched, so the runtime's unmodelled costs per task weigh on the
     # scale: 24.7 was read once in CI on torch 2.14 (1.5-2.3 on GPT-2 tiny)
@@ -58,9 +60,11 @@ def test_a_probed_compile_carries_the_models_scale(monkeypatch):
     graph, options = _profiled(probe_flag=True)
     nominal = _nominal_machine(options, 1 << 20)
     monkeypatch.setattr(probe, "probe_machine", lambda *args, **kwargs: nominal)
-    monkeypatch.setattr(overheads, "measure_model_scale", lambda *args, **kwargs: (0.77, 0.12))
+    monkeypatch.setattr(overheads, "measure_model_scale",
+                        lambda *args, **kwargs: overheads.Scaling(0.77, 0.12, 0.7, 0.9))
     profile, machine = profile_graph(graph, _get_batch, _sgd, options, loss_fn=_loss)
     assert (machine.compute_scale, machine.compute_interference) == (0.77, 0.12) and profile.machine is machine
+    assert machine.compute_scale_range == [0.7, 0.9]
     assert "model's own layers" in machine.notes["compute_scale"]
 
 
@@ -103,14 +107,26 @@ def test_the_scale_is_read_on_the_compute_inside_a_span_not_on_the_whole_span():
     assert abs(overheads._median_ratio(tasks, measured, modelled) - 0.6) < 1e-9
 
 
-def test_the_scale_and_interference_are_the_median_rounds_not_the_fastest():
+def test_the_scale_and_interference_are_the_median_rounds_not_the_fastest_and_the_range_is_kept():
     # three rounds on one device read 0.5, 0.7, 0.6 and on two 0.9, 0.7, 0.8: a run sees the machine's
     # typical load, so the scale is 0.6 and the interference 0.8 / 0.6 - 1
     tasks = _graph_of(1)
     runs = {1: (tasks, {0: (1.0, 1.0)}), 2: (tasks, {0: (1.0, 1.0)})}
     reads = iter([0.5, 0.9, 0.7, 0.7, 0.6, 0.8])  # the rounds interleave one device and two
-    scale, interference = overheads._scaling(runs, 3, lambda graph: {0: next(reads)}, "a test")
-    assert abs(scale - 0.6) < 1e-9 and abs(interference - (0.8 / 0.6 - 1)) < 1e-9
+    scaling = overheads._scaling(runs, 3, lambda graph: {0: next(reads)}, "a test")
+    assert abs(scaling.scale - 0.6) < 1e-9 and abs(scaling.interference - (0.8 / 0.6 - 1)) < 1e-9
+    # the one-device rounds' lowest and highest: how much the machine moved while it was measured
+    assert (scaling.low, scaling.high) == (0.5, 0.7)
+    assert scaling.applied(_nominal_machine(_profiled()[1], 1 << 20)).compute_scale_range == [0.5, 0.7]
+
+
+def test_the_range_spans_the_models_tasks_not_only_the_rounds():
+    # rounds whose medians agree (1.5, 1.55) over tasks that read 1.2 (backwards) to 2.4 (forwards):
+    # a plan of other tasks lands anywhere between, so the range is the tasks' 10th-90th percentile
+    tasks = [1.2, 1.3, 1.5, 1.5, 1.6, 2.4] * 3
+    low, high = overheads._range(tasks, [1.5, 1.55])
+    assert 1.2 <= low <= 1.3 and 1.6 <= high <= 2.4
+    assert overheads._range([], [1.5, 1.55]) == (1.5, 1.55)  # no task readings: the rounds'
 
 
 def test_where_overheads_are_the_whole_span_the_scale_is_read_on_the_spans():

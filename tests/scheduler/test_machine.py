@@ -148,11 +148,11 @@ def test_runtime_costs_round_trip_and_default_to_unmeasured(tmp_path):
 
 
 def test_a_version_1_file_is_read_with_the_runtime_costs_unmeasured(tmp_path):
-    assert VERSION == 6
+    assert VERSION == 7
     body = make().to_dict()
     for name in ("task_overhead", "microbatch_overhead", "update_overhead", "cpu_cores", "compute_scale",
                  "compute_interference", "iteration_overhead", "tensor_overhead", "host_update_overhead",
-                 "host_tensor_overhead", "p2p_send_overhead"):
+                 "host_tensor_overhead", "p2p_send_overhead", "compute_scale_range"):
         del body[name]
     serialization.save(tmp_path / "old", KIND, 1, body)
     old = Machine.load(tmp_path / "old")
@@ -187,15 +187,34 @@ def test_a_version_4_file_is_read_without_a_cost_per_state_tensor(tmp_path):
 def test_a_version_5_file_is_read_without_a_host_updates_or_a_senders_own_cost(tmp_path):
     body = make(task_overhead=1e-3, tensor_overhead=1e-5).to_dict()
     del body["host_update_overhead"], body["host_tensor_overhead"], body["p2p_send_overhead"]
+    del body["compute_scale_range"]
     serialization.save(tmp_path / "v5", KIND, 5, body)
     old = Machine.load(tmp_path / "v5")
     assert old == make(task_overhead=1e-3, tensor_overhead=1e-5)
     assert (old.host_update_overhead, old.host_tensor_overhead, old.p2p_send_overhead) == (0.0, 0.0, 0.0)
 
 
+def test_a_version_6_file_is_read_with_one_reading_of_the_compute_scale(tmp_path):
+    body = make(compute_scale=1.4).to_dict()
+    del body["compute_scale_range"]
+    serialization.save(tmp_path / "v6", KIND, 6, body)
+    old = Machine.load(tmp_path / "v6")
+    assert old == make(compute_scale=1.4) and old.compute_scale_range is None
+
+
+def test_the_compute_scales_range_round_trips_and_is_described(tmp_path):
+    m = make(compute_scale=1.4, compute_scale_range=(1.2, 1.9))
+    m.save(tmp_path / "m")
+    assert Machine.load(tmp_path / "m") == m and m.compute_scale_range == [1.2, 1.9]
+    assert "1.20-1.90 over the calibration's rounds" in m.describe()
+
+
 @pytest.mark.parametrize(
     "overrides, words",
     [
+        ({"compute_scale_range": [1.5, 1.2]}, "compute_scale_range"),
+        ({"compute_scale_range": [0.0, 1.2]}, "compute_scale_range"),
+        ({"compute_scale_range": [1.2]}, "compute_scale_range"),
         ({"task_overhead": -1e-3}, "task_overhead"),
         ({"microbatch_overhead": math.inf}, "microbatch_overhead"),
         ({"update_overhead": "1ms"}, "update_overhead"),
