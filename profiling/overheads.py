@@ -458,7 +458,8 @@ def measure_model_scale(graph: LayerGraph, profile: Profile, machine: Machine, g
 
 class Scaling(NamedTuple):
     """What a calibration read (``_scaling``): the compute scale (the median round on one device),
-    the interference, and the lowest and highest one-device rounds (``Machine.compute_scale_range``)."""
+    the interference, and the range a plan's tasks may land in (``_range``,
+    ``Machine.compute_scale_range``)."""
 
     scale: float
     interference: float
@@ -472,12 +473,13 @@ class Scaling(NamedTuple):
 
 def _scaling(runs: dict[int, tuple[TaskGraph, dict[int, tuple[float, float]]]], rounds: int,
              measure: Callable[[TaskGraph], dict[int, float]], what: str) -> Scaling:
-    """``(compute_scale, compute_interference)`` from ``runs`` (per device count, one and all: a
+    """The compute scale, interference and range (``Scaling``) from ``runs`` (per device count, one and all: a
     task graph and, per task, the estimator's span and the compute inside it), each measured
     ``rounds`` times interleaved: per run, the median over the tasks of the compute scale that
     explains the measured span (``_median_ratio``); the median one-device run is the scale (a run,
     like a user's, sees the machine's typical load, not its best moment), the median all-devices
-    run over it, less one, spread over the other devices, the interference."""
+    run over it, less one, spread over the other devices, the interference; the one-device tasks'
+    readings over all rounds, the range (``_range``)."""
     ratios: dict[int, list[float]] = {count: [] for count in runs}
     tasks_alone: list[float] = []  # every one-device task's reading, all rounds
     for _ in range(rounds):
