@@ -249,6 +249,39 @@ def _backward_once(modules, states, params, inputs: tuple, device: Device, m: Me
     return recompute, backward
 
 
+def measure_loss_time(outputs: tuple, device: Device, loss: Callable[[tuple, Device], tuple[torch.Tensor, Any]],
+                      trials: int = 3) -> float:
+    """Seconds of the loss's own forward and backward on a microbatch's ``outputs`` (host copies of
+    the last layer's), as a loss task computes it between that layer's forward and backward: the
+    target copied in, the loss, its backward to the outputs. 0 where the loss does not reach the
+    outputs (nothing to differentiate)."""
+    times: list[float] = []
+    with torch.random.fork_rng(devices=[]), device.memory_scope():
+        for trial in _trial_indices(trials, times):
+            if not _loss_trial(outputs, device, loss, trial, times):
+                return 0.0
+    return _median(times)
+
+
+def _loss_trial(outputs: tuple, device: Device, loss: Callable[[tuple, Device], tuple[torch.Tensor, Any]], trial: int,
+                times: list[float]) -> bool:
+    """One trial of ``measure_loss_time``, its time added to ``times`` unless it is the warm-up
+    (0); False where the loss does not reach the outputs."""
+    ys = _on_device(device, outputs, grad=True)
+    with _unwatched(device, trial):
+        timer = device.timer()
+        timer.start()
+        value, held = loss(ys, device)
+        if not value.requires_grad:
+            return False
+        value.backward()
+        del value, held
+        elapsed = timer.stop()
+    if trial:
+        times.append(elapsed)
+    return True
+
+
 def update_scratch(
     params: list[torch.Tensor], build_optimizer: Callable[[Any], torch.optim.Optimizer], device: Device
 ) -> tuple[int, int]:

@@ -242,11 +242,15 @@ class LossSample:
     input. That covers what the layer profiles cannot see: the loss's forward and target, its
     backward, the output gradient it makes, and the output itself, which a loss task lets go once
     the loss is computed unless the layer saved it for its backward. ``first_nbytes``: the same
-    for a group's first microbatch, which makes the gradient buffers."""
+    for a group's first microbatch, which makes the gradient buffers. ``seconds``: the loss's own
+    compute, its forward from the layer's outputs and its backward to them (the target copied in
+    included), which a loss task runs between the layer's forward and backward and the layers'
+    profiles time neither (0: not measured)."""
 
     u: int
     nbytes: int
     first_nbytes: int = 0
+    seconds: float = 0.0
 
 
 @dataclass
@@ -549,6 +553,22 @@ class Profile:
         layer = self.layers[-1]
         own = layer.w_bytes + layer.b_bytes + layer.dw_bytes + layer.at("x_bytes", u)
         return max(0.0, layer.at("bwd_peak", u) - own) + 2 * layer.at("y_bytes", u)
+
+    def loss_time(self, u: int) -> float:
+        """Seconds of the loss's own forward and backward on a microbatch of ``u`` samples
+        (``LossSample.seconds``), fitted over the sizes measured; 0 where nobody measured it (an
+        analytic profile, no loss function, a profile made before it was measured)."""
+        timed = [s for s in self.loss_samples if s.seconds > 0]
+        if not timed:
+            return 0.0
+        exact = [s.seconds for s in timed if s.u == u]
+        if exact:
+            return float(exact[0])
+        fits = self.__dict__.setdefault("_loss_fits", {})
+        key = ("seconds", len(timed))
+        if key not in fits:
+            fits[key] = fit_samples([s.u for s in timed], [s.seconds for s in timed])
+        return max(0.0, float(fits[key](u)))
 
     def state_tensors(self, tensor: str, first: int, last: int) -> int:
         """Tensors the runtime moves one by one for ``tensor`` (W, dW, K or B) of layers first..last:

@@ -21,8 +21,8 @@ from torch.utils._pytree import tree_unflatten
 from harmony.decomposer.layer_graph import LayerGraph
 from harmony.errors import DeviceOutOfMemoryError, HarmonyError
 from harmony.runtime.device import CpuDevice, Device
-from harmony.profiling.measure import (Measurement, host_device, measure_layer, measure_norm, measure_pack, measure_update,
-                                      torch_threads, update_scratch)
+from harmony.profiling.measure import (Measurement, host_device, measure_layer, measure_loss_time, measure_norm,
+                                      measure_pack, measure_update, torch_threads, update_scratch)
 from harmony.profiling.profiles import LayerProfile, LayerSample, LossSample, PackSample, Profile
 
 log = logging.getLogger(__name__)
@@ -249,7 +249,7 @@ class Profiler:
         index = len(self.graph.modules) - 1
         module = self.graph.modules[index]
         try:
-            m, _ = measure_pack([module], inputs, self.device, trials=0, loss=loss, input_grad=index > 0)
+            m, outputs = measure_pack([module], inputs, self.device, trials=0, loss=loss, input_grad=index > 0)
         except DeviceOutOfMemoryError:
             m = None
         except Exception as exc:  # noqa: BLE001 - the loss is the user's; training will say what is wrong
@@ -258,10 +258,15 @@ class Profiler:
         if m is None or m.bwd_error:
             log.info("the last layer's loss task does not fit %s at u=%d", self.device.name, u)
             return
+        try:
+            seconds = measure_loss_time(outputs, self.device, loss, trials=self.trials)
+        except DeviceOutOfMemoryError:  # the memory figure stands; the loss's time is left unmeasured
+            seconds = 0.0
         params = [p for p in module.parameters()]
         own = (sum(p.numel() * p.element_size() * (2 if p.requires_grad else 1) for p in params)
                + sum(b.numel() * b.element_size() for b in module.buffers()) + m.x_bytes)
-        out.append(LossSample(u=u, nbytes=max(0, m.bwd_peak - own), first_nbytes=max(0, m.bwd_first_peak - own)))
+        out.append(LossSample(u=u, nbytes=max(0, m.bwd_peak - own), first_nbytes=max(0, m.bwd_first_peak - own),
+                              seconds=seconds))
 
     def _update_growth(self, layers: list[LayerProfile]) -> float:
         """How the optimizer's temporaries grow with the parameters stepped together

@@ -321,8 +321,8 @@ def _task_costs(task: Task, profile: Profile, cache: dict) -> list[float]:
         for size in task.microbatches:
             if task.kind == Kind.FWD:
                 durs.append(pack("fwd_time", size))
-            elif task.loss:
-                durs.append(pack("fwd_time", size) + pack("bwd_time", size))
+            elif task.loss:  # the loss's own forward and backward between the pack's (``Profile.loss_time``)
+                durs.append(pack("fwd_time", size) + pack("bwd_time", size) + profile.loss_time(size))
             else:
                 durs.append(pack("recompute_time", size) + pack("bwd_time", size))
         if task.kind == Kind.BWD and task.update == "device":
