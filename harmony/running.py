@@ -76,7 +76,7 @@ def run_report(plan: Plan, history: list[StepResult], warmup: int = 1, first: in
 
 def _within_range(span: list[float] | None, mean: float) -> dict[str, Any]:
     """The plan's stated range for its iteration time (``iteration_time_range``: the estimate at
-    the calibration's fastest and slowest rounds) and whether the run's mean fell in it."""
+    both ends of ``Machine.compute_scale_range``) and whether the run's mean fell in it."""
     if not span:
         return {}
     return {"estimated_iteration_range": list(span), "within_estimated_range": span[0] <= mean <= span[1]}

@@ -485,7 +485,7 @@ def _scaling(runs: dict[int, tuple[TaskGraph, dict[int, tuple[float, float]]]], 
     for _ in range(rounds):
         for count, (tasks, modelled) in runs.items():
             reads = _task_ratios(tasks, measure(tasks), modelled)
-            ratios[count].append(statistics.median(reads or [0.0]))
+            ratios[count].append(_median_of(reads))
             if count == 1:
                 tasks_alone += reads
     devices = max(runs)
@@ -550,7 +550,12 @@ def _modelled(tasks: TaskGraph, profile: Profile, machine: Machine) -> dict[int,
 
 def _median_ratio(tasks: TaskGraph, measured: dict[int, float], modelled: dict[int, tuple[float, float]]) -> float:
     """The median over the device's compute tasks of their scales (``_task_ratios``)."""
-    return statistics.median(_task_ratios(tasks, measured, modelled) or [0.0])
+    return _median_of(_task_ratios(tasks, measured, modelled))
+
+
+def _median_of(reads: list[float]) -> float:
+    """A run's scale from its tasks' readings; 0 without any (the caller's guard reads it as none)."""
+    return statistics.median(reads) if reads else 0.0
 
 
 def _task_ratios(tasks: TaskGraph, measured: dict[int, float], modelled: dict[int, tuple[float, float]]) -> list[float]:

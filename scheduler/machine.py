@@ -60,11 +60,11 @@ on layers of near-zero compute, ``harmony.profiling.overheads``; zero when nobod
   ``k`` units computing at once runs ``1 + compute_interference * (k - 1)`` times slower than the
   profile, which timed one layer alone (measured: the real launcher's tasks on all devices at once
   against the same layers profiled alone). Zero: no interference (GPUs, or nobody measured it).
-- ``compute_scale_range``: the lowest and highest of the rounds ``compute_scale`` is the median of
-  (the calibration runs its tasks a few times, interleaved): how much the runtime's compute moved on
-  this machine while it was measured, which a plan's estimate states as its range
-  (``Plan.estimate["iteration_time_range"]``) rather than promise a precision the machine does not
-  have. None: one reading, or nobody measured it.
+- ``compute_scale_range``: the 10th and 90th percentiles of the calibration's one-device task
+  readings over all its rounds, never narrower than its rounds' medians (``overheads._range``): how
+  differently the runtime computed this model's tasks, and how much that moved while it was
+  measured, which a plan's estimate states as its range (``Plan.estimate["iteration_time_range"]``)
+  rather than promise a precision the machine does not have. None: one reading, or nobody measured it.
 
 The scheduler must not import the runtime, so this module imports only the standard library,
 ``harmony.errors``, ``harmony.serialization`` and the device specs.
@@ -158,7 +158,7 @@ class Machine:
     cpu_cores: float | None = None  # cores the devices' compute shares (cpu backend); None: no sharing
     compute_scale: float = 1.0  # the runtime's compute over the profile's, one device alone (cpu backend)
     compute_interference: float = 0.0  # slowdown per other unit computing at once (cpu backend)
-    compute_scale_range: list[float] | None = None  # [lowest, highest] of the calibration's rounds; None: one reading
+    compute_scale_range: list[float] | None = None  # [low, high] of the calibration's task readings; None: one reading
 
     def __post_init__(self) -> None:
         problems = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 
+import pytest
 import torch
 
 import harmony.profiling.overheads as overheads
@@ -121,11 +122,12 @@ def test_the_scale_and_interference_are_the_median_rounds_not_the_fastest_and_th
 
 
 def test_the_range_spans_the_models_tasks_not_only_the_rounds():
-    # rounds whose medians agree (1.5, 1.55) over tasks that read 1.2 (backwards) to 2.4 (forwards):
-    # a plan of other tasks lands anywhere between, so the range is the tasks' 10th-90th percentile
-    tasks = [1.2, 1.3, 1.5, 1.5, 1.6, 2.4] * 3
+    # rounds whose medians agree (1.5, 1.55) over tasks that read 1.0 to 3.0: a plan of other tasks
+    # lands anywhere between, so the range is the tasks' 10th-90th percentile (eleven readings: the
+    # second lowest and the second highest), neither the extremes nor the rounds' spread
+    tasks = [1.5, 3.0, 1.2, 1.6, 1.0, 1.4, 1.9, 1.3, 1.5, 1.8, 1.7]
     low, high = overheads._range(tasks, [1.5, 1.55])
-    assert 1.2 <= low <= 1.3 and 1.6 <= high <= 2.4
+    assert (low, high) == pytest.approx((1.2, 1.9))
     assert overheads._range([], [1.5, 1.55]) == (1.5, 1.55)  # no task readings: the rounds'
 
 
