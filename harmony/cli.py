@@ -458,7 +458,7 @@ def _estimate_range_text(plan: Plan) -> str:
     span = plan.estimate.get("iteration_time_range")
     if not span:
         return ""
-    return f" ({span[0] * 1e3:.2f}-{span[1] * 1e3:.2f} ms at the calibration's fastest and slowest rounds)"
+    return f" ({span[0] * 1e3:.2f}-{span[1] * 1e3:.2f} ms at the 10th and 90th percentiles of the calibration's task readings)"
 
 
 def _print_comparison(plan) -> None:

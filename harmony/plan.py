@@ -195,8 +195,8 @@ class Plan:
             f"- profile: {self.profile.source} on {self.profile.device}, capacity {self.profile.capacity:,} bytes per device",
             f"- configuration: {self.tasks.config}",
             f"- estimated iteration time: {est.get('iteration_time', float('nan')):.6f} s"
-            + (" ({:.6f}-{:.6f} s at the calibration's fastest and slowest rounds)".format(*est["iteration_time_range"])
-               if est.get("iteration_time_range") else ""),
+            + (" ({:.6f}-{:.6f} s at the 10th and 90th percentiles of the calibration's task readings)"
+               .format(*est["iteration_time_range"]) if est.get("iteration_time_range") else ""),
             f"- search: {self.search.get('explored', '?')} configurations in {self.search.get('seconds', float('nan')):.2f} s",
         ]
         if self.tasks.precision != "fp32":

@@ -348,7 +348,7 @@ class Machine:
                    if self.p2p_send_overhead else "")
                 + (f"; {self.cpu_cores:.2f} cores shared by the devices' compute" if self.cpu_cores is not None else "")
                 + (f"; compute {self.compute_scale:.2f}x the profile" if self.compute_scale != 1.0 else "")
-                + (" ({:.2f}-{:.2f} over the calibration's rounds)".format(*self.compute_scale_range)
+                + (" ({:.2f}-{:.2f} across the calibration's tasks, 10th-90th percentile)".format(*self.compute_scale_range)
                    if self.compute_scale_range else "")
                 + (f"; each other device computing at once slows one by {self.compute_interference:.0%}"
                    if self.compute_interference else "")

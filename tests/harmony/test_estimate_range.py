@@ -36,11 +36,11 @@ def test_a_plan_states_its_time_at_the_calibrations_fastest_and_slowest_rounds(m
     plan = _compile(monkeypatch, [1.2, 2.0])
     low, high = plan.estimate["iteration_time_range"]
     assert low < plan.estimate["iteration_time"] < high
-    assert "at the calibration's fastest and slowest rounds" in _estimate_range_text(plan)
+    assert "at the 10th and 90th percentiles of the calibration's task readings" in _estimate_range_text(plan)
     plan.save(tmp_path / "plan")
     loaded = harmony.load_plan(tmp_path / "plan")
     assert loaded.estimate["iteration_time_range"] == [low, high]
-    assert "fastest and slowest rounds" in (tmp_path / "plan" / "summary.md").read_text()
+    assert "10th and 90th percentiles of the calibration's task readings" in (tmp_path / "plan" / "summary.md").read_text()
 
 
 def test_a_plan_whose_machine_read_one_scale_states_no_range(monkeypatch):

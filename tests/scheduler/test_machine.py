@@ -206,7 +206,7 @@ def test_the_compute_scales_range_round_trips_and_is_described(tmp_path):
     m = make(compute_scale=1.4, compute_scale_range=(1.2, 1.9))
     m.save(tmp_path / "m")
     assert Machine.load(tmp_path / "m") == m and m.compute_scale_range == [1.2, 1.9]
-    assert "1.20-1.90 over the calibration's rounds" in m.describe()
+    assert "1.20-1.90 across the calibration's tasks, 10th-90th percentile" in m.describe()
 
 
 @pytest.mark.parametrize(
