@@ -60,9 +60,13 @@ __all__ = ["BASELINES", "gpipe_swap", "one_f_one_b_swap", "stages", "schedule"]
 # --------------------------------------------------------------------------- stages
 def _pack_cost(profile: Profile, first: int, last: int, u: int, recompute: bool) -> float:
     """A pack's compute per microbatch: forward and backward, and the recompute unless it is
-    the model's last pack (its loss task runs forward and backward together)."""
-    cost = profile.pack_time(first, last, u, "fwd_time") + profile.pack_time(first, last, u, "bwd_time")
-    if recompute and last != len(profile.layers) - 1:
+    the model's last pack (its loss task runs its forward, recording for autograd as a recompute
+    does, and its backward together)."""
+    cost = profile.pack_time(first, last, u, "bwd_time")
+    if last == len(profile.layers) - 1:
+        return cost + profile.pack_time(first, last, u, "recompute_time")
+    cost += profile.pack_time(first, last, u, "fwd_time")
+    if recompute:
         cost += profile.pack_time(first, last, u, "recompute_time")
     return cost
 

@@ -93,7 +93,9 @@ def _pass_times(profile: Profile, cache: dict, kind: str, packs: tuple, u: int,
     hit = cache.get(key)
     if hit is not None:
         return hit
-    again = {"loss": "fwd_time", "bwd": "recompute_time"}.get(kind)  # the forward a backward runs first
+    # the forward a backward runs first: recording for autograd, as the estimator times it (a loss
+    # task's too; "bwd-only": none)
+    again = "recompute_time" if kind in ("loss", "bwd") else None
 
     def pack(first: int, last: int, size: int) -> float:
         if kind == "fwd":

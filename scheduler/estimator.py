@@ -321,8 +321,10 @@ def _task_costs(task: Task, profile: Profile, cache: dict) -> list[float]:
         for size in task.microbatches:
             if task.kind == Kind.FWD:
                 durs.append(pack("fwd_time", size))
-            elif task.loss:  # the loss's own forward and backward between the pack's (``Profile.loss_time``)
-                durs.append(pack("fwd_time", size) + pack("bwd_time", size) + profile.loss_time(size))
+            elif task.loss:  # the pack's forward recording for autograd (a recompute's, not the no-grad
+                # FWD's: 7-30% dearer on the benchmark's models), the loss's own forward and backward
+                # (``Profile.loss_time``), the pack's backward
+                durs.append(pack("recompute_time", size) + pack("bwd_time", size) + profile.loss_time(size))
             else:
                 durs.append(pack("recompute_time", size) + pack("bwd_time", size))
         if task.kind == Kind.BWD and task.update == "device":

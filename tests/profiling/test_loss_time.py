@@ -36,8 +36,8 @@ def test_the_profile_times_the_loss_function_at_each_size_it_measures():
     assert profile.loss_time(profile.loss_samples[-1].u) == profile.loss_samples[-1].seconds
 
 
-def _profile(loss_samples: list[LossSample]) -> Profile:
-    samples = [LayerSample(u=u, fwd_time=1e-3 * u, bwd_time=2e-3 * u, recompute_time=1e-3 * u, fwd_peak=1000,
+def _profile(loss_samples: list[LossSample], recompute: float = 1e-3) -> Profile:
+    samples = [LayerSample(u=u, fwd_time=1e-3 * u, bwd_time=2e-3 * u, recompute_time=recompute * u, fwd_peak=1000,
                            bwd_peak=2000, x_bytes=10 * u, y_bytes=10 * u, dx_bytes=10 * u) for u in (1, 8)]
     layer = LayerProfile(index=0, name="L0", w_bytes=100, dw_bytes=100, k_bytes=0, b_bytes=0, upd_time_device=0.0,
                          upd_time_host=0.0, fwd_samples=samples, bwd_samples=samples)
@@ -56,6 +56,20 @@ def test_a_loss_microbatch_is_estimated_with_the_losss_own_time_and_a_plain_back
     # 4e-4 s a microbatch of 4, read off the line through the sizes measured
     assert [a - b for a, b in zip(with_loss, without)] == pytest.approx([4e-4, 4e-4], rel=1e-6)
     assert unit_seconds(plain, timed, machine) == unit_seconds(plain, untimed, machine)
+
+
+def test_a_loss_microbatchs_forward_is_timed_as_one_recording_for_autograd_not_the_no_grad_forward():
+    """A loss task runs its pack's forward with autograd on, as a recompute does (7-30% dearer than
+    the FWD task's no-grad forward on the benchmark's models); the estimate takes that time."""
+    machine = Machine(kind="cpu", device_name="test", devices=1, capacity=1 << 30, h2d=1e9, d2h=1e9, d2d=1e9,
+                      host_link_shared=False, h2d_all=1e9, d2h_all=1e9, msg=1e9, latency=0.0)
+    profile = _profile([LossSample(u=1, nbytes=0), LossSample(u=8, nbytes=0)], recompute=3e-3)
+    loss_task = Task(id=0, device=0, kind=Kind.BWD, first=0, last=0, microbatches=[4, 4], loss=True)
+    # per microbatch of 4: the recording forward 3e-3 * 4 and the backward 2e-3 * 4 (the no-grad
+    # forward, 1e-3 * 4, is not in it)
+    assert unit_seconds(loss_task, profile, machine) == pytest.approx([20e-3, 20e-3], rel=1e-9)
+    forward = Task(id=1, device=0, kind=Kind.FWD, first=0, last=0, microbatches=[4])
+    assert unit_seconds(forward, profile, machine) == pytest.approx([4e-3], rel=1e-9)
 
 
 def test_a_profile_saved_before_the_loss_was_timed_reads_it_as_unmeasured(tmp_path):
