@@ -58,7 +58,9 @@ def compiled(model: Model, minibatch: int, devices: int = 2, device_memory: int 
     module = model.build()
     options = CompileOptions(minibatch=minibatch, devices=devices, device_memory=device_memory, mode="pp",
                              compare=False, probe=probe, trials=trials, samples=samples)
-    plan, _ = compile_plan(module, model.get_batch, model.build_optimizer, options)
+    # with the loss, as a user's compile has it: its memory and time are profiled, and a probed
+    # compile calibrates the compute scale on the model's own layers (without it, on MLP blocks)
+    plan, _ = compile_plan(module, model.get_batch, model.build_optimizer, options, loss_fn=model.loss_fn)
     plan.loss_fn, plan.build_optimizer, plan.get_batch = model.loss_fn, model.build_optimizer, model.get_batch
     return plan
 
