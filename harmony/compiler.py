@@ -204,9 +204,16 @@ def estimate_range(tasks, profile: Profile, machine: Machine, capacity: int) -> 
     scale (GPUs, analytic machines, an unprobed compile)."""
     if not machine.compute_scale_range:
         return {}
-    times = [estimate(tasks, profile, dataclasses.replace(machine, compute_scale=scale), capacity=capacity,
-                      record_events=False).iteration_time for scale in machine.compute_scale_range]
+    times = [estimate(tasks, profile, _at_scale(machine, scale), capacity=capacity, record_events=False).iteration_time
+             for scale in machine.compute_scale_range]
     return {"iteration_time_range": [min(times), max(times)]}
+
+
+def _at_scale(machine: Machine, scale: float) -> Machine:
+    """``machine`` computing at ``scale``, a task's first microbatch moved with it."""
+    first = machine.compute_scale_first
+    return dataclasses.replace(machine, compute_scale=scale,
+                               compute_scale_first=None if first is None else first * scale / machine.compute_scale)
 
 
 def finish_plan(result: SearchResult, profile: Profile, machine: Machine, options: CompileOptions, planned: int,
