@@ -435,6 +435,10 @@ def _scaled_to_the_model(graph, profile: Profile, machine: Machine, get_batch, l
                               "from its profile (median)",
              "compute_interference": f"the same on {max(2, machine.devices)} devices at once over one device, less "
                                      "one, per other device"}
+    if scaling.first is not None:
+        notes["compute_scale"] = ("the real launcher's tasks on the model's own layers, one device: each task's "
+                                  "later microbatches, timed unit by unit, over their profile (median)")
+        notes["compute_scale_first"] = "the same tasks' first microbatch (median): it starts on cold caches"
     return dataclasses.replace(scaling.applied(machine), notes=notes)
 
 
