@@ -41,7 +41,10 @@ emulated devices uses instead (``compiler._scaled_to_the_model``): its own layer
 one device and on all, at the square root of the largest microbatch its profile measured (plans under
 memory pressure run small microbatches, and the ratio moves with the microbatch). On ``bench.estimate_accuracy
 --full`` the blocks' scale left GPT-2 small, VGG and ResNet 24-35% under their runs; the model's
-own brought them within -20..+13% (one run each, bench/results/estimate_accuracy.md).
+own brought them within -20..+13% (one run each, bench/results/estimate_accuracy.md). Both time
+each unit of the one-device tasks too and read a task's first microbatch apart from its later ones
+(``_unit_readings``): the first runs on cold caches, 1.3-1.8x the later ones on the tiny models,
+and becomes ``Machine.compute_scale_first`` beside the later ones' ``compute_scale``.
 
 ``measure_cores`` runs a fixed single-threaded loop for a fixed window in one forked process, then in
 ``devices + 1`` processes released together by a barrier: ``k`` processes on ``c`` free cores do ``c``
