@@ -166,7 +166,7 @@ def without_runtime_costs(machine: Machine) -> Machine:
     return dataclasses.replace(machine, task_overhead=0.0, microbatch_overhead=0.0, update_overhead=0.0,
                                tensor_overhead=0.0, iteration_overhead=0.0, host_update_overhead=0.0,
                                host_tensor_overhead=0.0, p2p_send_overhead=0.0, cpu_cores=None, compute_scale=1.0,
-                               compute_scale_first=None, compute_interference=0.0)
+                               compute_interference=0.0)
 
 
 def _best_configurations(base: Plan, machine: Machine, mode: str, case: Case, count: int) -> list[Configuration]:
@@ -395,7 +395,7 @@ def main() -> None:
                 "machine": {name: getattr(machine, name) for name in (
                     "h2d", "d2h", "d2d", "latency", "p2p_latency", "task_overhead", "microbatch_overhead",
                     "update_overhead", "host_update_overhead", "host_tensor_overhead", "p2p_send_overhead",
-                    "cpu_cores", "compute_scale", "compute_scale_first", "compute_interference")},
+                    "cpu_cores", "compute_scale", "compute_interference")},
             })
             if ns.breakdown:
                 row["breakdown"] = breakdown(plan, est, steady)

@@ -204,16 +204,9 @@ def estimate_range(tasks, profile: Profile, machine: Machine, capacity: int) -> 
     scale (GPUs, analytic machines, an unprobed compile)."""
     if not machine.compute_scale_range:
         return {}
-    times = [estimate(tasks, profile, _at_scale(machine, scale), capacity=capacity, record_events=False).iteration_time
-             for scale in machine.compute_scale_range]
+    times = [estimate(tasks, profile, dataclasses.replace(machine, compute_scale=scale), capacity=capacity,
+                      record_events=False).iteration_time for scale in machine.compute_scale_range]
     return {"iteration_time_range": [min(times), max(times)]}
-
-
-def _at_scale(machine: Machine, scale: float) -> Machine:
-    """``machine`` computing at ``scale``, a task's first microbatch moved with it."""
-    first = machine.compute_scale_first
-    return dataclasses.replace(machine, compute_scale=scale,
-                               compute_scale_first=None if first is None else first * scale / machine.compute_scale)
 
 
 def finish_plan(result: SearchResult, profile: Profile, machine: Machine, options: CompileOptions, planned: int,
@@ -435,10 +428,6 @@ def _scaled_to_the_model(graph, profile: Profile, machine: Machine, get_batch, l
                               "from its profile (median)",
              "compute_interference": f"the same on {max(2, machine.devices)} devices at once over one device, less "
                                      "one, per other device"}
-    if scaling.first is not None:
-        notes["compute_scale"] = ("the real launcher's tasks on the model's own layers, one device: each task's "
-                                  "later microbatches, timed unit by unit, over their profile (median)")
-        notes["compute_scale_first"] = "the same tasks' first microbatch (median): it starts on cold caches"
     return dataclasses.replace(scaling.applied(machine), notes=notes)
 
 

@@ -41,10 +41,7 @@ emulated devices uses instead (``compiler._scaled_to_the_model``): its own layer
 one device and on all, at the square root of the largest microbatch its profile measured (plans under
 memory pressure run small microbatches, and the ratio moves with the microbatch). On ``bench.estimate_accuracy
 --full`` the blocks' scale left GPT-2 small, VGG and ResNet 24-35% under their runs; the model's
-own brought them within -20..+13% (one run each, bench/results/estimate_accuracy.md). Both time
-each unit of the one-device tasks too and read a task's first microbatch apart from its later ones
-(``_unit_readings``): the first runs on cold caches, 1.3-1.8x the later ones on the tiny models,
-and becomes ``Machine.compute_scale_first`` beside the later ones' ``compute_scale``.
+own brought them within -20..+13% (one run each, bench/results/estimate_accuracy.md).
 
 ``measure_cores`` runs a fixed single-threaded loop for a fixed window in one forked process, then in
 ``devices + 1`` processes released together by a barrier: ``k`` processes on ``c`` free cores do ``c``
@@ -69,7 +66,7 @@ import torch
 
 from harmony.decomposer.decompose import decompose
 from harmony.decomposer.layer_graph import LayerGraph
-from harmony.scheduler.estimator import estimate, promise, task_compute_seconds, unit_compute_seconds, unit_overheads
+from harmony.scheduler.estimator import estimate, promise, task_compute_seconds
 from harmony.scheduler.machine import Machine
 from harmony.profiling.profiles import LayerProfile, LayerSample, Profile
 from harmony.scheduler.taskgraph import generate
@@ -214,7 +211,6 @@ class Spans(NamedTuple):
     """What the real launcher measured over a few iterations (after one warm-up)."""
 
     tasks: dict[int, float]  # median span of every device task
-    units: dict[int, list[float]]  # per device task, the median span of each of its units
     host: dict[int, float]  # median span of every host task (from its inputs' arrival to its end)
     sends: list[float]  # every p2p message's hand-off on its sender's p2p-out stream
     slowest: float  # median iteration time of the slowest worker
@@ -242,7 +238,6 @@ def _run(graph, tasks: TaskGraph, store: HostStore, loss_fn: Callable, build_opt
     launcher = Launcher(graph, tasks, store, loss_fn, build_optimizer, device_type="cpu", timeout=timeout)
     try:
         per_task: dict[int, list[float]] = {}
-        per_unit: dict[int, list[list[float]]] = {}
         per_host: dict[int, list[float]] = {}
         sends: list[float] = []
         slowest: list[float] = []
@@ -256,13 +251,10 @@ def _run(graph, tasks: TaskGraph, store: HostStore, loss_fn: Callable, build_opt
             for worker in result.workers:
                 for task_id, seconds in worker.task_seconds.items():
                     per_task.setdefault(task_id, []).append(seconds)
-                for task_id, units in worker.unit_seconds.items():
-                    per_unit.setdefault(task_id, []).append(units)
                 sends += [end - start for stream, _, _, start, end in worker.events if stream == "p2p-out"]
             for task_id, _, began, ended in result.host_events:
                 per_host.setdefault(task_id, []).append(ended - began)
-        units = {t: [statistics.median(u) for u in zip(*v)] for t, v in per_unit.items()}
-        return Spans({t: statistics.median(v) for t, v in per_task.items()}, units,
+        return Spans({t: statistics.median(v) for t, v in per_task.items()},
                      {t: statistics.median(v) for t, v in per_host.items()}, sends, statistics.median(slowest), launch)
     finally:
         launcher.close()
@@ -408,18 +400,17 @@ def measure_compute_scaling(machine: Machine, iterations: int = 5, rounds: int =
     scale that turns the span the estimator gives (with ``machine``'s overheads and shared cores)
     into the measured one (``_median_ratio``); read as ``_scaling`` reads it."""
     devices = max(2, machine.devices)
-    base = dataclasses.replace(machine, devices=devices, compute_scale=1.0, compute_interference=0.0,
-                               compute_scale_first=None)
+    base = dataclasses.replace(machine, devices=devices, compute_scale=1.0, compute_interference=0.0)
     shape = (BLOCK_TOKENS, BLOCK_WIDTH)
     graph, profile = _profiled(_blocks(), shape)
     packs = [(0, len(profile.layers) - 1)]
     config = Configuration(u_f=MINIBATCH // 2, packs_f=packs, u_b=MINIBATCH // 2, packs_b=packs)
-    runs = {}  # per device count: its task graph and the estimator's spans and units (the same every round)
+    runs = {}  # per device count: its task graph and the estimator's span of each task (the same every round)
     for count in (1, devices):
-        counted = dataclasses.replace(base, devices=count)
-        tasks = _promised(generate("dp", profile, config, count, MINIBATCH * count, update="host"), profile, counted)
-        runs[count] = _Run(tasks, _modelled(tasks, profile, counted), _modelled_units(tasks, profile, counted))
-    return _scaling(runs, rounds, lambda tasks: _spans(graph, tasks, iterations, timeout, shape), "MLP blocks")
+        tasks = _promised(generate("dp", profile, config, count, MINIBATCH * count, update="host"), profile,
+                          dataclasses.replace(base, devices=count))
+        runs[count] = tasks, _modelled(tasks, profile, dataclasses.replace(base, devices=count))
+    return _scaling(runs, rounds, lambda tasks: _spans(graph, tasks, iterations, timeout, shape).tasks, "MLP blocks")
 
 
 def measure_model_scale(graph: LayerGraph, profile: Profile, machine: Machine, get_batch: Callable, loss_fn: Callable,
@@ -434,8 +425,7 @@ def measure_model_scale(graph: LayerGraph, profile: Profile, machine: Machine, g
     ``measure_compute_scaling`` reads the blocks'. ``precision``: the plan's, which the runs compute in."""
     u = max(1, round(math.sqrt(min(profile.u_fmax, profile.u_bmax, minibatch))))
     devices = max(2, machine.devices)
-    base = dataclasses.replace(machine, devices=devices, compute_scale=1.0, compute_interference=0.0,
-                               compute_scale_first=None)
+    base = dataclasses.replace(machine, devices=devices, compute_scale=1.0, compute_interference=0.0)
     packs = _calibration_packs(len(profile.layers))
     config = Configuration(u_f=u, packs_f=packs, u_b=u, packs_b=packs)
     capacity = CpuDevice("model-scale").capacity  # the host's memory: the calibration is not the plan
@@ -445,8 +435,8 @@ def measure_model_scale(graph: LayerGraph, profile: Profile, machine: Machine, g
         tasks = generate("dp", profile, config, count, 2 * u * count, update="host")
         tasks.precision = precision  # computed as the plan's runs will (under autocast for bf16)
         tasks.memory = promise(tasks, profile, counted, capacity=capacity)
-        runs[count] = _Run(tasks, _modelled(tasks, profile, counted), _modelled_units(tasks, profile, counted))
-    step = sum(_step_seconds(run.tasks, run.modelled) for run in runs.values())
+        runs[count] = tasks, _modelled(tasks, profile, counted)
+    step = sum(_step_seconds(tasks, spans) for tasks, spans in runs.values())
     rounds, iterations = _within(MODEL_SCALE_SECONDS, step, rounds, iterations)
 
     def batch(size: int) -> Callable[[int], Batch]:
@@ -458,67 +448,46 @@ def measure_model_scale(graph: LayerGraph, profile: Profile, machine: Machine, g
 
     state = graph.state_dict()  # every run's store starts from the same weights, copied in
 
-    def measure(tasks: TaskGraph) -> Spans:
+    def measure(tasks: TaskGraph) -> dict[int, float]:
         store = HostStore.create(graph, tasks.devices, build_optimizer, state, low_copies=tasks.low_copies,
                                  slots=build_routes(tasks, graph).gradient_slots())
-        return _run(graph, tasks, store, loss_fn, build_optimizer, batch(tasks.minibatch), iterations, timeout)
+        return _run(graph, tasks, store, loss_fn, build_optimizer, batch(tasks.minibatch), iterations, timeout).tasks
 
     return _scaling(runs, rounds, measure, "the model")
 
 
 class Scaling(NamedTuple):
-    """What a calibration read (``_scaling``): the compute scale (the median round on one device;
-    of a task's later microbatches where its units were timed), the interference, the range a
-    plan's tasks may land in (``_range``, ``Machine.compute_scale_range``), and the scale of a
-    task's first microbatch (``_unit_readings``, ``Machine.compute_scale_first``; None: not read)."""
+    """What a calibration read (``_scaling``): the compute scale (the median round on one device),
+    the interference, and the range a plan's tasks may land in (``_range``,
+    ``Machine.compute_scale_range``)."""
 
     scale: float
     interference: float
     low: float
     high: float
-    first: float | None = None
 
     def applied(self, machine: Machine) -> Machine:
         return dataclasses.replace(machine, compute_scale=self.scale, compute_interference=self.interference,
-                                   compute_scale_range=[self.low, self.high] if self.high > self.low else None,
-                                   compute_scale_first=self.first)
+                                   compute_scale_range=[self.low, self.high] if self.high > self.low else None)
 
 
-class _Run(NamedTuple):
-    """A calibration's task graph for one device count, with what the estimator models of it: per
-    task its span and the compute inside (``_modelled``), and per unit its compute and overheads
-    (``_modelled_units``)."""
-
-    tasks: TaskGraph
-    modelled: dict[int, tuple[float, float]]
-    units: dict[int, tuple[list[float], list[float]]]
-
-
-def _scaling(runs: dict[int, _Run], rounds: int, measure: Callable[[TaskGraph], Spans], what: str) -> Scaling:
-    """The compute scale, interference, range and first microbatch's scale (``Scaling``) from
-    ``runs`` (per device count, one and all), each measured ``rounds`` times interleaved: per run,
-    the median over the tasks of the compute scale that explains the measured span
-    (``_median_ratio``); the median one-device run is the scale (a run, like a user's, sees the
-    machine's typical load, not its best moment), the median all-devices run over it, less one,
-    spread over the other devices, the interference; the one-device tasks' readings over all
-    rounds, the range (``_range``). Where the one-device tasks' units were timed, the scale is read
-    apart for a task's first microbatch and its later ones (``_unit_readings``), the median round
-    of each; the range is then the later ones' scale moved as the tasks' moved."""
+def _scaling(runs: dict[int, tuple[TaskGraph, dict[int, tuple[float, float]]]], rounds: int,
+             measure: Callable[[TaskGraph], dict[int, float]], what: str) -> Scaling:
+    """The compute scale, interference and range (``Scaling``) from ``runs`` (per device count, one and all: a
+    task graph and, per task, the estimator's span and the compute inside it), each measured
+    ``rounds`` times interleaved: per run, the median over the tasks of the compute scale that
+    explains the measured span (``_median_ratio``); the median one-device run is the scale (a run,
+    like a user's, sees the machine's typical load, not its best moment), the median all-devices
+    run over it, less one, spread over the other devices, the interference; the one-device tasks'
+    readings over all rounds, the range (``_range``)."""
     ratios: dict[int, list[float]] = {count: [] for count in runs}
     tasks_alone: list[float] = []  # every one-device task's reading, all rounds
-    firsts: list[float] = []  # per one-device round, its tasks' median first-microbatch reading
-    laters: list[float] = []  # and later microbatches' reading
     for _ in range(rounds):
-        for count, run in runs.items():
-            spans = measure(run.tasks)
-            reads = _task_ratios(run.tasks, spans.tasks, run.modelled)
+        for count, (tasks, modelled) in runs.items():
+            reads = _task_ratios(tasks, measure(tasks), modelled)
             ratios[count].append(_median_of(reads))
             if count == 1:
                 tasks_alone += reads
-                first, later = _unit_readings(run.tasks, spans.units, run.units)
-                if first and later:
-                    firsts.append(statistics.median(first))
-                    laters.append(statistics.median(later))
     devices = max(runs)
     alone, together = statistics.median(ratios[1]), statistics.median(ratios[devices])
     interference = max(0.0, (together / alone - 1.0) / (devices - 1))
@@ -526,11 +495,7 @@ def _scaling(runs: dict[int, _Run], rounds: int, measure: Callable[[TaskGraph], 
     log.info("compute scaling on %s: tasks run %.2fx their estimate on one device (%.2f-%.2f over its tasks and "
              "rounds), %.2fx on %d at once: %.3f per other device computing", what, alone, low, high, together,
              devices, interference)
-    if len(laters) < (rounds + 1) // 2:  # most rounds timed no task of two microbatches or more
-        return Scaling(alone, interference, low, high)
-    first, later = statistics.median(firsts), statistics.median(laters)
-    log.info("a task's first microbatch runs %.2fx its profile, its later ones %.2fx", first, later)
-    return Scaling(later, interference, low * later / alone, high * later / alone, first)
+    return Scaling(alone, interference, low, high)
 
 
 def _range(tasks: list[float], rounds: list[float]) -> tuple[float, float]:
@@ -581,45 +546,6 @@ def _modelled(tasks: TaskGraph, profile: Profile, machine: Machine) -> dict[int,
     profiled compute inside it (what ``compute_scale`` multiplies)."""
     spans = _estimated_spans(tasks, profile, machine)
     return {t.id: (spans[t.id], task_compute_seconds(t, profile)) for t in tasks.tasks if t.id in spans}
-
-
-def _modelled_units(tasks: TaskGraph, profile: Profile, machine: Machine) -> dict[int, tuple[list[float], list[float]]]:
-    """Per device FWD or BWD task, its microbatch units' profiled compute and the runtime's
-    overheads on them (``estimator.unit_overheads``), as the estimator adds them."""
-    out = {}
-    for t in tasks.tasks:
-        if t.device == HOST or t.kind not in (Kind.FWD, Kind.BWD):
-            continue
-        compute = unit_compute_seconds(t, profile)
-        n = len(t.microbatches)
-        out[t.id] = compute[:n], unit_overheads(t, machine, len(compute))[:n]
-    return out
-
-
-def _unit_readings(tasks: TaskGraph, measured: dict[int, list[float]],
-                   modelled: dict[int, tuple[list[float], list[float]]]) -> tuple[list[float], list[float]]:
-    """Per task of two microbatches or more: the compute scale of its first microbatch, and of the
-    others together (measured unit spans less the modelled overheads, over the profiled compute).
-    A task's first microbatch runs its layers on cold caches (the weights just loaded, the last task's
-    data in the way): in the model's calibration on one device it read 1.4-1.8x the later ones
-    (VGG, ResNet and GPT-2 tiny), and one scale for both under-estimated plans of one-microbatch tasks
-    (VGG tiny's per-device-swap plan) and over-estimated a plan of one long task (ResNet tiny's pp)."""
-    first: list[float] = []
-    later: list[float] = []
-    for t in tasks.tasks:
-        spans, model = measured.get(t.id), modelled.get(t.id)
-        if spans is None or model is None:
-            continue
-        compute, overhead = model
-        n = len(compute)
-        if n < 2 or len(spans) < n or compute[0] <= 0 or sum(compute[1:]) <= 0:
-            continue
-        head = (spans[0] - overhead[0]) / compute[0]
-        rest = sum(spans[j] - overhead[j] for j in range(1, n)) / sum(compute[1:])
-        if head >= MIN_COMPUTE_SCALE and rest >= MIN_COMPUTE_SCALE:
-            first.append(head)
-            later.append(rest)
-    return first, later
 
 
 def _median_ratio(tasks: TaskGraph, measured: dict[int, float], modelled: dict[int, tuple[float, float]]) -> float:

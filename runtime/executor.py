@@ -84,9 +84,6 @@ class IterationResult:
     bytes_by_tensor: dict[str, int] = field(default_factory=dict)
     task_seconds: dict[int, float] = field(default_factory=dict)
     task_peaks: dict[int, int] = field(default_factory=dict)  # device bytes at most while each task ran
-    # per task, each unit's seconds from its start to the next unit's (the last: to the task's end):
-    # a task's first microbatch runs slower than its later ones (``profiling/overheads._unit_readings``)
-    unit_seconds: dict[int, list[float]] = field(default_factory=dict)
     # (stream, task, label, start, end) in time.perf_counter seconds: the compute thread's tasks and
     # the side streams' timed jobs, for the run's timeline (runtime/timeline.py)
     events: list[tuple[str, int | None, str, float, float]] = field(default_factory=list)
@@ -133,7 +130,6 @@ class Executor(Admission, PackState, Transport, Compute, Updates):
         self._task: int | None = None  # the task the compute thread runs (what side-stream jobs serve)
         self._waiting = False  # the compute thread is blocked on a stream's job (``_wait``)
         self._waits: list[tuple[str, int | None, str, float, float]] = []  # the compute thread's, this iteration
-        self._unit_marks: list[float] = []  # the running task's unit starts (``_mark_unit``)
         self._transfers: dict[str, list[tuple[str, tuple, int]]] = {}  # see IterationResult.transfers
         self._activity: dict[int, str] = {}  # thread -> what it waits for, published to shared.status
         self._activity_lock = threading.Lock()
@@ -227,7 +223,6 @@ class Executor(Admission, PackState, Transport, Compute, Updates):
         self.ledger.reset()
         loss = 0.0
         task_seconds: dict[int, float] = {}
-        unit_seconds: dict[int, list[float]] = {}
         task_peaks: dict[int, int] = {}
         events: list[tuple[str, int | None, str, float, float]] = []
         start = time.perf_counter()
@@ -241,15 +236,12 @@ class Executor(Admission, PackState, Transport, Compute, Updates):
                 # the task's first unit is reserved before its state loads (the state counts inside it)
                 # and before the next task's state may be prefetched beside it
                 self._ledger_unit(task.id, 0)
-                self._unit_marks = []
                 loss += self._run_task(task)
                 self.ledger.idle(self._kept)
                 self._next = None
                 self._headroom = 0
                 t1 = time.perf_counter()
                 task_seconds[task.id] = t1 - t0
-                marks = self._unit_marks + [t1]
-                unit_seconds[task.id] = [b - a for a, b in zip(marks, marks[1:])]
                 if self.device.measures_memory:
                     task_peaks[task.id] = self.device.peak()
                 events.append(("compute", task.id, str(task), t0, t1))
@@ -277,7 +269,7 @@ class Executor(Admission, PackState, Transport, Compute, Updates):
             kind = stream.name.split("-", 1)[1]
             events.extend((kind, *event) for event in stream.take_events())
         return IterationResult(loss=loss, seconds=seconds, peak=peak, bytes_by_channel=by_channel,
-                               bytes_by_tensor=by_tensor, task_seconds=task_seconds, task_peaks=task_peaks, unit_seconds=unit_seconds,
+                               bytes_by_tensor=by_tensor, task_seconds=task_seconds, task_peaks=task_peaks,
                                events=events, transfers=self._transfers, ledger_peak=self.ledger.peak,
                                ledger_shortfall=self.ledger.shortfall, peak_measured=measured)
 

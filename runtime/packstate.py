@@ -21,7 +21,6 @@ go through ``admission.py``.
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
@@ -64,7 +63,6 @@ class PackState:
     _zeros: dict[torch.dtype, torch.Tensor]  # per dtype, the element gradient sinks broadcast
     kept_state: dict[str, torch.Tensor]  # weights (canonical name) and buffers kept across iterations
     kept_optim: dict[str, dict[str, torch.Tensor]]  # canonical name -> its optimizer state, kept likewise
-    _unit_marks: list[float]  # when each unit of the running task started (``IterationResult.unit_seconds``)
 
     def _state_names(self, task: Task) -> list[str]:
         names: list[str] = []
@@ -78,7 +76,6 @@ class PackState:
         """Unit ``unit`` of the running task (a microbatch, or its update) is about to compute: the
         moment the plan may load the next task's state (``MemoryPlan.prefetch``), its memory counted
         beside this unit's."""
-        self._unit_marks.append(time.perf_counter())
         self._ledger_unit(self._task, unit)
         nxt = self._next
         if nxt is None or self._prefetches.get(nxt.id, -1) != unit:

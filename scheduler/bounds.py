@@ -63,7 +63,7 @@ def quick_bound(mode: str, profile: Profile, config: Configuration, devices: int
     else:  # the times are already one device's share of the minibatch
         compute = sum(times) + sum(backward)
     if mode != "pp":  # pp's chain scales its own
-        compute *= machine.least_compute_scale  # a bound: the lowest scale any microbatch has
+        compute *= machine.compute_scale
     weights = cache.get(("quick", "weights"))
     if weights is None:  # prefix sums of the layers' weight bytes
         weights = cache[("quick", "weights")] = list(itertools.accumulate((layer.w_bytes for layer in layers), initial=0))
@@ -119,7 +119,7 @@ def _pipeline_chain(times: list[float], ends: list[tuple[float, float]], counts:
     task's compute; ``ends``: its first and last microbatch's; ``counts``: its microbatches. The
     executor's costs per task and microbatch are counted; the state copies and the updates are not
     (a kept or a host-stepped variant may do without them)."""
-    scale, per_task, per_mb = machine.least_compute_scale, machine.task_overhead, machine.microbatch_overhead
+    scale, per_task, per_mb = machine.compute_scale, machine.task_overhead, machine.microbatch_overhead
     free = [0.0] * devices  # the earliest each device's previous task ends
     first_end = last_end = latest = 0.0  # the previous task's first and last microbatch's earliest ends
     for i, (t, (first, last), n) in enumerate(zip(times, ends, counts)):

@@ -34,8 +34,7 @@ What is simulated (the runtime's semantics, which this module must keep in step 
   optimizer state when it starts it, so its inputs are issued when the previous task ends.
 - **The runtime's own costs.** A unit on a device lasts its profiled compute times
   ``machine.compute_scale`` (the runtime's compute over the profiler's, measured; 1 where nobody
-  did; a task's first microbatch ``machine.compute_scale_first`` where it was measured apart: it
-  runs on cold caches) plus the machine's measured
+  did) plus the machine's measured
   overheads (``Machine.task_overhead`` on a task's first unit, ``microbatch_overhead`` on each
   microbatch, ``update_overhead`` on each optimizer step on a device, fused or not;
   ``host_update_overhead`` and ``host_tensor_overhead`` per parameter on each update on the host;
@@ -114,7 +113,7 @@ from harmony.profiling.profiles import Profile
 from .tasks import HOST, Channel, Kind, MemoryPlan, Task, TaskGraph, Transfer
 
 __all__ = ["Estimate", "StreamEvent", "STREAMS", "estimate", "chrome_trace", "promise", "task_compute_seconds",
-           "task_seconds", "unit_compute_seconds", "unit_overheads"]
+           "task_seconds", "unit_overheads"]
 
 STREAMS = ("compute", "swap-in", "swap-out", "p2p-in", "p2p-out")
 _COMPUTE, _SWAP_IN, _SWAP_OUT, _P2P_IN, _P2P_OUT = range(5)
@@ -341,11 +340,6 @@ def task_compute_seconds(task: Task, profile: Profile) -> float:
     return sum(_task_costs(task, profile, _profile_cache(profile)))
 
 
-def unit_compute_seconds(task: Task, profile: Profile) -> list[float]:
-    """Seconds of profiled compute in each of the task's units (before any scale)."""
-    return list(_task_costs(task, profile, _profile_cache(profile)))
-
-
 def unit_overheads(task: Task, machine: Machine, units: int, tensors: int = 0) -> list[float]:
     """The runtime's own seconds on each of a task's ``units`` compute units (see the module docs):
     the task's fixed cost on the first, a microbatch's on each microbatch, an update's on a fused
@@ -377,13 +371,11 @@ def unit_seconds(task: Task, profile: Profile, machine: Machine, cache: dict | N
     computes: its compute (scaled to the runtime's, on a device) and the runtime's overheads."""
     durs = _task_costs(task, profile, _profile_cache(profile) if cache is None else cache)
     scale = 1.0 if task.device == HOST else machine.compute_scale
-    # a task's first microbatch runs on cold caches (``Machine.compute_scale_first``)
-    first = scale if task.device == HOST or machine.compute_scale_first is None else machine.compute_scale_first
     # the scale is the runtime's forward and backward over the profile's; an update (a UPD task, a
     # fused update's last unit) is measured on its own, in ``measure_update``, and is not scaled
     scaled = len(task.microbatches) if task.kind in (Kind.FWD, Kind.BWD) else 0
     tensors = profile.state_tensors("dW", task.first, task.last) if task.kind == Kind.UPD and task.device == HOST else 0
-    return [d * ((first if j == 0 else scale) if j < scaled else 1.0) + e
+    return [d * (scale if j < scaled else 1.0) + e
             for j, (d, e) in enumerate(zip(durs, unit_overheads(task, machine, len(durs), tensors)))]
 
 

@@ -65,11 +65,6 @@ on layers of near-zero compute, ``harmony.profiling.overheads``; zero when nobod
   differently the runtime computed this model's tasks, and how much that moved while it was
   measured, which a plan's estimate states as its range (``Plan.estimate["iteration_time_range"]``)
   rather than promise a precision the machine does not have. None: one reading, or nobody measured it.
-- ``compute_scale_first``: on the emulated ``cpu`` backend, the scale of a task's first microbatch,
-  where ``compute_scale`` is then its later ones': the first runs its layers on cold caches (the
-  weights just loaded, the previous task's data in the way). Measured on the model's calibration,
-  each unit of its one-device tasks timed apart (``overheads._unit_readings``): 1.4-1.8x the later
-  ones on VGG, ResNet and GPT-2 tiny. None: one scale for every microbatch.
 
 The scheduler must not import the runtime, so this module imports only the standard library,
 ``harmony.errors``, ``harmony.serialization`` and the device specs.
@@ -94,10 +89,10 @@ log = logging.getLogger(__name__)
 __all__ = ["Machine", "MachineError", "KIND", "VERSION", "CHANNELS", "ANALYTIC_LATENCY"]
 
 KIND = "machine"
-VERSION = 8  # 2: task_overhead, microbatch_overhead, update_overhead, cpu_cores; 3: compute_scale, compute_interference;
+VERSION = 7  # 2: task_overhead, microbatch_overhead, update_overhead, cpu_cores; 3: compute_scale, compute_interference;
 # 4: iteration_overhead; 5: tensor_overhead; 6: host_update_overhead, host_tensor_overhead, p2p_send_overhead;
-# 7: compute_scale_range; 8: compute_scale_first
-_OLDER = (7, 6, 5, 4, 3, 2, 1)  # versions read with the fields they lack at their defaults (not measured)
+# 7: compute_scale_range
+_OLDER = (6, 5, 4, 3, 2, 1)  # versions read with the fields they lack at their defaults (not measured)
 
 CHANNELS = ("h2d", "d2h", "d2d", "msg")
 _KINDS = ("cpu", "cuda", "analytic")
@@ -164,7 +159,6 @@ class Machine:
     compute_scale: float = 1.0  # the runtime's compute over the profile's, one device alone (cpu backend)
     compute_interference: float = 0.0  # slowdown per other unit computing at once (cpu backend)
     compute_scale_range: list[float] | None = None  # [low, high] of the calibration's task readings; None: one reading
-    compute_scale_first: float | None = None  # a task's first microbatch's scale (cpu backend); None: compute_scale
 
     def __post_init__(self) -> None:
         problems = []
@@ -199,8 +193,6 @@ class Machine:
             problems.append(f"cpu_cores must be a positive number or null, got {self.cpu_cores!r}")
         if not _positive_number(self.compute_scale):
             problems.append(f"compute_scale must be a positive number, got {self.compute_scale!r}")
-        if self.compute_scale_first is not None and not _positive_number(self.compute_scale_first):
-            problems.append(f"compute_scale_first must be a positive number or null, got {self.compute_scale_first!r}")
         if self.compute_scale_range is not None and not (
                 isinstance(self.compute_scale_range, (list, tuple)) and len(self.compute_scale_range) == 2
                 and all(_positive_number(v) for v in self.compute_scale_range)
@@ -231,15 +223,7 @@ class Machine:
         self.compute_interference = float(self.compute_interference)
         if self.compute_scale_range is not None:
             self.compute_scale_range = [float(v) for v in self.compute_scale_range]
-        if self.compute_scale_first is not None:
-            self.compute_scale_first = float(self.compute_scale_first)
         self.notes = dict(self.notes)
-
-    @property
-    def least_compute_scale(self) -> float:
-        """The lowest scale any microbatch computes at (a bound on compute must not exceed it)."""
-        first = self.compute_scale_first
-        return self.compute_scale if first is None else min(self.compute_scale, first)
 
     # ------------------------------------------------------------------ transfer model
     def bandwidth(self, channel: str, concurrent: int = 1) -> float:
@@ -364,8 +348,6 @@ class Machine:
                    if self.p2p_send_overhead else "")
                 + (f"; {self.cpu_cores:.2f} cores shared by the devices' compute" if self.cpu_cores is not None else "")
                 + (f"; compute {self.compute_scale:.2f}x the profile" if self.compute_scale != 1.0 else "")
-                + (f", a task's first microbatch {self.compute_scale_first:.2f}x"
-                   if self.compute_scale_first is not None else "")
                 + (" ({:.2f}-{:.2f} across the calibration's tasks, 10th-90th percentile)".format(*self.compute_scale_range)
                    if self.compute_scale_range else "")
                 + (f"; each other device computing at once slows one by {self.compute_interference:.0%}"

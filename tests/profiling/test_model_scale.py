@@ -112,45 +112,13 @@ def test_the_scale_and_interference_are_the_median_rounds_not_the_fastest_and_th
     # three rounds on one device read 0.5, 0.7, 0.6 and on two 0.9, 0.7, 0.8: a run sees the machine's
     # typical load, so the scale is 0.6 and the interference 0.8 / 0.6 - 1
     tasks = _graph_of(1)
-    runs = {1: overheads._Run(tasks, {0: (1.0, 1.0)}, {}), 2: overheads._Run(tasks, {0: (1.0, 1.0)}, {})}
+    runs = {1: (tasks, {0: (1.0, 1.0)}), 2: (tasks, {0: (1.0, 1.0)})}
     reads = iter([0.5, 0.9, 0.7, 0.7, 0.6, 0.8])  # the rounds interleave one device and two
-    scaling = overheads._scaling(runs, 3, lambda graph: _spans({0: next(reads)}), "a test")
+    scaling = overheads._scaling(runs, 3, lambda graph: {0: next(reads)}, "a test")
     assert abs(scaling.scale - 0.6) < 1e-9 and abs(scaling.interference - (0.8 / 0.6 - 1)) < 1e-9
-    assert scaling.first is None  # no unit was timed: one scale for every microbatch
     # the one-device rounds' lowest and highest: how much the machine moved while it was measured
     assert (scaling.low, scaling.high) == (0.5, 0.7)
     assert scaling.applied(_nominal_machine(_profiled()[1], 1 << 20)).compute_scale_range == [0.5, 0.7]
-
-
-def _spans(tasks: dict[int, float], units: dict[int, list[float]] | None = None) -> overheads.Spans:
-    return overheads.Spans(tasks, units or {}, {}, [], 0.0, [])
-
-
-def test_a_tasks_first_microbatch_is_read_apart_from_its_later_ones():
-    # three microbatches of 1 ms profiled compute and 0.1 ms of modelled overheads each, run at
-    # 2.0x for the first and 1.0x for the others
-    tasks = _graph_of(1)
-    modelled = {0: ([1e-3] * 3, [1e-4] * 3)}
-    first, later = overheads._unit_readings(tasks, {0: [2.1e-3, 1.1e-3, 1.1e-3]}, modelled)
-    assert first == pytest.approx([2.0]) and later == pytest.approx([1.0])
-    # a task of one microbatch, or one whose units were not timed, reads nothing
-    assert overheads._unit_readings(tasks, {0: [2.1e-3]}, {0: ([1e-3], [1e-4])}) == ([], [])
-    assert overheads._unit_readings(tasks, {}, modelled) == ([], [])
-
-
-def test_with_its_units_timed_the_scale_is_the_later_microbatches_and_the_first_is_kept_apart():
-    # the whole tasks read 1.5 on one device (2.0 on two); their first microbatches 2.4, the later 1.2:
-    # the scale is 1.2, the first 2.4, and the tasks' range [1.5, 1.5] moves to the later ones' scale
-    tasks = _graph_of(1)
-    model = {0: ([1e-3, 1e-3], [0.0, 0.0])}
-    runs = {1: overheads._Run(tasks, {0: (1.0, 1.0)}, model), 2: overheads._Run(tasks, {0: (1.0, 1.0)}, model)}
-    spans = iter([_spans({0: 1.5}, {0: [2.4e-3, 1.2e-3]}), _spans({0: 2.0}, {0: [3e-3, 1.6e-3]})] * 3)
-    scaling = overheads._scaling(runs, 3, lambda graph: next(spans), "a test")
-    assert scaling.scale == pytest.approx(1.2) and scaling.first == pytest.approx(2.4)
-    assert (scaling.low, scaling.high) == pytest.approx((1.2, 1.2))
-    assert scaling.interference == pytest.approx(2.0 / 1.5 - 1)
-    applied = scaling.applied(_nominal_machine(_profiled()[1], 1 << 20))
-    assert (applied.compute_scale, applied.compute_scale_first) == pytest.approx((1.2, 2.4))
 
 
 def test_the_range_spans_the_models_tasks_not_only_the_rounds():

@@ -25,7 +25,6 @@ from harmony.profiling.sweep import training_footprint
 from harmony.runtime.reference import microbatches_of, reference_train
 from harmony.scheduler.search import search
 from harmony.scheduler.taskgraph import MODES
-from harmony.scheduler.tasks import Kind
 
 MODELS = {"gpt2": gpt2, "bert": bert, "vgg": vgg, "resnet": resnet}
 MINIBATCH = 8
@@ -283,18 +282,3 @@ def test_host_updates_run_on_the_one_thread_the_profile_timed_them_with():
     finally:
         torch.set_num_threads(before)
     assert seen and set(seen) == {1}
-
-
-def test_each_unit_of_a_task_is_timed_from_its_start_to_the_next_ones():
-    """The calibration reads a task's first microbatch apart from its later ones
-    (``overheads._unit_readings``): every unit of every task is timed, within the task's span."""
-    model, get_batch, plan = plan_for("gpt2", "pp", 2)
-    with harmony.Trainer(plan, optimizer=adam, timeout=20) as trainer:
-        trainer.step(*get_batch(MINIBATCH, 0))
-    for rank, worker in enumerate(trainer.history[-1].workers):
-        for task in plan.tasks.device_tasks(rank):
-            units = worker.unit_seconds[task.id]
-            # a backward's last unit is its update's, a step on the device or none (``_after_backward``)
-            expected = {Kind.FWD: len(task.microbatches), Kind.BWD: len(task.microbatches) + 1, Kind.UPD: 1}
-            assert len(units) == expected[task.kind], f"{task}: {len(units)} units timed"
-            assert all(s >= 0 for s in units) and sum(units) <= worker.task_seconds[task.id]

@@ -543,16 +543,6 @@ def test_a_unit_computing_alone_is_not_slowed_by_the_interference(profile):
     assert est.iteration_time == pytest.approx(2 * MS)
 
 
-def test_a_tasks_first_microbatch_computes_at_its_own_scale_and_the_later_ones_at_the_machines(profile):
-    from harmony.scheduler.estimator import unit_compute_seconds, unit_seconds
-    task = Task(id=0, device=0, kind=Kind.BWD, first=0, last=0, microbatches=[4, 4, 4], loss=True)
-    compute = unit_compute_seconds(task, profile)
-    units = unit_seconds(task, profile, machine(devices=1, compute_scale=1.5, compute_scale_first=2.5))
-    assert units == pytest.approx([2.5 * compute[0], 1.5 * compute[1], 1.5 * compute[2]])
-    one_scale = unit_seconds(task, profile, machine(devices=1, compute_scale=1.5))
-    assert one_scale == pytest.approx([1.5 * c for c in compute])
-
-
 def test_device_compute_is_scaled_to_the_runtimes_and_host_compute_is_not(profile):
     plain = estimate(graph([fwd(0, 0, 0)], devices=1), profile, machine(devices=1))
     scaled = estimate(graph([fwd(0, 0, 0)], devices=1), profile, machine(devices=1, compute_scale=1.5))

@@ -148,11 +148,11 @@ def test_runtime_costs_round_trip_and_default_to_unmeasured(tmp_path):
 
 
 def test_a_version_1_file_is_read_with_the_runtime_costs_unmeasured(tmp_path):
-    assert VERSION == 8
+    assert VERSION == 7
     body = make().to_dict()
     for name in ("task_overhead", "microbatch_overhead", "update_overhead", "cpu_cores", "compute_scale",
                  "compute_interference", "iteration_overhead", "tensor_overhead", "host_update_overhead",
-                 "host_tensor_overhead", "p2p_send_overhead", "compute_scale_range", "compute_scale_first"):
+                 "host_tensor_overhead", "p2p_send_overhead", "compute_scale_range"):
         del body[name]
     serialization.save(tmp_path / "old", KIND, 1, body)
     old = Machine.load(tmp_path / "old")
@@ -202,22 +202,6 @@ def test_a_version_6_file_is_read_with_one_reading_of_the_compute_scale(tmp_path
     assert old == make(compute_scale=1.4) and old.compute_scale_range is None
 
 
-def test_a_version_7_file_is_read_with_one_scale_for_every_microbatch(tmp_path):
-    body = make(compute_scale=1.4, compute_scale_range=(1.2, 1.9)).to_dict()
-    del body["compute_scale_first"]
-    serialization.save(tmp_path / "v7", KIND, 7, body)
-    old = Machine.load(tmp_path / "v7")
-    assert old == make(compute_scale=1.4, compute_scale_range=(1.2, 1.9)) and old.compute_scale_first is None
-
-
-def test_a_tasks_first_microbatchs_scale_round_trips_is_described_and_bounds_take_the_lower(tmp_path):
-    m = make(compute_scale=1.4, compute_scale_first=2.1)
-    m.save(tmp_path / "m")
-    assert Machine.load(tmp_path / "m") == m and m.compute_scale_first == 2.1
-    assert "a task's first microbatch 2.10x" in m.describe()
-    assert m.least_compute_scale == 1.4 and make(compute_scale=1.4, compute_scale_first=0.9).least_compute_scale == 0.9
-
-
 def test_the_compute_scales_range_round_trips_and_is_described(tmp_path):
     m = make(compute_scale=1.4, compute_scale_range=(1.2, 1.9))
     m.save(tmp_path / "m")
@@ -229,7 +213,6 @@ def test_the_compute_scales_range_round_trips_and_is_described(tmp_path):
     "overrides, words",
     [
         ({"compute_scale_range": [1.5, 1.2]}, "compute_scale_range"),
-        ({"compute_scale_first": -1.0}, "compute_scale_first"),
         ({"compute_scale_range": [0.0, 1.2]}, "compute_scale_range"),
         ({"compute_scale_range": [1.2]}, "compute_scale_range"),
         ({"task_overhead": -1e-3}, "task_overhead"),
