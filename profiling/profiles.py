@@ -30,6 +30,9 @@ TIME_FIELDS = ("fwd_time", "bwd_time", "recompute_time")
 MEMORY_FIELDS = ("fwd_peak", "bwd_peak", "bwd_first_peak", "act_bytes", "x_bytes", "y_bytes", "dx_bytes")
 BWD_FIELDS = ("bwd_time", "recompute_time", "bwd_peak", "bwd_first_peak", "act_bytes", "dx_bytes")
 SAMPLE_FIELDS = TIME_FIELDS + MEMORY_FIELDS
+# the quantity a loss task's forward takes: it records for autograd, as a recompute does (7-40%
+# dearer than the no-grad forward of a FWD task on the benchmark's models)
+LOSS_FORWARD = "recompute_time"
 
 
 @dataclass
@@ -544,12 +547,7 @@ class Profile:
         above it: a log-softmax as large as the output and the gradient of the loss on it."""
         if self.loss_samples:
             field_ = "nbytes" if accumulate or not all(s.first_nbytes for s in self.loss_samples) else "first_nbytes"
-            fits = self.__dict__.setdefault("_loss_fits", {})
-            key = (field_, len(self.loss_samples))
-            if key not in fits:
-                fits[key] = fit_samples([s.u for s in self.loss_samples], [getattr(s, field_) for s in self.loss_samples])
-            exact = [getattr(s, field_) for s in self.loss_samples if s.u == u]
-            return float(exact[0]) if exact else fits[key](u)
+            return self._loss_at(field_, self.loss_samples, u)
         layer = self.layers[-1]
         own = layer.w_bytes + layer.b_bytes + layer.dw_bytes + layer.at("x_bytes", u)
         return max(0.0, layer.at("bwd_peak", u) - own) + 2 * layer.at("y_bytes", u)
@@ -559,16 +557,19 @@ class Profile:
         (``LossSample.seconds``), fitted over the sizes measured; 0 where nobody measured it (an
         analytic profile, no loss function, a profile made before it was measured)."""
         timed = [s for s in self.loss_samples if s.seconds > 0]
-        if not timed:
-            return 0.0
-        exact = [s.seconds for s in timed if s.u == u]
+        return max(0.0, self._loss_at("seconds", timed, u)) if timed else 0.0
+
+    def _loss_at(self, field_: str, samples: list[LossSample], u: int) -> float:
+        """``field_`` of the loss ``samples`` at size ``u``: the sample of that size, else their fit
+        (made once per field and sample count)."""
+        exact = [getattr(s, field_) for s in samples if s.u == u]
         if exact:
             return float(exact[0])
         fits = self.__dict__.setdefault("_loss_fits", {})
-        key = ("seconds", len(timed))
+        key = (field_, len(samples))
         if key not in fits:
-            fits[key] = fit_samples([s.u for s in timed], [s.seconds for s in timed])
-        return max(0.0, float(fits[key](u)))
+            fits[key] = fit_samples([s.u for s in samples], [getattr(s, field_) for s in samples])
+        return float(fits[key](u))
 
     def state_tensors(self, tensor: str, first: int, last: int) -> int:
         """Tensors the runtime moves one by one for ``tensor`` (W, dW, K or B) of layers first..last:

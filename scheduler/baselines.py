@@ -50,7 +50,7 @@ from __future__ import annotations
 import bisect
 from typing import Callable
 
-from harmony.profiling.profiles import Profile
+from harmony.profiling.profiles import LOSS_FORWARD, Profile
 from harmony.scheduler.taskgraph import _buffer_out, _check, _connect, _Sizes, _state_inputs, _update_inputs, _update_outputs, dp_swap
 from harmony.scheduler.tasks import Channel, Configuration, Kind, Task, TaskGraph, Transfer, microbatch_sizes
 
@@ -64,7 +64,7 @@ def _pack_cost(profile: Profile, first: int, last: int, u: int, recompute: bool)
     does, and its backward together)."""
     cost = profile.pack_time(first, last, u, "bwd_time")
     if last == len(profile.layers) - 1:
-        return cost + profile.pack_time(first, last, u, "recompute_time")
+        return cost + profile.pack_time(first, last, u, LOSS_FORWARD)
     cost += profile.pack_time(first, last, u, "fwd_time")
     if recompute:
         cost += profile.pack_time(first, last, u, "recompute_time")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 
-from harmony.profiling.profiles import Profile
+from harmony.profiling.profiles import LOSS_FORWARD, Profile
 from harmony.scheduler.estimator import _profile_cache, task_compute_seconds, unit_seconds
 from harmony.scheduler.keep import KEEP_MODES
 from harmony.scheduler.lower import ranges
@@ -93,9 +93,7 @@ def _pass_times(profile: Profile, cache: dict, kind: str, packs: tuple, u: int,
     hit = cache.get(key)
     if hit is not None:
         return hit
-    # the forward a backward runs first: recording for autograd, as the estimator times it (a loss
-    # task's too; "bwd-only": none)
-    again = "recompute_time" if kind in ("loss", "bwd") else None
+    again = {"loss": LOSS_FORWARD, "bwd": "recompute_time"}.get(kind)  # the forward a backward runs first
 
     def pack(first: int, last: int, size: int) -> float:
         if kind == "fwd":

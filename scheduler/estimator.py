@@ -109,7 +109,7 @@ from .memory import cached_task_memory as _task_memory
 from .memory import profile_cache as _profile_cache
 from .lower import Program, lower
 from .machine import Machine
-from harmony.profiling.profiles import Profile
+from harmony.profiling.profiles import LOSS_FORWARD, Profile
 from .tasks import HOST, Channel, Kind, MemoryPlan, Task, TaskGraph, Transfer
 
 __all__ = ["Estimate", "StreamEvent", "STREAMS", "estimate", "chrome_trace", "promise", "task_compute_seconds",
@@ -321,10 +321,9 @@ def _task_costs(task: Task, profile: Profile, cache: dict) -> list[float]:
         for size in task.microbatches:
             if task.kind == Kind.FWD:
                 durs.append(pack("fwd_time", size))
-            elif task.loss:  # the pack's forward recording for autograd (a recompute's, not the no-grad
-                # FWD's: 7-30% dearer on the benchmark's models), the loss's own forward and backward
-                # (``Profile.loss_time``), the pack's backward
-                durs.append(pack("recompute_time", size) + pack("bwd_time", size) + profile.loss_time(size))
+            elif task.loss:  # the pack's forward recording for autograd (``LOSS_FORWARD``), the loss's
+                # own forward and backward (``Profile.loss_time``), the pack's backward
+                durs.append(pack(LOSS_FORWARD, size) + pack("bwd_time", size) + profile.loss_time(size))
             else:
                 durs.append(pack("recompute_time", size) + pack("bwd_time", size))
         if task.kind == Kind.BWD and task.update == "device":

@@ -45,9 +45,13 @@ def _profile(loss_samples: list[LossSample], recompute: float = 1e-3) -> Profile
                    loss_samples=loss_samples)
 
 
+def _machine() -> Machine:
+    return Machine(kind="cpu", device_name="test", devices=1, capacity=1 << 30, h2d=1e9, d2h=1e9, d2d=1e9,
+                   host_link_shared=False, h2d_all=1e9, d2h_all=1e9, msg=1e9, latency=0.0)
+
+
 def test_a_loss_microbatch_is_estimated_with_the_losss_own_time_and_a_plain_backward_without():
-    machine = Machine(kind="cpu", device_name="test", devices=1, capacity=1 << 30, h2d=1e9, d2h=1e9, d2d=1e9,
-                      host_link_shared=False, h2d_all=1e9, d2h_all=1e9, msg=1e9, latency=0.0)
+    machine = _machine()
     timed = _profile([LossSample(u=1, nbytes=0, seconds=1e-4), LossSample(u=8, nbytes=0, seconds=8e-4)])
     untimed = _profile([LossSample(u=1, nbytes=0), LossSample(u=8, nbytes=0)])
     loss_task = Task(id=0, device=0, kind=Kind.BWD, first=0, last=0, microbatches=[4, 4], loss=True)
@@ -61,8 +65,7 @@ def test_a_loss_microbatch_is_estimated_with_the_losss_own_time_and_a_plain_back
 def test_a_loss_microbatchs_forward_is_timed_as_one_recording_for_autograd_not_the_no_grad_forward():
     """A loss task runs its pack's forward with autograd on, as a recompute does (7-30% dearer than
     the FWD task's no-grad forward on the benchmark's models); the estimate takes that time."""
-    machine = Machine(kind="cpu", device_name="test", devices=1, capacity=1 << 30, h2d=1e9, d2h=1e9, d2d=1e9,
-                      host_link_shared=False, h2d_all=1e9, d2h_all=1e9, msg=1e9, latency=0.0)
+    machine = _machine()
     profile = _profile([LossSample(u=1, nbytes=0), LossSample(u=8, nbytes=0)], recompute=3e-3)
     loss_task = Task(id=0, device=0, kind=Kind.BWD, first=0, last=0, microbatches=[4, 4], loss=True)
     # per microbatch of 4: the recording forward 3e-3 * 4 and the backward 2e-3 * 4 (the no-grad
