@@ -6,9 +6,15 @@ task, microbatch, update and p2p message and the cores the devices share, ``harm
 that gives the plan of mode pp; dp and a per-device-swap baseline are searched on the same profile
 and the same probed machine. ``--full`` takes the best few configurations of the search per mode
 (``SAMPLE_FULL``, 15 in all), not just the best, as the paper's Fig. 15 samples the search. Every plan
-is then trained for K iterations; the first (process and allocator warm-up) is left out and the
-median of the rest is the measured iteration time, compared with the scheduler's estimate (the
-event-driven simulation) as a ratio taken within the run. Beside it, the same estimate with the
+is then trained ``--runs`` times (two by default), each time in fresh worker processes for K
+iterations, the runs interleaved over the model's plans (every plan once, then every plan again), so
+that a slow minute of the machine falls on all of them rather than on one; the first iteration of
+each run (process and allocator warm-up) is left out and the median of the rest of all runs is the
+measured iteration time, compared with the scheduler's estimate (the event-driven simulation) as a
+ratio taken within the run. The runs' own disagreement, (max - min) / median of their medians, is
+printed beside each row: how far one run of the plan can be from another, the error an exact
+estimate would still show against a single run (the same plan read 23.6-28.2 ms over eight runs of
+ten iterations in a row, ResNet tiny pp). Beside it, the same estimate with the
 runtime's costs switched off (overheads zero, no shared cores: what the estimator modelled before
 they were measured), on the same measured run. The spread of the measured iterations,
 (max - min) / median, is printed beside each row as the machine's noise, and so is its CPU
@@ -27,7 +33,7 @@ task that the profile does not see. Last, one P2P message on the CPU runtime's o
 into shared memory, a ``torch.multiprocessing`` queue to another process, a copy in) is timed at
 a few sizes beside the time the estimator gives it (the probed per-message cost plus bytes over ``d2d``).
 
-    python -m bench.estimate_accuracy [--quick | --full] [--models NAME ...] [--breakdown] [--iterations K] [--json PATH]
+    python -m bench.estimate_accuracy [--quick | --full] [--models NAME ...] [--breakdown] [--iterations K] [--runs R] [--json PATH]
 """
 
 from __future__ import annotations
@@ -265,6 +271,85 @@ def train(plan: Plan, case: Case, iterations: int) -> list:
         return list(trainer.history)
 
 
+
+@dataclass
+class Measured:
+    """One plan's runs (``measure``): every run's iterations, its kept histories, and the CPU contention."""
+
+    runs: list[list[float]]  # per run, every iteration's seconds (the first is the warm-up)
+    steady: list  # the kept iterations' histories, all runs
+    contention: list[float]  # per run, the fixed loop in two processes over one process before the profile
+    failed: str | None = None
+
+
+def measure(case: Case, plans: list[Plan], iterations: int, runs: int) -> list[Measured]:
+    """Each plan trained ``runs`` times in fresh workers, ``iterations`` steps a run, the runs
+    interleaved over ``plans`` (each once, then each again): a slow spell of the machine falls on
+    all the plans rather than on one. A plan whose run fails is not trained again."""
+    out = [Measured([], [], []) for _ in plans]
+    for _ in range(runs):
+        for plan, got in zip(plans, out):
+            if got.failed:
+                continue
+            with console.status(f"training {case.name} {plan.options['mode']} (run {len(got.runs) + 1} of {runs})"):
+                pair = cpu_seconds(2)
+                try:
+                    history = train(plan, case, iterations)
+                except HarmonyError as exc:  # a run that fails is a finding of its own: report it, go on
+                    console.print(f"[red]{case.name} {plan.options['mode']} ({plan.tasks.config}) failed:[/red] {exc}")
+                    got.failed = f"{type(exc).__name__}: {exc}"
+                    continue
+                got.contention.append((pair + cpu_seconds(2)) / 2 / plan.cpu_alone)
+            got.runs.append([h.seconds for h in history])
+            got.steady += history[1:]
+    return out
+
+
+def measured_rows_of(name: str, case: Case, plans: list, iterations: int, runs: int, with_breakdown: bool) -> list[dict[str, Any]]:
+    """The rows of one model's plans (``plans_for``): each estimate beside its plan's measured runs."""
+    rows, fitting = [], [(mode, plan, est, seconds) for mode, plan, est, seconds in plans if plan is not None]
+    results = dict(zip((id(plan) for _, plan, _, _ in fitting), measure(case, [p for _, p, _, _ in fitting], iterations, runs)))
+    for mode, plan, est, compile_seconds in plans:
+        row: dict[str, Any] = {"model": name, "mode": mode, "minibatch": case.minibatch, "devices": 2,
+                               "compile_seconds": compile_seconds}
+        if plan is None:
+            rows.append({**row, "configuration": "does not fit"})
+            continue
+        machine = plan.profile.machine
+        plain = estimate(plan.tasks, plan.profile, without_runtime_costs(machine),
+                         capacity=plan.options["planned_memory"], record_events=False).iteration_time
+        span = estimate_range(plan.tasks, plan.profile, machine, plan.options["planned_memory"])
+        row.update({"configuration": str(plan.tasks.config), "capacity": plan.options["device_memory"],
+                    "estimated_seconds": est.iteration_time, "estimated_without_runtime_costs": plain,
+                    "estimated_range": span.get("iteration_time_range")})
+        got = results[id(plan)]
+        if got.failed:
+            rows.append({**row, "failed": got.failed})
+            continue
+        kept = [s for run in got.runs for s in run[1:]]
+        measured = statistics.median(kept)
+        medians = [statistics.median(run[1:]) for run in got.runs]
+        lo_hi = row["estimated_range"]
+        row.update({
+            "within_range": lo_hi[0] <= measured <= lo_hi[1] if lo_hi else None,
+            "measured_seconds": measured,
+            "relative_error": (est.iteration_time - measured) / measured,
+            "relative_error_without_runtime_costs": (plain - measured) / measured,
+            "iteration_seconds": got.runs, "run_medians": medians,
+            "runs_disagree": (max(medians) - min(medians)) / measured,
+            "spread": (max(kept) - min(kept)) / measured,
+            "contention": statistics.median(got.contention), "load_average": os.getloadavg()[0],
+            "machine": {name: getattr(machine, name) for name in (
+                "h2d", "d2h", "d2d", "latency", "p2p_latency", "task_overhead", "microbatch_overhead",
+                "update_overhead", "host_update_overhead", "host_tensor_overhead", "p2p_send_overhead",
+                "cpu_cores", "compute_scale", "compute_interference")},
+        })
+        if with_breakdown:
+            row["breakdown"] = breakdown(plan, est, got.steady)
+        rows.append(row)
+    return rows
+
+
 def breakdown(plan: Plan, est: Estimate, steady: list) -> dict[str, Any]:
     """Per device task: estimated compute and span vs the measured span; per device totals."""
     ends: dict[int, float] = {}
@@ -334,6 +419,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="GPT-2 tiny (pp, dp, baseline) and the small GPT-2 (pp)")
     parser.add_argument("--full", action="store_true", help="15 configurations: the best few of the search per mode")
     parser.add_argument("--iterations", type=int, default=6, help="iterations per configuration, the first discarded")
+    parser.add_argument("--runs", type=int, default=2,
+                        help="fresh runs per configuration, interleaved over the model's configurations")
     parser.add_argument("--breakdown", action="store_true", help="per-task estimated vs measured seconds")
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--models", nargs="+", choices=sorted(CASES), metavar="MODEL",
@@ -341,6 +428,8 @@ def main() -> None:
     ns = parser.parse_args()
     if ns.iterations < 2:
         parser.error("--iterations must be at least 2 (the first is discarded)")
+    if ns.runs < 1:
+        parser.error("--runs must be at least 1")
     logging.basicConfig(level=logging.WARNING)
     if ns.quick and ns.full:
         parser.error("choose one of --quick and --full")
@@ -358,77 +447,41 @@ def main() -> None:
         with console.status(f"compiling {name} (profile + machine probe)"):
             plans = plans_for(case, modes, per_mode)
         last_machine = next((p.profile.machine for _, p, _, _ in plans if p is not None), last_machine)
-        for mode, plan, est, compile_seconds in plans:
-            row: dict[str, Any] = {"model": name, "mode": mode, "minibatch": case.minibatch, "devices": 2,
-                                   "compile_seconds": compile_seconds}
-            if plan is None:
-                rows.append({**row, "configuration": "does not fit"})
-                continue
-            machine = plan.profile.machine
-            plain = estimate(plan.tasks, plan.profile, without_runtime_costs(machine),
-                             capacity=plan.options["planned_memory"], record_events=False).iteration_time
-            span = estimate_range(plan.tasks, plan.profile, machine, plan.options["planned_memory"])
-            row.update({"configuration": str(plan.tasks.config), "capacity": plan.options["device_memory"],
-                        "estimated_seconds": est.iteration_time, "estimated_without_runtime_costs": plain,
-                        "estimated_range": span.get("iteration_time_range")})
-            with console.status(f"training {name} {mode}"):
-                pair = cpu_seconds(2)
-                try:
-                    history = train(plan, case, ns.iterations)
-                except HarmonyError as exc:  # a run that fails is a finding of its own: report it, go on
-                    console.print(f"[red]{name} {mode} ({plan.tasks.config}) failed:[/red] {exc}")
-                    rows.append({**row, "failed": f"{type(exc).__name__}: {exc}"})
-                    continue
-                pair = (pair + cpu_seconds(2)) / 2
-            seconds = [h.seconds for h in history]
-            steady = history[1:]
-            measured = statistics.median(seconds[1:])
-            estimated = est.iteration_time
-            lo_hi = row["estimated_range"]
-            row.update({
-                "within_range": lo_hi[0] <= measured <= lo_hi[1] if lo_hi else None,
-                "measured_seconds": measured,
-                "relative_error": (estimated - measured) / measured,
-                "relative_error_without_runtime_costs": (plain - measured) / measured,
-                "iteration_seconds": seconds, "spread": (max(seconds[1:]) - min(seconds[1:])) / measured,
-                "contention": pair / plan.cpu_alone, "load_average": os.getloadavg()[0],
-                "machine": {name: getattr(machine, name) for name in (
-                    "h2d", "d2h", "d2d", "latency", "p2p_latency", "task_overhead", "microbatch_overhead",
-                    "update_overhead", "host_update_overhead", "host_tensor_overhead", "p2p_send_overhead",
-                    "cpu_cores", "compute_scale", "compute_interference")},
-            })
-            if ns.breakdown:
-                row["breakdown"] = breakdown(plan, est, steady)
-            rows.append(row)
+        rows += measured_rows_of(name, case, plans, ns.iterations, ns.runs, ns.breakdown)
 
     table = Table(title=f"Estimated vs measured iteration time, 2 emulated CPU devices, capacity 1/4 of the "
-                        f"training footprint, median of {ns.iterations - 1} iterations after one warm-up")
+                        f"training footprint, median of {ns.runs} runs x {ns.iterations - 1} iterations after one "
+                        f"warm-up each")
     for col in ("model", "mode", "configuration", "estimated ms", "range ms", "measured ms", "rel. error",
-                "without runtime costs", "noise (spread)", "contention"):
+                "without runtime costs", "runs (ms)", "noise (spread)", "contention"):
         table.add_column(col, justify="left" if col in ("model", "mode", "configuration") else "right",
                          overflow="fold")
     for r in rows:
         if "measured_seconds" not in r:
             estimated = f"{r['estimated_seconds'] * 1e3:.1f}" if "estimated_seconds" in r else "-"
             measured = "run failed" if "failed" in r else "-"
-            table.add_row(r["model"], r["mode"], r["configuration"], estimated, "-", measured, "-", "-", "-", "-")
+            table.add_row(r["model"], r["mode"], r["configuration"], estimated, "-", measured, "-", "-", "-", "-", "-")
             continue
         span = r.get("estimated_range")
         span_text = (f"{span[0] * 1e3:.1f}-{span[1] * 1e3:.1f}" + ("" if r["within_range"] else " (out)")) if span else "-"
         table.add_row(r["model"], r["mode"], r["configuration"], f"{r['estimated_seconds'] * 1e3:.1f}", span_text,
                       f"{r['measured_seconds'] * 1e3:.1f}", f"{r['relative_error']:+.1%}",
-                      f"{r['relative_error_without_runtime_costs']:+.1%}", f"{r['spread']:.1%}",
+                      f"{r['relative_error_without_runtime_costs']:+.1%}",
+                      " / ".join(f"{m * 1e3:.1f}" for m in r["run_medians"]), f"{r['spread']:.1%}",
                       f"{r['contention']:.2f}x")
     console.print(table)
     measured_rows = [r for r in rows if "relative_error" in r]
     if measured_rows:
         summary = error_summary(measured_rows)
         noise = statistics.median(r["spread"] for r in measured_rows)
+        disagree = [r["runs_disagree"] for r in measured_rows]
         contention = statistics.median(r["contention"] for r in measured_rows)
         console.print(f"mean absolute relative error: {summary['mean']:.1%} (max {summary['max']:.1%}) over "
                       f"{len(measured_rows)} configurations; without the runtime's costs: "
                       f"{summary['mean_without_runtime_costs']:.1%} (max {summary['max_without_runtime_costs']:.1%}); "
                       f"machine noise (median spread of the measured iterations): {noise:.1%}; "
+                      f"the runs of one plan disagree by {statistics.median(disagree):.1%} (median; max "
+                      f"{max(disagree):.1%}), which an exact estimate would still show against a single run; "
                       f"CPU contention (median, 1.00x = a free core per device): {contention:.2f}x; "
                       f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; "
                       f"{sum(bool(r.get('within_range')) for r in measured_rows)} of "
