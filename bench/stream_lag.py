@@ -5,10 +5,11 @@ On two cores with both emulated devices computing, a woken stream thread waits f
 for the interpreter lock; a job on a consumer's path (a message, a prefetched input) pays that wait
 in the iteration. ``Stream.submit`` is wrapped in this process before the workers fork (nothing in
 the runtime changes). Jobs run on the calling thread (``Stream.run_here``: an emulated device's P2P
-sends) wait for nothing and are not counted. The model is the README's first command's (GPT-2
-tiny, minibatch 16, two emulated devices, pp), compiled afresh with the machine probed.
+sends) wait for nothing and are not counted. The model is by default the README's first command's
+(GPT-2 tiny, minibatch 16, two emulated devices, pp), or another of ``bench.estimate_accuracy``'s
+(``--model``), compiled afresh with the machine probed.
 
-    python -m bench.stream_lag [--iterations K] [--mode pp|dp|dp-swap]
+    python -m bench.stream_lag [--iterations K] [--mode pp|dp|dp-swap] [--model NAME]
 """
 
 from __future__ import annotations
@@ -44,9 +45,9 @@ def _timing_submit(original: Callable) -> Callable:
     return submit
 
 
-def measure(iterations: int, mode: str) -> dict[str, list[float]]:
-    """Each stream's job waits (seconds) over ``iterations`` of the gpt2-tiny plan in ``mode``."""
-    case = CASES["gpt2-tiny"]
+def measure(iterations: int, mode: str, model: str = "gpt2-tiny") -> dict[str, list[float]]:
+    """Each stream's job waits (seconds) over ``iterations`` of ``model``'s plan in ``mode``."""
+    case = CASES[model]
     torch.manual_seed(0)
     plan = harmony.compile(case.build(), case.loss_fn, case.get_batch, minibatch_size=case.minibatch, devices=2,
                            mode=mode, build_optimizer=case.build_optimizer, probe=True, compare=False)
@@ -82,8 +83,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iterations", type=int, default=20, help="iterations to train (default 20)")
     parser.add_argument("--mode", default="pp", choices=("pp", "dp", "dp-swap"), help="the plan's mode (default pp)")
+    parser.add_argument("--model", default="gpt2-tiny", choices=sorted(CASES),
+                        help="the model, one of bench.estimate_accuracy's (default gpt2-tiny, the README's)")
     ns = parser.parse_args()
-    Console().print(table(measure(ns.iterations, ns.mode), ns.iterations))
+    Console().print(table(measure(ns.iterations, ns.mode, ns.model), ns.iterations))
 
 
 if __name__ == "__main__":
