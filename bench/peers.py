@@ -8,8 +8,13 @@ process), ``ScheduleLoopedBFS``, ``ScheduleInterleaved1F1B``, ``ScheduleInterlea
 (two stages per process, looped) and ``ScheduleZBVZeroBubble`` (two per process, V-shaped) over
 gloo, with 4 microbatches; Harmony runs its searched configuration, and a second time with the
 same 4 microbatches. The plain eager loop on one thread gives the two cores' limit (twice its
-rate). Goals (issue 16): Harmony's best at least 1.2 times the best schedule's, and at least 0.9 of
+rate). Goals (issue 16): Harmony's pp at least 1.2 times the best schedule's, and at least 0.9 of
 the two cores' limit.
+
+Beside them, with the same memory to spare, the data parallelism each side has: Harmony's ``dp``
+(searched on the same profile) against ``torch.nn.parallel.DistributedDataParallel`` on gloo (each
+process half the minibatch, the gradients averaged), the peer a user whose model fits would
+otherwise reach for. Pipelining's numbers and pp's ratios do not include them.
 
 Memory: Harmony reports the peak of the device memory its ledger reserves per worker (the plan's
 reservations, ``runtime/ledger.py``: weights, gradients, optimizer state and activations resident
@@ -60,6 +65,7 @@ TWO_STAGES = {"ScheduleLoopedBFS", "ScheduleInterleaved1F1B", "ScheduleInterleav
 V_SHAPED = {"ScheduleZBVZeroBubble"}  # rank r holds stages r and 2W-1-r (the others: stages s with s % W == r)
 MICROBATCHES = 4
 MINIBATCH = 32
+DDP = "DistributedDataParallel"  # a Job's ``schedule`` for torch's data parallelism (the peer of Harmony's dp)
 AMPLE = 1 << 30
 
 
@@ -149,9 +155,39 @@ class Job:
     budget: int | None = None
 
 
+def _run_ddp_job(rank: int, world: int, job: Job) -> tuple[list[float], int, int]:
+    """``job`` under DistributedDataParallel: the whole model on every process (rank 0's initial
+    weights, which DDP broadcasts), each process its share of the minibatch; what ``_run_job``
+    returns."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = peer_model(job.depth)
+    base = _reset_peak()
+    torch.manual_seed(0)
+    module = DistributedDataParallel(model.build())
+    opt = model.build_optimizer(module.parameters())
+    share = MINIBATCH // world
+    times = []
+    for step in range(job.steps):
+        x, y = model.get_batch(MINIBATCH, step)
+        mine = slice(rank * share, (rank + 1) * share)
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        model.loss_fn(module(x[mine]), y[mine]).backward()  # DDP averages the gradients: the minibatch's mean
+        opt.step()
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    state = sum(p.numel() * p.element_size() for p in module.parameters()) * 4
+    return times, max(_peak_rss() - base, 0), state
+
+
 def _run_job(rank: int, world: int, job: Job) -> tuple[list[float], int, int]:
+    """``job``'s step times (seconds), peak RSS growth and state bytes on this process."""
     from torch.distributed import pipelining
 
+    if job.schedule == DDP:
+        return _run_ddp_job(rank, world, job)
     model = peer_model(job.depth)
     per_rank = 2 if job.schedule in TWO_STAGES else 1
     stages_total = world * per_rank
@@ -277,11 +313,12 @@ def _harmony_row(label: str, plan, runs: list) -> dict[str, Any]:
 
 def _pipelining_row(name: str, runs: list[PipeRun]) -> dict[str, Any]:
     failed = next((r.error for r in runs if r.error), None)
-    return {"system": f"pipelining {name}", "error": failed,
+    return {"system": "torch DDP (gloo)" if name == DDP else f"pipelining {name}", "error": failed,
             "samples_per_second": math.nan if failed else statistics.median(r.samples_per_second for r in runs),
             "peak_per_process": [] if failed else [max(p) for p in zip(*(r.peak_rss for r in runs))],
             "state_bytes_per_process": [] if failed else runs[0].state_bytes,
-            "memory_kind": "peak RSS growth", "configuration": f"{MICROBATCHES} microbatches"}
+            "memory_kind": "peak RSS growth",
+            "configuration": f"{MINIBATCH // 2} samples a process" if name == DDP else f"{MICROBATCHES} microbatches"}
 
 
 def eager_rate(model: Model, steps: int) -> float:
@@ -319,23 +356,26 @@ def compare(depth: int, steps: int, rounds: int, budget: int, depths: tuple[int,
     model = peer_model(depth)
     base = compiled(model, MINIBATCH, devices=2, device_memory=AMPLE)
     same_mb, _ = searched(base, "pp", 2, MINIBATCH, sizes=lambda limit: [MINIBATCH // MICROBATCHES])
-    harmony_runs: dict[str, list] = {"harmony pp (searched)": [], f"harmony pp ({MICROBATCHES} microbatches)": []}
-    pipe_runs: dict[str, list[PipeRun]] = {name: [] for name in SCHEDULES}
+    data_parallel, _ = searched(base, "dp", 2, MINIBATCH)
+    plans = {"harmony pp (searched)": base, f"harmony pp ({MICROBATCHES} microbatches)": same_mb,
+             "harmony dp (searched)": data_parallel}
+    harmony_runs: dict[str, list] = {label: [] for label in plans}
+    pipe_runs: dict[str, list[PipeRun]] = {name: [] for name in (*SCHEDULES, DDP)}
     limit_jobs = [Job(name, d, 2, group=name, budget=budget) for name in SCHEDULES for d in depths]
     limits: list[PipeRun] = []
     eager: list[float] = []
     for r in range(rounds):
         eager.append(eager_rate(model, steps))
-        harmony_runs["harmony pp (searched)"].append(train(base, iterations=steps))
-        harmony_runs[f"harmony pp ({MICROBATCHES} microbatches)"].append(train(same_mb, iterations=steps))
-        jobs = [Job(name, depth, steps) for name in SCHEDULES] + (limit_jobs if r == rounds - 1 else [])
+        for label, plan in plans.items():
+            harmony_runs[label].append(train(plan, iterations=steps))
+        jobs = [Job(name, depth, steps) for name in (*SCHEDULES, DDP)] + (limit_jobs if r == rounds - 1 else [])
         for run in run_pipelining(jobs):
             (pipe_runs[run.job.schedule] if run.job.budget is None else limits).append(run)
-    rows = [_harmony_row(label, base if "searched" in label else same_mb, runs) for label, runs in harmony_runs.items()]
+    rows = [_harmony_row(label, plans[label], runs) for label, runs in harmony_runs.items()]
     rows += [_pipelining_row(name, runs) for name, runs in pipe_runs.items()]
-    peers = [r["samples_per_second"] for r in rows if r["system"].startswith("pipelining")
-             and not math.isnan(r["samples_per_second"])]
-    best = max(r["samples_per_second"] for r in rows if r["system"].startswith("harmony"))
+    rate = {r["system"]: r["samples_per_second"] for r in rows}
+    peers = [v for k, v in rate.items() if k.startswith("pipelining") and not math.isnan(v)]
+    best = max(v for k, v in rate.items() if k.startswith("harmony pp"))
 
     largest: dict[str, Any] = {}
     for name in SCHEDULES:
@@ -356,9 +396,11 @@ def compare(depth: int, steps: int, rounds: int, budget: int, depths: tuple[int,
         fit = d
     largest["harmony pp"] = {"largest": fit, "beyond_range": fit == depths[-1], "notes": notes}
     two_cores = 2 * statistics.median(eager)
+    dp = rate["harmony dp (searched)"]
     return {"model": model.name, "minibatch": MINIBATCH, "rows": rows,
             "ratio_to_best_peer": best / max(peers) if peers else math.nan,
             "eager_one_thread": statistics.median(eager), "ratio_to_two_cores": best / two_cores,
+            "data_parallel": {"ratio_to_ddp": dp / rate["torch DDP (gloo)"], "ratio_to_two_cores": dp / two_cores},
             "budget": budget, "depths": list(depths), "largest": largest}
 
 

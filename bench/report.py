@@ -167,10 +167,14 @@ def _section_peers(r: dict[str, Any]) -> list[str]:
     limit = "" if cores is None else (
         f" Against the two cores' limit (twice the one-thread eager loop, {r['eager_one_thread']:.1f} samples/s): "
         f"{cores:.2f} (goal ≥ 0.9, **{'met' if cores >= 0.9 else 'not met'}**).")
+    dp = r.get("data_parallel")
+    beside = "" if dp is None else (
+        f" Beside them, with the same memory to spare: Harmony's dp / torch DDP (gloo) = {dp['ratio_to_ddp']:.2f}, "
+        f"Harmony's dp against the two cores' limit {dp['ratio_to_two_cores']:.2f} (not part of pp's goals).")
     lines = [
         "## 2. Harmony pp vs torch.distributed.pipelining (2 CPU processes)", "",
-        f"Goal: 1.2 times the best torch.distributed.pipelining schedule — **{verdict}** (Harmony's best / best "
-        f"peer = {ratio:.2f}).{limit} Model {r['model']} (untied head, no dropout), minibatch {r['minibatch']}, "
+        f"Goal: 1.2 times the best torch.distributed.pipelining schedule — **{verdict}** (Harmony's best pp / best "
+        f"peer = {ratio:.2f}).{limit}{beside} Model {r['model']} (untied head, no dropout), minibatch {r['minibatch']}, "
         "Adam; rounds interleave Harmony runs with a pipelining session.", "",
         "| system | samples/s | peak per process (MiB) | what the memory figure is | configuration |",
         "|---|---:|---|---|---|",
