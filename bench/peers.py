@@ -354,7 +354,7 @@ def compare(depth: int, steps: int, rounds: int, budget: int, depths: tuple[int,
     """Throughput and memory per process of every system at ``depth`` (rounds interleave Harmony's
     runs with a pipelining session), then the deepest model each trains under ``budget``."""
     model = peer_model(depth)
-    base = compiled(model, MINIBATCH, devices=2, device_memory=AMPLE)
+    base = compiled(model, MINIBATCH, devices=2, device_memory=AMPLE, probe=True)  # as a user compiles: the machine probed
     same_mb, _ = searched(base, "pp", 2, MINIBATCH, sizes=lambda limit: [MINIBATCH // MICROBATCHES])
     data_parallel, _ = searched(base, "dp", 2, MINIBATCH)
     plans = {"harmony pp (searched)": base, f"harmony pp ({MICROBATCHES} microbatches)": same_mb,
