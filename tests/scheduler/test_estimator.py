@@ -471,9 +471,21 @@ def test_an_update_pays_the_update_overhead_fused_on_the_device_or_not(profile):
     assert estimate(graph([upd]), profile, m).iteration_time == pytest.approx(UPD_DEVICE + 1 * MS + 2 * MS)
     host = Task(id=0, device=HOST, kind=Kind.UPD, first=0, last=0, microbatches=[])
     assert estimate(graph([host]), profile, m).iteration_time == pytest.approx(UPD_HOST)
-    fused = Task(id=0, device=0, kind=Kind.BWD, first=0, last=0, microbatches=[4], update="device")
+    fused = Task(id=0, device=0, kind=Kind.BWD, first=0, last=0, microbatches=[4], update="device",
+                 inputs=[Transfer("K", Channel.SWAP, 8)])  # it brings its optimizer state: it steps its pack
     compute = 4 * (FWD_PER_SAMPLE + BWD_PER_SAMPLE) + UPD_DEVICE
-    assert estimate(graph([fused]), profile, m).iteration_time == pytest.approx(compute + 1 * MS + 2 * MS)
+    assert estimate(graph([fused]), profile, m).iteration_time >= compute + 1 * MS + 2 * MS
+    assert estimate(graph([fused]), profile, m, record_events=False).busy[0]["compute"] == pytest.approx(
+        compute + 1 * MS + 2 * MS)
+
+
+def test_a_dp_backward_stepped_by_a_later_update_task_steps_nothing_itself(profile):
+    # dp's replicated update: the backward leaves its gradient, the UPD task steps (``Task.jit_update``)
+    m = machine(shared=False, task_overhead=1 * MS, update_overhead=2 * MS)
+    leaves = Task(id=0, device=0, kind=Kind.BWD, first=0, last=0, microbatches=[4], update="device")
+    assert not leaves.jit_update()
+    compute = 4 * (FWD_PER_SAMPLE + BWD_PER_SAMPLE)
+    assert estimate(graph([leaves]), profile, m).iteration_time == pytest.approx(compute + 1 * MS)
 
 
 def test_an_update_on_the_host_pays_the_hosts_cost_fixed_and_per_parameter_not_the_devices():
