@@ -269,7 +269,7 @@ def plan_packs(graph) -> set[tuple[int, int, int]]:
     packs = {(t.first, t.last, u) for t in graph.tasks
              if t.kind in (Kind.FWD, Kind.BWD) and t.device != HOST for u in set(t.microbatches)}
     packs |= {(t.first, t.last, 0) for t in graph.tasks
-              if t.device != HOST and (t.kind == Kind.UPD or (fused_update(t) and t.jit_update()))}
+              if t.device != HOST and (t.kind == Kind.UPD or fused_update(t))}
     return packs
 
 

@@ -297,7 +297,7 @@ def _where(device: int) -> str:
 
 def _task_costs(task: Task, profile: Profile, cache: dict) -> list[float]:
     """Durations of the task's units."""
-    key = (task.kind, task.loss, task.update, task.jit_update(), task.device == HOST, task.first, task.last,
+    key = (task.kind, task.loss, memory.fused_update(task), task.device == HOST, task.first, task.last,
            tuple(task.microbatches))
     hit = cache.get(key)
     if hit is not None:
@@ -327,12 +327,9 @@ def _task_costs(task: Task, profile: Profile, cache: dict) -> list[float]:
                 durs.append(pack(LOSS_FORWARD, size) + pack("bwd_time", size) + profile.loss_time(size))
             else:
                 durs.append(pack("recompute_time", size) + pack("bwd_time", size))
-        if task.kind == Kind.BWD and task.update == "device":
-            # the fused update's unit; a backward whose pack a later UPD task steps (dp's replicated
-            # update) leaves its gradient and steps nothing, as the runtime and the lowering do
-            # (``Task.jit_update``): counted, its step took dp's estimate 3% over the host-stepped one
-            # where it ran 6% faster
-            durs.append(float(sum(layer.upd_time_device for layer in layers)) if task.jit_update() else 0.0)
+        if memory.fused_update(task):  # not dp's backwards, which a UPD task steps: counted, their
+            # step took dp's estimate 3% over the host-stepped one where it ran 6% faster
+            durs.append(float(sum(layer.upd_time_device for layer in layers)))
         if not durs:
             durs = [0.0]
     cache[key] = durs
@@ -364,7 +361,7 @@ def unit_overheads(task: Task, machine: Machine, units: int, tensors: int = 0) -
     microbatches = len(task.microbatches)
     for j in range(min(microbatches, units)):
         extra[j] = machine.microbatch_overhead
-    if task.jit_update() and units > microbatches:
+    if memory.fused_update(task) and units > microbatches:
         extra[-1] += machine.update_overhead
     extra[0] += machine.task_overhead
     return extra

@@ -55,10 +55,10 @@ class TaskMemory:
 
 
 def fused_update(task: Task) -> bool:
-    """Whether the task has a unit for an update on the device after its microbatches (the
-    estimator's); it holds something only where the backward steps its own pack (``jit_update``:
-    it reads the optimizer state), not where a later UPD task does (dp)."""
-    return task.kind == Kind.BWD and task.update == "device" and task.device != HOST
+    """Whether the task has a unit for an update on the device after its microbatches: a backward
+    that steps its own pack (``Task.jit_update``: it reads the optimizer state), as the runtime and
+    the lowering have it; not one whose pack a later UPD task steps (dp's replicated update)."""
+    return task.jit_update() and task.device != HOST
 
 
 def stash_layers(task: Task, consumers: dict[int, Task]) -> tuple[int, ...]:
@@ -92,7 +92,7 @@ def _running_gradient(task: Task) -> bool:
 
 def task_key(task: Task, stashes: tuple[int, ...] = ()) -> tuple:
     """What ``task_memory`` depends on, for caching across the many graphs of a search."""
-    return (task.kind, task.loss, fused_update(task), task.jit_update(), task.device == HOST, task.first, task.last,
+    return (task.kind, task.loss, fused_update(task), task.device == HOST, task.first, task.last,
             tuple(task.microbatches), stashes, _update_inputs(task) if fused_update(task) else 0,
             _running_gradient(task), stashes_every_layer(task), is_kept(task))
 
@@ -192,8 +192,7 @@ def task_memory(task: Task, profile: Profile, stashes: tuple[int, ...] = ()) -> 
     work = tuple(by_size[key] - weights - gradients + scratch for key in zip(task.microbatches, accumulates))
     if fused_update(task):
         optimizer = 0 if kept else sum(layer.k_bytes for layer in layers)
-        steps = task.jit_update()
-        work += ((optimizer + _update_inputs(task) + profile.pack_update_memory(first, last)) if steps else 0,)
+        work += (optimizer + _update_inputs(task) + profile.pack_update_memory(first, last),)
     return TaskMemory((0 if kept else weights) + gradients, work or (0,))
 
 
