@@ -29,7 +29,7 @@ from harmony.errors import DeviceOutOfMemoryError
 from harmony.runtime.channels import Aborted, Counters
 from harmony.runtime.device import Device
 from harmony.runtime.ledger import STATE, Ledger
-from harmony.runtime.streams import Stream, current_stream
+from harmony.runtime.streams import Stream
 from harmony.scheduler.tasks import MemoryPlan
 
 if TYPE_CHECKING:
@@ -45,10 +45,8 @@ class NoRoom(Exception):
 
 
 def on_compute_thread() -> bool:
-    """Whether the caller is the compute thread's own work: not a stream's job (which the compute
-    thread may run itself while it waits on it, ``Stream.help``), nor another of the worker's
-    threads (named ``harmony-...``)."""
-    return current_stream() is None and not threading.current_thread().name.startswith("harmony-")
+    """Stream threads are named ``harmony-...`` (``streams.Stream``); the compute thread is not."""
+    return not threading.current_thread().name.startswith("harmony-")
 
 
 class Admission:
@@ -208,7 +206,8 @@ class Admission:
                 return
 
     def _on_outbound_stream(self) -> bool:
-        return current_stream() in (self.swap_out, self.p2p_out)
+        name = threading.current_thread().name
+        return name in (f"harmony-{self.swap_out.name}", f"harmony-{self.p2p_out.name}")
 
     def _reclaim(self) -> bool:
         """The memory manager's last resort before out-of-memory on the compute thread: outputs

@@ -57,7 +57,7 @@ from harmony.runtime.p2p import DistTransport
 from harmony.runtime.packstate import PackState
 from harmony.runtime.routes import Routes
 from harmony.runtime.schedule import Rates
-from harmony.runtime.streams import Stream, StreamFuture
+from harmony.runtime.streams import Stream
 from harmony.runtime.transport import Transport
 from harmony.runtime.updates import Updates
 from harmony.scheduler.tasks import Kind, Task
@@ -167,11 +167,10 @@ class Executor(Admission, PackState, Transport, Compute, Updates):
             torch.set_num_threads(threads)
             device.stream_setup()
 
-        helpable = device.kind == "cpu"  # a GPU's copies belong on their own CUDA streams
-        self.swap_in = Stream(f"dev{rank}-swap-in", scope, setup, device.stream_sync, helpable)
-        self.swap_out = Stream(f"dev{rank}-swap-out", scope, setup, device.stream_sync, helpable)
-        self.p2p_in = Stream(f"dev{rank}-p2p-in", scope, setup, device.stream_sync, helpable)
-        self.p2p_out = Stream(f"dev{rank}-p2p-out", scope, setup, device.stream_sync, helpable)
+        self.swap_in = Stream(f"dev{rank}-swap-in", scope, setup, device.stream_sync)
+        self.swap_out = Stream(f"dev{rank}-swap-out", scope, setup, device.stream_sync)
+        self.p2p_in = Stream(f"dev{rank}-p2p-in", scope, setup, device.stream_sync)
+        self.p2p_out = Stream(f"dev{rank}-p2p-out", scope, setup, device.stream_sync)
         tracker = getattr(device, "tracker", None)
         if tracker is not None:
             tracker.reclaim = self._reclaim
@@ -332,15 +331,12 @@ class Executor(Admission, PackState, Transport, Compute, Updates):
             self._wait(marker)
 
     def _wait(self, future: Future, what: str | None = None) -> Any:
-        """Block the compute thread on a stream's job, after running it here if no stream thread
-        has taken it yet (``Stream.help``); while blocked, a prefetch that is short of memory knows
-        nothing else can free it. A wait for ``what`` that blocked goes into the
+        """Block the compute thread on a stream's job; while blocked, a prefetch that is short of
+        memory knows nothing else can free it. A wait for ``what`` that blocked goes into the
         timeline, inside the running task's span."""
         self._waiting = True
         blocked = time.perf_counter() if what is not None and not future.done() else None
         try:
-            if isinstance(future, StreamFuture):
-                future.stream.help(future)
             while not future.done():
                 futures_wait([future], timeout=0.2)
                 if self.shared.aborted():
