@@ -180,6 +180,22 @@ def test_leaving_the_with_block_stops_every_worker_and_step_after_close_raises(c
     trainer.close()  # closing twice is harmless
 
 
+def test_the_trainers_process_computes_on_one_thread_while_emulated_devices_run_and_gets_its_threads_back(compiled):
+    """The workers have the cores: a parallel op in this process (the minibatch copied into their
+    slots) left an OpenMP team spin-waiting, about 8 ms of a core per step."""
+    initial, _, plan = compiled
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with harmony.Trainer(plan, optimizer=adam, state_dict=initial, timeout=60) as trainer:
+            assert torch.get_num_threads() == 1
+            trainer.step(*get_batch(MINIBATCH, 0))
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_clean_close_leaves_no_worker_files_in_the_temporary_directory(compiled):
     initial, _, plan = compiled
     with harmony.Trainer(plan, optimizer=adam, state_dict=initial, timeout=60) as trainer:
