@@ -63,7 +63,9 @@ log = logging.getLogger(__name__)
 
 
 class Trainer:
-    """Runs a plan's task graph on its devices, one minibatch per ``step``."""
+    """Runs a plan's task graph on its devices, one minibatch per ``step``. On emulated CPU devices
+    this process computes on one torch thread until ``close`` (the workers have the cores; see
+    ``runtime.launcher.Launcher``), so work it does between steps runs single-threaded."""
 
     def __init__(self, plan: Plan, optimizer: Callable | None = None, loss_fn: Callable | None = None,
                  state_dict: dict[str, torch.Tensor] | None = None, seed: int = 0, timeout: float = 600.0,
