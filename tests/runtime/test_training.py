@@ -257,7 +257,7 @@ def test_a_function_that_cannot_be_pickled_at_all_is_refused_naming_it_before_an
 def test_host_updates_run_on_the_one_thread_the_profile_timed_them_with():
     """The profiler times a host update on one thread beside emulated devices; the launcher's
     updates must run so (with the process's default, every core, a BERT's Adam took half as long
-    again and contended with the workers), and leave the process's thread count as it was."""
+    again and contended with the workers), and the process gets its thread count back at close."""
     import os
 
     model, get_batch, plan = plan_for("gpt2", "pp", 2)
@@ -278,7 +278,7 @@ def test_host_updates_run_on_the_one_thread_the_profile_timed_them_with():
             stepping[0] = True
             trainer.step(*get_batch(MINIBATCH, 0))
             stepping[0] = False
-            assert torch.get_num_threads() == 2
+        assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
     assert seen and set(seen) == {1}
