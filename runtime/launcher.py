@@ -54,7 +54,7 @@ from harmony.runtime import p2p as p2p_transport
 from harmony.runtime.batches import BatchSlots, received
 from harmony.runtime.channels import Aborted, Inbox, Mailbox, Slabs
 from harmony.runtime import processes
-from harmony.runtime.device import Device, cpu_device, cuda_device, memory_checked, torch_threads
+from harmony.runtime.device import Device, cpu_device, cuda_device, memory_checked
 from harmony.runtime.executor import Batch, Executor, IterationResult, describe
 from harmony.runtime.flags import Shared
 from harmony.runtime.hoststore import HostStore
@@ -352,11 +352,6 @@ class Launcher:
         # a forked worker must not enter an OpenMP parallel region if this process ever did (it
         # would hang): emulated devices compute on one thread each, as the profiler measured them
         threads = threads or (1 if device_type == "cpu" else max(1, (os.cpu_count() or 1) // self.devices))
-        # the host's updates run on the threads the profile timed them with (one, beside emulated
-        # devices: the profiler's ``threads``); with the process's default (every core) a BERT's
-        # Adam took 7-11 ms instead of 5-7 on two cores, the workers' core contended, and the
-        # estimate did not know it
-        self._host_threads = 1 if device_type == "cpu" else None
         graph_data = None
         if method != "fork":
             graph_data = {"graph": graph.to_dict(), "sources": dict(graph.sources)}
@@ -381,10 +376,12 @@ class Launcher:
             self.processes.append(process)
             command_in.close()  # the worker's ends are its own
             result_out.close()
-        # this process's own torch work while the workers compute (the minibatch copied into their
-        # slots, an update on the host) runs on one thread until ``close``: emulated devices' workers
-        # have the cores, and after each parallel op an idle OpenMP team spin-waits, about 8 ms of a
-        # core per copy of a 200 KB minibatch, which slowed VGG tiny's runs 1.46-1.57x
+        # this process's own torch work while the workers compute runs on one thread until ``close``:
+        # emulated devices' workers have the cores. The minibatch's copy into their slots at the
+        # default threads left an idle OpenMP team spin-waiting, about 8 ms of a core per 200 KB
+        # minibatch (VGG tiny's runs 1.46-1.57x slower); and the host's updates run on the one
+        # thread the profiler timed them with (at every core a BERT's Adam took 7-11 ms instead of
+        # 5-7 on two cores, contending with the workers, and the estimate did not know it)
         if device_type == "cpu":
             self._threads_before = torch.get_num_threads()
             torch.set_num_threads(1)
@@ -420,10 +417,9 @@ class Launcher:
             if host is None:
                 results = self._collect("done", timeout=self.timeout)
             else:
-                with torch_threads(self._host_threads):  # process-wide: this thread only waits meanwhile
-                    host.start()
-                    results = self._collect("done", timeout=self.timeout)
-                    host.join()
+                host.start()
+                results = self._collect("done", timeout=self.timeout)
+                host.join()
         except BaseException:
             self.shared.set_abort()
             if host is not None and host.ident is not None:
