@@ -41,12 +41,7 @@ emulated devices uses instead (``compiler._scaled_to_the_model``): its own layer
 one device and on all, at the square root of the largest microbatch its profile measured (plans under
 memory pressure run small microbatches, and the ratio moves with the microbatch). On ``bench.estimate_accuracy
 --full`` the blocks' scale left GPT-2 small, VGG and ResNet 24-35% under their runs; the model's
-own brought them within -20..+13% (one run each, bench/results/estimate_accuracy.md). It runs the
-model on one device in two shapes, a few packs and one: the few packs swap every microbatch's
-activations through host memory between them, which costs the compute thread about 0.05 ms a
-piece, and the shapes' different swaps per compute tell that cost (``swap_overhead``) from the
-compute's scale (``_swap_cost``). On the few packs alone the scale read 1.3-1.5 where the
-compute ran at 1.0-1.1, and plans of long one-pack tasks came out 20-45% high.
+own brought them within -20..+13% (one run each, bench/results/estimate_accuracy.md).
 
 ``measure_cores`` runs a fixed single-threaded loop for a fixed window in one forked process, then in
 ``devices + 1`` processes released together by a barrier: ``k`` processes on ``c`` free cores do ``c``
@@ -65,8 +60,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
-from types import MappingProxyType
-from typing import Callable, Mapping, NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -76,8 +70,7 @@ from harmony.scheduler.estimator import estimate, promise, task_compute_seconds
 from harmony.scheduler.machine import Machine
 from harmony.profiling.profiles import LayerProfile, LayerSample, Profile
 from harmony.scheduler.taskgraph import generate
-from harmony.scheduler.lower import lower
-from harmony.scheduler.tasks import HOST, Channel, Configuration, Kind, TaskGraph
+from harmony.scheduler.tasks import HOST, Configuration, Kind, TaskGraph
 
 from harmony.runtime.device import CpuDevice
 from harmony.runtime.executor import Batch
@@ -405,54 +398,45 @@ def measure_compute_scaling(machine: Machine, iterations: int = 5, rounds: int =
     blocks on the real launcher, one device alone and then all of ``machine``'s devices at once (at
     least two), ``rounds`` times interleaved; per run, the median over the tasks of the compute
     scale that turns the span the estimator gives (with ``machine``'s overheads and shared cores)
-    into the measured one (``_task_ratios``); read as ``_scaling`` reads it. The blocks are one
-    pack, so nothing is swapped between packs and no swap cost is fitted."""
+    into the measured one (``_median_ratio``); read as ``_scaling`` reads it."""
     devices = max(2, machine.devices)
-    base = dataclasses.replace(machine, devices=devices, compute_scale=1.0, compute_interference=0.0,
-                               swap_overhead=0.0)
+    base = dataclasses.replace(machine, devices=devices, compute_scale=1.0, compute_interference=0.0)
     shape = (BLOCK_TOKENS, BLOCK_WIDTH)
     graph, profile = _profiled(_blocks(), shape)
     packs = [(0, len(profile.layers) - 1)]
     config = Configuration(u_f=MINIBATCH // 2, packs_f=packs, u_b=MINIBATCH // 2, packs_b=packs)
-    runs = []  # per device count: its task graph and the estimator's span of each task (the same every round)
+    runs = {}  # per device count: its task graph and the estimator's span of each task (the same every round)
     for count in (1, devices):
-        counted = dataclasses.replace(base, devices=count)
-        tasks = _promised(generate("dp", profile, config, count, MINIBATCH * count, update="host"), profile, counted)
-        runs.append(_Calibration(count, tasks, _modelled(tasks, profile, counted)))
+        tasks = _promised(generate("dp", profile, config, count, MINIBATCH * count, update="host"), profile,
+                          dataclasses.replace(base, devices=count))
+        runs[count] = tasks, _modelled(tasks, profile, dataclasses.replace(base, devices=count))
     return _scaling(runs, rounds, lambda tasks: _spans(graph, tasks, iterations, timeout, shape).tasks, "MLP blocks")
 
 
 def measure_model_scale(graph: LayerGraph, profile: Profile, machine: Machine, get_batch: Callable, loss_fn: Callable,
                         build_optimizer: Callable, minibatch: int, iterations: int = 4, rounds: int = 5,
                         timeout: float = 60.0, precision: str = "fp32") -> Scaling:
-    """The compute scale, interference, range and swap cost (``Scaling``) measured on the model itself
-    (module docs): its own layers data parallel, two microbatches a task at the square root of the
-    largest microbatch its profile measured, on one device in two shapes (a few packs, whose
-    activations swap through host memory between them, and one pack, which swaps only its input)
-    and then on all of ``machine``'s devices at once (at least two) in the first shape, ``rounds``
-    times interleaved (five: with three, the scale of five compiles in a row spread 1.8-2.3 on
-    GPT-2 tiny; fewer, and fewer iterations, where their steps' estimate says they would take more
-    than ``MODEL_SCALE_SECONDS``), read as ``_scaling`` reads them. The two shapes tell the compute
-    from the cost per activation swapped (``_swap_cost``): read on the few packs alone, that cost
-    went into the scale, 1.35-1.51 on VGG tiny where its one-pack plans computed at 1.0-1.2.
-    ``precision``: the plan's, which the runs compute in."""
+    """The compute scale, interference and range (``Scaling``) measured on the model itself (module docs): its own
+    layers in a few packs, data parallel on one device and then on all of ``machine``'s devices at
+    once (at least two), two microbatches a task at the square root of the largest microbatch its
+    profile measured, ``rounds`` times interleaved (five: with three, the scale of five compiles in
+    a row spread 1.8-2.3 on GPT-2 tiny; fewer, and fewer iterations, where their steps' estimate
+    says they would take more than ``MODEL_SCALE_SECONDS``), read as
+    ``measure_compute_scaling`` reads the blocks'. ``precision``: the plan's, which the runs compute in."""
     u = max(1, round(math.sqrt(min(profile.u_fmax, profile.u_bmax, minibatch))))
     devices = max(2, machine.devices)
-    base = dataclasses.replace(machine, devices=devices, compute_scale=1.0, compute_interference=0.0,
-                               swap_overhead=0.0)
+    base = dataclasses.replace(machine, devices=devices, compute_scale=1.0, compute_interference=0.0)
+    packs = _calibration_packs(len(profile.layers))
+    config = Configuration(u_f=u, packs_f=packs, u_b=u, packs_b=packs)
     capacity = CpuDevice("model-scale").capacity  # the host's memory: the calibration is not the plan
-    shapes = [_calibration_packs(len(profile.layers))]
-    if len(shapes[0]) > 1:
-        shapes.append([(0, len(profile.layers) - 1)])
-    runs = []
-    for count, packs in [(1, shape) for shape in shapes] + [(devices, shapes[0])]:
+    runs = {}
+    for count in (1, devices):
         counted = dataclasses.replace(base, devices=count)
-        config = Configuration(u_f=u, packs_f=packs, u_b=u, packs_b=packs)
         tasks = generate("dp", profile, config, count, 2 * u * count, update="host")
         tasks.precision = precision  # computed as the plan's runs will (under autocast for bf16)
         tasks.memory = promise(tasks, profile, counted, capacity=capacity)
-        runs.append(_Calibration(count, tasks, _modelled(tasks, profile, counted), swapped_pieces(tasks, profile)))
-    step = sum(_step_seconds(run.tasks, run.modelled) for run in runs)
+        runs[count] = tasks, _modelled(tasks, profile, counted)
+    step = sum(_step_seconds(tasks, spans) for tasks, spans in runs.values())
     rounds, iterations = _within(MODEL_SCALE_SECONDS, step, rounds, iterations)
 
     def batch(size: int) -> Callable[[int], Batch]:
@@ -472,104 +456,46 @@ def measure_model_scale(graph: LayerGraph, profile: Profile, machine: Machine, g
     return _scaling(runs, rounds, measure, "the model")
 
 
-def swapped_pieces(tasks: TaskGraph, profile: Profile) -> dict[int, int]:
-    """Per device task, the activation pieces it swaps in or out through host memory (the edges that
-    ``Machine.swap_overhead`` charges a unit for, as the estimator counts them)."""
-    counts: dict[int, int] = {}
-    for e in lower(tasks, profile, streams=False).edges:
-        if e.channel not in (Channel.SWAP.value, Channel.MSG.value):
-            continue
-        counts[e.consumer] = counts.get(e.consumer, 0) + 1
-        if e.producer is not None:
-            counts[e.producer] = counts.get(e.producer, 0) + 1
-    return counts
-
-
-class _Calibration(NamedTuple):
-    """One graph the calibration runs: on how many devices, its tasks, per task the estimator's span
-    and the compute inside it (``_modelled``, without a swap cost), and the activation pieces
-    each swaps (``swapped_pieces``; none counted: no swap cost is read)."""
-
-    devices: int
-    tasks: TaskGraph
-    modelled: dict[int, tuple[float, float]]
-    swaps: Mapping[int, int] = MappingProxyType({})
-
-
 class Scaling(NamedTuple):
     """What a calibration read (``_scaling``): the compute scale (the median round on one device),
-    the interference, the range a plan's tasks may land in (``_range``,
-    ``Machine.compute_scale_range``) and the cost per activation swapped (``_swap_cost``,
-    ``Machine.swap_overhead``)."""
+    the interference, and the range a plan's tasks may land in (``_range``,
+    ``Machine.compute_scale_range``)."""
 
     scale: float
     interference: float
     low: float
     high: float
-    swap: float = 0.0
 
     def applied(self, machine: Machine) -> Machine:
         return dataclasses.replace(machine, compute_scale=self.scale, compute_interference=self.interference,
-                                   compute_scale_range=[self.low, self.high] if self.high > self.low else None,
-                                   swap_overhead=self.swap)
+                                   compute_scale_range=[self.low, self.high] if self.high > self.low else None)
 
 
-def _scaling(runs: list[_Calibration], rounds: int, measure: Callable[[TaskGraph], dict[int, float]],
-             what: str) -> Scaling:
-    """The compute scale, interference, range and swap cost (``Scaling``) from ``runs`` (graphs on one
-    device, and one on all), each measured ``rounds`` times interleaved. Where the one-device
-    graphs differ in shape, the cost per activation swapped is fitted over their tasks
-    (``_swap_cost``) and taken out of every reading. Per run, the median over its tasks of the
-    compute scale that explains the measured span (``_task_ratios``); per round, the one-device
-    graphs' tasks together. The median one-device round is the scale (a run, like a user's, sees
-    the machine's typical load, not its best moment); the median all-devices run over it, less
-    one, spread over the other devices, the interference; the one-device tasks' readings over all
-    rounds, the range (``_range``)."""
-    measured: list[list[dict[int, float]]] = [[] for _ in runs]
-    for _ in range(rounds):
-        for k, run in enumerate(runs):
-            measured[k].append(measure(run.tasks))
-    alone = [k for k, run in enumerate(runs) if run.devices == 1]
-    together = max(range(len(runs)), key=lambda k: runs[k].devices)
-    swap = _swap_cost([[(runs[k], measured[k][r]) for k in alone] for r in range(rounds)]) if len(alone) > 1 else 0.0
-    per_round: list[float] = []
+def _scaling(runs: dict[int, tuple[TaskGraph, dict[int, tuple[float, float]]]], rounds: int,
+             measure: Callable[[TaskGraph], dict[int, float]], what: str) -> Scaling:
+    """The compute scale, interference and range (``Scaling``) from ``runs`` (per device count, one and all: a
+    task graph and, per task, the estimator's span and the compute inside it), each measured
+    ``rounds`` times interleaved: per run, the median over the tasks of the compute scale that
+    explains the measured span (``_median_ratio``); the median one-device run is the scale (a run,
+    like a user's, sees the machine's typical load, not its best moment), the median all-devices
+    run over it, less one, spread over the other devices, the interference; the one-device tasks'
+    readings over all rounds, the range (``_range``)."""
+    ratios: dict[int, list[float]] = {count: [] for count in runs}
     tasks_alone: list[float] = []  # every one-device task's reading, all rounds
-    for r in range(rounds):
-        reads = [x for k in alone for x in _task_ratios(runs[k], measured[k][r], swap)]
-        per_round.append(_median_of(reads))
-        tasks_alone += reads
-    all_rounds = [_median_of(_task_ratios(runs[together], m, swap)) for m in measured[together]]
-    devices = runs[together].devices
-    scale, shared = statistics.median(per_round), statistics.median(all_rounds)
-    interference = max(0.0, (shared / scale - 1.0) / (devices - 1))
-    low, high = _range(tasks_alone, per_round)
+    for _ in range(rounds):
+        for count, (tasks, modelled) in runs.items():
+            reads = _task_ratios(tasks, measure(tasks), modelled)
+            ratios[count].append(_median_of(reads))
+            if count == 1:
+                tasks_alone += reads
+    devices = max(runs)
+    alone, together = statistics.median(ratios[1]), statistics.median(ratios[devices])
+    interference = max(0.0, (together / alone - 1.0) / (devices - 1))
+    low, high = _range(tasks_alone, ratios[1])
     log.info("compute scaling on %s: tasks run %.2fx their estimate on one device (%.2f-%.2f over its tasks and "
-             "rounds), %.2fx on %d at once: %.3f per other device computing; %.3f ms per activation swapped",
-             what, scale, low, high, shared, devices, interference, swap * 1e3)
-    return Scaling(scale, interference, low, high, swap)
-
-
-def _swap_cost(rounds: list[list[tuple[_Calibration, dict[int, float]]]]) -> float:
-    """Seconds of compute per activation swapped: per round, the least-squares fit over the
-    one-device graphs' compute tasks of ``measured - modelled overheads = scale * compute + cost *
-    swaps`` (the shapes differ in swaps per compute, which tells the two apart), the median over
-    the rounds; zero where no round can tell them apart or the fit says negative (a swap costs
-    nothing beyond what the probe measured)."""
-    costs = []
-    for graphs in rounds:
-        rows = [(compute, float(run.swaps.get(t.id, 0)), measured[t.id] - span + compute)
-                for run, measured in graphs for t in _kept(run, measured)
-                for span, compute in [run.modelled[t.id]] if compute > 0]
-        sxx = sum(c * c for c, _, _ in rows)
-        sxs = sum(c * n for c, n, _ in rows)
-        sss = sum(n * n for _, n, _ in rows)
-        det = sxx * sss - sxs * sxs
-        if len(rows) < 3 or det <= 1e-12 * sxx * sss:
-            continue
-        sxy = sum(c * y for c, _, y in rows)
-        ssy = sum(n * y for _, n, y in rows)
-        costs.append((sxx * ssy - sxs * sxy) / det)
-    return max(0.0, statistics.median(costs)) if costs else 0.0
+             "rounds), %.2fx on %d at once: %.3f per other device computing", what, alone, low, high, together,
+             devices, interference)
+    return Scaling(alone, interference, low, high)
 
 
 def _range(tasks: list[float], rounds: list[float]) -> tuple[float, float]:
@@ -622,28 +548,26 @@ def _modelled(tasks: TaskGraph, profile: Profile, machine: Machine) -> dict[int,
     return {t.id: (spans[t.id], task_compute_seconds(t, profile)) for t in tasks.tasks if t.id in spans}
 
 
+def _median_ratio(tasks: TaskGraph, measured: dict[int, float], modelled: dict[int, tuple[float, float]]) -> float:
+    """The median over the device's compute tasks of their scales (``_task_ratios``)."""
+    return _median_of(_task_ratios(tasks, measured, modelled))
+
+
 def _median_of(reads: list[float]) -> float:
     """A run's scale from its tasks' readings; 0 without any (the caller's guard reads it as none)."""
     return statistics.median(reads) if reads else 0.0
 
 
-def _kept(run: _Calibration, measured: dict[int, float]) -> list:
-    """The run's compute tasks that were measured and modelled with a span."""
-    return [t for t in run.tasks.tasks
-            if t.kind != Kind.UPD and t.id in measured and run.modelled.get(t.id, (0.0, 0.0))[0] > 0]
-
-
-def _task_ratios(run: _Calibration, measured: dict[int, float], swap: float = 0.0) -> list[float]:
-    """Per compute task, the scale ``s`` for which the estimate, with its compute times ``s``, the
-    rest (the runtime's overheads, waits) as modelled and ``swap`` seconds per activation it swaps,
-    gives the measured span: the estimator applies the scale to compute alone, so the calibration
-    measures it so. Measured over the whole span instead, a task whose overheads are half of it
-    read 0.8 where its compute ran at 0.6. Where the modelled overheads alone come near the
-    measured spans (tasks of almost no compute), that reading says nothing (its median can go to
-    zero or below): the ratios of the whole spans stand instead."""
-    kept, modelled = _kept(run, measured), run.modelled
-    on_compute = [1.0 + (measured[t.id] - modelled[t.id][0] - swap * run.swaps.get(t.id, 0)) / modelled[t.id][1]
-                  for t in kept if modelled[t.id][1] > 0]
+def _task_ratios(tasks: TaskGraph, measured: dict[int, float], modelled: dict[int, tuple[float, float]]) -> list[float]:
+    """Per compute task, the scale ``s`` for which the estimate, with its compute times ``s`` and
+    the rest (the runtime's overheads, waits) as modelled, gives the measured span: the estimator
+    applies the scale to compute alone, so the calibration measures it so. Measured over the whole
+    span instead, a task whose overheads are half of it read 0.8 where its compute ran at 0.6.
+    Where the modelled overheads alone come near the measured spans (tasks of almost no compute),
+    that reading says nothing (its median can go to zero or below): the ratios of the whole spans
+    stand instead."""
+    kept = [t for t in tasks.tasks if t.kind != Kind.UPD and t.id in measured and modelled.get(t.id, (0.0, 0.0))[0] > 0]
+    on_compute = [1.0 + (measured[t.id] - modelled[t.id][0]) / modelled[t.id][1] for t in kept if modelled[t.id][1] > 0]
     if on_compute and statistics.median(on_compute) >= MIN_COMPUTE_SCALE:
         return on_compute
     log.info("the runtime's overheads are most of these tasks' spans: their scale is read on the whole spans")

@@ -39,8 +39,7 @@ What is simulated (the runtime's semantics, which this module must keep in step 
   microbatch, ``update_overhead`` on each optimizer step on a device, fused or not;
   ``host_update_overhead`` and ``host_tensor_overhead`` per parameter on each update on the host;
   ``p2p_send_overhead`` on a unit per P2P piece it sends, which an emulated device's compute thread
-  hands over itself; ``swap_overhead`` on a unit per activation piece it swaps in or out through
-  host memory, SWAP or MSG), and
+  hands over itself), and
   ``iteration_overhead`` once on the iteration (the launcher handing out the minibatch and taking
   the results back, outside every task); zero on a machine nobody measured.
 - **Shared cores.** With ``machine.cpu_cores`` set (emulated devices computing on the host's
@@ -128,7 +127,6 @@ _E_UNIT, _E_XFER, _E_JOIN, _E_LINK, _E_CPU = range(5)
 
 _STATE = ("W", "B")  # a pack's state, loaded before its first unit
 _P2P_CHANNEL = Channel.P2P.value  # an edge's channel, as lowering writes it
-_SWAPPED_CHANNELS = frozenset((Channel.SWAP.value, Channel.MSG.value))  # edges through host memory
 _STATE_TENSORS = frozenset(("W", "dW", "K", "B"))  # moved one tensor at a time (``Machine.tensor_overhead``)
 # outputs that are activations or gradients: their readers are paired with them by the program's edges
 _ACTIVATIONS = frozenset(("X", "Y", "Xs", "dX", "dY"))
@@ -491,7 +489,6 @@ class _Simulation:
         self._build_slots(graph)
         self._build_units()
         self._build_inline_sends(program)
-        self._build_inline_swaps(program)
         # transfer rates: a shared host link in each direction
         links = {}
         if machine.host_link_shared:
@@ -571,24 +568,6 @@ class _Simulation:
                 us = units_of.get(e.producer)
                 if us is not None and 0 <= e.src_unit < len(us):
                     us[e.src_unit].dur += cost
-
-    def _build_inline_swaps(self, program: Program) -> None:
-        """Each activation piece a unit swaps in or out through host memory keeps its compute busy
-        ``machine.swap_overhead`` longer (the compute thread hands it to a stream thread and back)."""
-        cost = self.machine.swap_overhead
-        if not cost:
-            return
-        units_of = self.units_of
-        for e in program.edges:
-            if e.channel not in _SWAPPED_CHANNELS:
-                continue
-            ends = [(e.consumer, e.dst_unit)]
-            if e.producer is not None and e.src_unit is not None:
-                ends.append((e.producer, e.src_unit))
-            for task_id, unit in ends:
-                us = units_of.get(task_id)
-                if us is not None and 0 <= unit < len(us):
-                    us[unit].dur += cost
 
     def _unit_for(self, task: Task, mb: int | None, produce: bool) -> _Unit:
         us = self.units_of[task.id]

@@ -47,13 +47,6 @@ on layers of near-zero compute, ``harmony.profiling.overheads``; zero when nobod
   (``runtime/transport``), so the message's hand-off delays its next unit (measured: the p2p-out
   spans of the overheads probe's pipeline, 0.15-0.25 ms here). Zero on GPUs, whose sends are
   issued to a stream;
-- ``swap_overhead``: seconds of a device's compute thread per activation piece (X, Y, a stash, dY,
-  dX) it swaps in or out through host memory (SWAP or MSG), beyond the copy's ``latency`` and bytes:
-  the compute thread hands each piece to a stream thread and back (the ledger, the park, the wait
-  for the prefetch; measured: fitted with ``compute_scale`` on the model's calibration, in two
-  shapes of graph, ``profiling/overheads.measure_model_scale``, about 0.05 ms here). Without it
-  the calibration's scale folded that cost into the compute, and plans of long one-pack tasks
-  (few swaps per unit of compute) came out 20-45% high;
 - ``cpu_cores``: on the emulated ``cpu`` backend every device computes on the host's cores, and so
   do the host's offloaded updates: the number of cores they get between them (measured: a fixed
   single-threaded loop run in more processes than cores). ``None``: each device has its own
@@ -96,17 +89,17 @@ log = logging.getLogger(__name__)
 __all__ = ["Machine", "MachineError", "KIND", "VERSION", "CHANNELS", "ANALYTIC_LATENCY"]
 
 KIND = "machine"
-VERSION = 8  # 2: task_overhead, microbatch_overhead, update_overhead, cpu_cores; 3: compute_scale, compute_interference;
+VERSION = 7  # 2: task_overhead, microbatch_overhead, update_overhead, cpu_cores; 3: compute_scale, compute_interference;
 # 4: iteration_overhead; 5: tensor_overhead; 6: host_update_overhead, host_tensor_overhead, p2p_send_overhead;
-# 7: compute_scale_range; 8: swap_overhead
-_OLDER = (7, 6, 5, 4, 3, 2, 1)  # versions read with the fields they lack at their defaults (not measured)
+# 7: compute_scale_range
+_OLDER = (6, 5, 4, 3, 2, 1)  # versions read with the fields they lack at their defaults (not measured)
 
 CHANNELS = ("h2d", "d2h", "d2d", "msg")
 _KINDS = ("cpu", "cuda", "analytic")
 _SOURCES = ("measured", "analytic", "given")
 _BANDWIDTHS = ("h2d", "d2h", "d2d", "h2d_all", "d2h_all", "msg")
 _OVERHEADS = ("task_overhead", "microbatch_overhead", "update_overhead", "iteration_overhead", "tensor_overhead",
-              "host_update_overhead", "host_tensor_overhead", "p2p_send_overhead", "swap_overhead")
+              "host_update_overhead", "host_tensor_overhead", "p2p_send_overhead")
 
 # The fixed cost of one host<->device copy when nobody measured it: a cudaMemcpyAsync launch plus its
 # completion is about 5-10 us on PCIe systems (CUDA bandwidthTest / nvbandwidth at small sizes).
@@ -162,7 +155,6 @@ class Machine:
     host_update_overhead: float = 0.0  # s, per update on the host, beyond its optimizer step
     host_tensor_overhead: float = 0.0  # s, per parameter an update on the host steps, beyond the step
     p2p_send_overhead: float = 0.0  # s, of the sender's compute thread per P2P message (emulated devices)
-    swap_overhead: float = 0.0  # s, of a device's compute thread per activation piece swapped in or out
     cpu_cores: float | None = None  # cores the devices' compute shares (cpu backend); None: no sharing
     compute_scale: float = 1.0  # the runtime's compute over the profile's, one device alone (cpu backend)
     compute_interference: float = 0.0  # slowdown per other unit computing at once (cpu backend)
@@ -354,8 +346,6 @@ class Machine:
                    "parameter per host update" if self.host_update_overhead or self.host_tensor_overhead else "")
                 + (f", {self.p2p_send_overhead * 1e3:.2f} ms of the sender's compute per p2p message"
                    if self.p2p_send_overhead else "")
-                + (f", {self.swap_overhead * 1e3:.3f} ms of compute per activation swapped"
-                   if self.swap_overhead else "")
                 + (f"; {self.cpu_cores:.2f} cores shared by the devices' compute" if self.cpu_cores is not None else "")
                 + (f"; compute {self.compute_scale:.2f}x the profile" if self.compute_scale != 1.0 else "")
                 + (" ({:.2f}-{:.2f} across the calibration's tasks, 10th-90th percentile)".format(*self.compute_scale_range)

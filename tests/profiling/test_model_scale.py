@@ -102,16 +102,17 @@ def _graph_of(tasks: int):
 def test_the_scale_is_read_on_the_compute_inside_a_span_not_on_the_whole_span():
     # spans of 1 ms compute + 1 ms of modelled overheads, run with the compute at 0.6x: the estimator
     # multiplies compute alone, so the scale it needs is 0.6 (measured / span would say 0.8)
-    run = overheads._Calibration(1, _graph_of(3), {i: (2e-3, 1e-3) for i in range(3)})
+    tasks = _graph_of(3)
+    modelled = {i: (2e-3, 1e-3) for i in range(3)}
     measured = {i: 0.6e-3 + 1e-3 for i in range(3)}
-    assert overheads._task_ratios(run, measured) == pytest.approx([0.6] * 3)
+    assert abs(overheads._median_ratio(tasks, measured, modelled) - 0.6) < 1e-9
 
 
 def test_the_scale_and_interference_are_the_median_rounds_not_the_fastest_and_the_range_is_kept():
     # three rounds on one device read 0.5, 0.7, 0.6 and on two 0.9, 0.7, 0.8: a run sees the machine's
     # typical load, so the scale is 0.6 and the interference 0.8 / 0.6 - 1
     tasks = _graph_of(1)
-    runs = [overheads._Calibration(1, tasks, {0: (1.0, 1.0)}), overheads._Calibration(2, tasks, {0: (1.0, 1.0)})]
+    runs = {1: (tasks, {0: (1.0, 1.0)}), 2: (tasks, {0: (1.0, 1.0)})}
     reads = iter([0.5, 0.9, 0.7, 0.7, 0.6, 0.8])  # the rounds interleave one device and two
     scaling = overheads._scaling(runs, 3, lambda graph: {0: next(reads)}, "a test")
     assert abs(scaling.scale - 0.6) < 1e-9 and abs(scaling.interference - (0.8 / 0.6 - 1)) < 1e-9
@@ -133,36 +134,7 @@ def test_the_range_spans_the_models_tasks_not_only_the_rounds():
 def test_where_overheads_are_the_whole_span_the_scale_is_read_on_the_spans():
     # modelled overheads of 1.5 ms where the tasks took 1.2 ms in all: a reading on compute would be
     # below zero; the ratio of the spans (1.2 / 2.0) is taken instead
-    run = overheads._Calibration(1, _graph_of(3), {i: (2e-3, 0.5e-3) for i in range(3)})
+    tasks = _graph_of(3)
+    modelled = {i: (2e-3, 0.5e-3) for i in range(3)}
     measured = {i: 1.2e-3 for i in range(3)}
-    assert overheads._task_ratios(run, measured) == pytest.approx([0.6] * 3)
-
-
-def test_the_cost_per_activation_swapped_is_told_from_the_compute_by_two_shapes_of_graph():
-    # tasks computing at 1.1x the profile and paying 0.05 ms per activation piece they swap: read on
-    # the few-pack graph alone (many swaps per compute) the scale says 1.2-1.4; a one-pack graph
-    # (two swaps over a long compute) tells the two apart, and the scale is the compute's again
-    packs = overheads._Calibration(1, _graph_of(3), {0: (1.5e-3, 1e-3), 1: (0.8e-3, 0.5e-3), 2: (2.2e-3, 2e-3)},
-                                   {0: 4, 1: 6, 2: 2})
-    whole = overheads._Calibration(1, _graph_of(1), {0: (4.5e-3, 4e-3)}, {0: 2})
-    spread = overheads._Calibration(2, _graph_of(3), packs.modelled, packs.swaps)
-
-    def ran(run, scale, swap):
-        return {t: span + (scale - 1) * compute + swap * run.swaps[t] for t, (span, compute) in run.modelled.items()}
-
-    alone = overheads._scaling([packs, spread], 3, lambda tasks: ran(packs, 1.1, 5e-5), "few packs")
-    assert alone.swap == 0.0 and alone.scale > 1.2
-    measure = {id(packs.tasks): lambda: ran(packs, 1.1, 5e-5), id(whole.tasks): lambda: ran(whole, 1.1, 5e-5),
-               id(spread.tasks): lambda: ran(spread, 1.32, 5e-5)}
-    both = overheads._scaling([packs, whole, spread], 3, lambda tasks: measure[id(tasks)](), "two shapes")
-    assert both.swap == pytest.approx(5e-5) and both.scale == pytest.approx(1.1)
-    assert both.interference == pytest.approx(0.2)  # 1.32 / 1.1 on two devices, the swaps taken out too
-    assert both.applied(_nominal_machine(_profiled()[1], 1 << 20)).swap_overhead == pytest.approx(5e-5)
-
-
-def test_a_swap_cost_the_fit_reads_as_negative_is_none():
-    # the one-pack task slower per compute than the few packs' (a swap would "save" time): no cost
-    packs = overheads._Calibration(1, _graph_of(2), {0: (1e-3, 1e-3), 1: (1e-3, 1e-3)}, {0: 4, 1: 6})
-    whole = overheads._Calibration(1, _graph_of(1), {0: (4e-3, 4e-3)}, {0: 2})
-    reads = {id(packs.tasks): {0: 1e-3, 1: 1e-3}, id(whole.tasks): {0: 6e-3}}
-    assert overheads._swap_cost([[(packs, reads[id(packs.tasks)]), (whole, reads[id(whole.tasks)])]]) == 0.0
+    assert abs(overheads._median_ratio(tasks, measured, modelled) - 0.6) < 1e-9

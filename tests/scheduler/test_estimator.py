@@ -179,27 +179,6 @@ def test_an_emulated_sender_computes_its_next_microbatch_after_handing_its_messa
     assert [end - start for start, end in spans] == [pytest.approx(2 * MS)] * 2
 
 
-def test_each_activation_swapped_through_host_memory_costs_its_units_compute_the_swap_overhead(profile):
-    n = 1_000_000  # 1 ms each way
-    outs = [Transfer("Y", Channel.SWAP, n, task=1, microbatch=j) for j in range(2)]
-    ins = [Transfer("X", Channel.SWAP, n, task=0, microbatch=j) for j in range(2)]
-    a = fwd(0, 0, 0, outputs=outs, mbs=(4, 4))
-    b = fwd(1, 0, 1, inputs=ins, mbs=(4, 4))
-    plain = estimate(graph([a, b]), profile, machine())
-    charged = estimate(graph([a, b]), profile, machine(swap_overhead=0.25 * MS))
-
-    def units(est):
-        return sorted((e.task, e.end - e.start) for e in est.events if e.stream == "compute")
-
-    # every unit sends or receives one piece: each is 2 ms of compute, and 0.25 ms more with the cost
-    assert [d for _, d in units(plain)] == [pytest.approx(2 * MS)] * 4
-    assert [d for _, d in units(charged)] == [pytest.approx(2.25 * MS)] * 4
-    assert charged.iteration_time == pytest.approx(plain.iteration_time + 4 * 0.25 * MS)
-    # the copies themselves take as long as before
-    copies = [e.end - e.start for e in charged.events if e.stream in ("swap-in", "swap-out")]
-    assert copies and all(c == pytest.approx(1 * MS) for c in copies)
-
-
 @pytest.mark.parametrize("latency", [0.0, 20e-6])
 def test_host_link_contention_only_on_a_shared_link(profile, latency):
     tasks = [fwd(0, 0, 0, [swap_w(4 * W)]), fwd(1, 1, 1, [swap_w(4 * W)])]

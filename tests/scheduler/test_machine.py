@@ -148,11 +148,11 @@ def test_runtime_costs_round_trip_and_default_to_unmeasured(tmp_path):
 
 
 def test_a_version_1_file_is_read_with_the_runtime_costs_unmeasured(tmp_path):
-    assert VERSION == 8
+    assert VERSION == 7
     body = make().to_dict()
     for name in ("task_overhead", "microbatch_overhead", "update_overhead", "cpu_cores", "compute_scale",
                  "compute_interference", "iteration_overhead", "tensor_overhead", "host_update_overhead",
-                 "host_tensor_overhead", "p2p_send_overhead", "compute_scale_range", "swap_overhead"):
+                 "host_tensor_overhead", "p2p_send_overhead", "compute_scale_range"):
         del body[name]
     serialization.save(tmp_path / "old", KIND, 1, body)
     old = Machine.load(tmp_path / "old")
@@ -187,7 +187,7 @@ def test_a_version_4_file_is_read_without_a_cost_per_state_tensor(tmp_path):
 def test_a_version_5_file_is_read_without_a_host_updates_or_a_senders_own_cost(tmp_path):
     body = make(task_overhead=1e-3, tensor_overhead=1e-5).to_dict()
     del body["host_update_overhead"], body["host_tensor_overhead"], body["p2p_send_overhead"]
-    del body["compute_scale_range"], body["swap_overhead"]
+    del body["compute_scale_range"]
     serialization.save(tmp_path / "v5", KIND, 5, body)
     old = Machine.load(tmp_path / "v5")
     assert old == make(task_overhead=1e-3, tensor_overhead=1e-5)
@@ -196,25 +196,10 @@ def test_a_version_5_file_is_read_without_a_host_updates_or_a_senders_own_cost(t
 
 def test_a_version_6_file_is_read_with_one_reading_of_the_compute_scale(tmp_path):
     body = make(compute_scale=1.4).to_dict()
-    del body["compute_scale_range"], body["swap_overhead"]
+    del body["compute_scale_range"]
     serialization.save(tmp_path / "v6", KIND, 6, body)
     old = Machine.load(tmp_path / "v6")
     assert old == make(compute_scale=1.4) and old.compute_scale_range is None
-
-
-def test_a_version_7_file_is_read_without_a_cost_per_activation_swapped(tmp_path):
-    body = make(compute_scale=1.4, compute_scale_range=(1.2, 1.9)).to_dict()
-    del body["swap_overhead"]
-    serialization.save(tmp_path / "v7", KIND, 7, body)
-    old = Machine.load(tmp_path / "v7")
-    assert old == make(compute_scale=1.4, compute_scale_range=(1.2, 1.9)) and old.swap_overhead == 0.0
-
-
-def test_the_cost_per_activation_swapped_round_trips_and_is_described(tmp_path):
-    m = make(swap_overhead=5e-5)
-    m.save(tmp_path / "m")
-    assert Machine.load(tmp_path / "m") == m
-    assert "0.050 ms of compute per activation swapped" in m.describe()
 
 
 def test_the_compute_scales_range_round_trips_and_is_described(tmp_path):
@@ -234,7 +219,6 @@ def test_the_compute_scales_range_round_trips_and_is_described(tmp_path):
         ({"microbatch_overhead": math.inf}, "microbatch_overhead"),
         ({"update_overhead": "1ms"}, "update_overhead"),
         ({"host_tensor_overhead": -1e-6}, "host_tensor_overhead"),
-        ({"swap_overhead": -1e-6}, "swap_overhead"),
         ({"cpu_cores": 0}, "cpu_cores"),
         ({"cpu_cores": True}, "cpu_cores"),
         ({"compute_interference": -0.1}, "compute_interference"),
