@@ -22,6 +22,11 @@ contention: a fixed single-threaded matmul loop run in two forked processes at o
 training, over the same loop run in one process just before the profile was taken (the profile
 times one device computing alone; the run has both devices computing at once on the same cores,
 with whatever else the machine runs). On a machine with a free core per device it is about 1.
+A matrix product does not see the state that moves a tiny model's runs most here: interpreter-bound
+work running 1.5-2x slower in spells of seconds (``bench.machine_drift``). So the same is done
+with a pure Python loop (``interpreter``: in two processes around each run, over its fastest of
+five readings in one process before the profile), printed per run: a run beside a reading well
+over 1 was likely made in such a spell.
 
 ``--breakdown`` prints, per device task, the estimate's compute (``task_compute_seconds``), the
 estimate's span (from the end of the device's previous task to the end of this one, waits for
@@ -56,6 +61,7 @@ from rich.console import Console
 from rich.table import Table
 
 import harmony
+from bench import machine_drift
 from bench.common import Model
 from harmony.compiler import estimate_range
 from harmony.errors import HarmonyError
@@ -101,25 +107,30 @@ SAMPLE_FULL = [("gpt2-tiny", ("pp", "dp", BASELINE), 2), ("gpt2-small", ("pp",),
                ("resnet-tiny", ("pp", "dp"), 1)]
 
 
-def _cpu_loop(out=None) -> float:
+def _cpu_loop(kind: str = "matmul", out=None) -> float:
+    """Seconds of a fixed single-threaded loop: 150 products of 192x192 matrices (``matmul``) or
+    pure Python arithmetic (``python``, ``machine_drift.python_loop`` ten times)."""
     torch.set_num_threads(1)
     a = torch.randn(192, 192, generator=torch.Generator().manual_seed(0))
     a @ a  # untimed: a fresh process's first product (its kernels' set-up) read the first model's contention as 0.44x
     t0 = time.perf_counter()
-    for _ in range(150):
-        a @ a
+    for _ in range(150 if kind == "matmul" else 10):
+        if kind == "matmul":
+            a @ a
+        else:
+            machine_drift.python_loop()
     seconds = time.perf_counter() - t0
     if out is not None:
         out.put(seconds)
     return seconds
 
 
-def cpu_seconds(processes: int) -> float:
-    """Median seconds of the fixed loop in ``processes`` forked processes running at once (forked,
-    one thread each, as the runtime's emulated devices are)."""
+def cpu_seconds(processes: int, kind: str = "matmul") -> float:
+    """Median seconds of a fixed loop (``matmul`` or ``python``) in ``processes`` forked processes
+    running at once (forked, one thread each, as the runtime's emulated devices are)."""
     ctx = multiprocessing.get_context("fork")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_cpu_loop, args=(out,), daemon=True) for _ in range(processes)]
+    procs = [ctx.Process(target=_cpu_loop, args=(kind, out), daemon=True) for _ in range(processes)]
     for p in procs:
         p.start()
     times = [out.get(timeout=120) for _ in procs]
@@ -218,10 +229,12 @@ def _plan_of(base: Plan, machine: Machine, mode: str, config: Configuration, cas
 def plans_for(case: Case, modes: tuple[str, ...], per_mode: int = 1) -> list[tuple[str, Plan | None, Estimate | None, float]]:
     """(mode, plan or None if it does not fit, its estimate, compile seconds) for every mode, the
     ``per_mode`` best configurations of each; one compile (profile + machine probe) serves them all.
-    The plans carry ``cpu_alone``: the fixed loop's seconds in one process just before the profile."""
+    The plans carry ``cpu_alone``: the fixed loop's seconds in one process just before the profile
+    (``interpreter_alone``: the Python loop's, the fastest of five)."""
     torch.manual_seed(0)
     model = case.build()
     alone = cpu_seconds(1)
+    interpreter = min(cpu_seconds(1, "python") for _ in range(5))
     t0 = time.perf_counter()
     base = harmony.compile(model, case.loss_fn, case.get_batch, minibatch_size=case.minibatch, devices=2,
                            mode="pp", build_optimizer=case.build_optimizer, probe=True, compare=False)
@@ -238,13 +251,13 @@ def plans_for(case: Case, modes: tuple[str, ...], per_mode: int = 1) -> list[tup
             for config in configs:
                 made = _plan_of(base, machine, mode, config, case)
                 if made is not None:
-                    made[0].cpu_alone = alone
+                    made[0].cpu_alone, made[0].interpreter_alone = alone, interpreter
                 out.append((mode, *(made or (None, None)), compile_seconds))
             continue
         if mode == base.options["mode"]:  # the compiled plan itself; re-simulated for its timeline
             est = estimate(base.tasks, base.profile, machine, capacity=base.options["planned_memory"])
             est.iteration_time = base.estimate["iteration_time"]
-            base.cpu_alone = alone
+            base.cpu_alone, base.interpreter_alone = alone, interpreter
             out.append((mode, base, est, compile_seconds))
             continue
         try:
@@ -258,7 +271,7 @@ def plans_for(case: Case, modes: tuple[str, ...], per_mode: int = 1) -> list[tup
                               "busy": {str(d): dict(s) for d, s in result.estimate.busy.items()}},
                     options={**base.options, "mode": mode})
         plan.loss_fn, plan.build_optimizer = case.loss_fn, case.build_optimizer
-        plan.cpu_alone = alone
+        plan.cpu_alone, plan.interpreter_alone = alone, interpreter
         out.append((mode, plan, result.estimate, compile_seconds))
     return out
 
@@ -279,6 +292,7 @@ class Measured:
     runs: list[list[float]]  # per run, every iteration's seconds (the first is the warm-up)
     steady: list  # the kept iterations' histories, all runs
     contention: list[float]  # per run, the fixed loop in two processes over one process before the profile
+    interpreter: list[float] = dataclasses.field(default_factory=list)  # per run, the same with the Python loop
     failed: str | None = None
 
 
@@ -292,7 +306,7 @@ def measure(case: Case, plans: list[Plan], iterations: int, runs: int) -> list[M
             if got.failed:
                 continue
             with console.status(f"training {case.name} {plan.options['mode']} (run {len(got.runs) + 1} of {runs})"):
-                pair = cpu_seconds(2)
+                pair, python = cpu_seconds(2), cpu_seconds(2, "python")
                 try:
                     history = train(plan, case, iterations)
                 except HarmonyError as exc:  # a run that fails is a finding of its own: report it, go on
@@ -300,6 +314,7 @@ def measure(case: Case, plans: list[Plan], iterations: int, runs: int) -> list[M
                     got.failed = f"{type(exc).__name__}: {exc}"
                     continue
                 got.contention.append((pair + cpu_seconds(2)) / 2 / plan.cpu_alone)
+                got.interpreter.append((python + cpu_seconds(2, "python")) / 2 / plan.interpreter_alone)
             got.runs.append([h.seconds for h in history])
             got.steady += history[1:]
     return out
@@ -338,7 +353,8 @@ def measured_rows_of(name: str, case: Case, plans: list, iterations: int, runs: 
             "iteration_seconds": got.runs, "run_medians": medians,
             "runs_disagree": (max(medians) - min(medians)) / measured,
             "spread": (max(kept) - min(kept)) / measured,
-            "contention": statistics.median(got.contention), "load_average": os.getloadavg()[0],
+            "contention": statistics.median(got.contention), "interpreter": got.interpreter,
+            "load_average": os.getloadavg()[0],
             "machine": {name: getattr(machine, name) for name in (
                 "h2d", "d2h", "d2d", "latency", "p2p_latency", "task_overhead", "microbatch_overhead",
                 "update_overhead", "host_update_overhead", "host_tensor_overhead", "p2p_send_overhead",
@@ -453,14 +469,14 @@ def main() -> None:
                         f"training footprint, median of {ns.runs} runs x {ns.iterations - 1} iterations after one "
                         f"warm-up each")
     for col in ("model", "mode", "configuration", "estimated ms", "range ms", "measured ms", "rel. error",
-                "without runtime costs", "runs (ms)", "noise (spread)", "contention"):
+                "without runtime costs", "runs (ms)", "noise (spread)", "contention", "interpreter"):
         table.add_column(col, justify="left" if col in ("model", "mode", "configuration") else "right",
                          overflow="fold")
     for r in rows:
         if "measured_seconds" not in r:
             estimated = f"{r['estimated_seconds'] * 1e3:.1f}" if "estimated_seconds" in r else "-"
             measured = "run failed" if "failed" in r else "-"
-            table.add_row(r["model"], r["mode"], r["configuration"], estimated, "-", measured, "-", "-", "-", "-", "-")
+            table.add_row(r["model"], r["mode"], r["configuration"], estimated, "-", measured, "-", "-", "-", "-", "-", "-")
             continue
         span = r.get("estimated_range")
         span_text = (f"{span[0] * 1e3:.1f}-{span[1] * 1e3:.1f}" + ("" if r["within_range"] else " (out)")) if span else "-"
@@ -468,7 +484,7 @@ def main() -> None:
                       f"{r['measured_seconds'] * 1e3:.1f}", f"{r['relative_error']:+.1%}",
                       f"{r['relative_error_without_runtime_costs']:+.1%}",
                       " / ".join(f"{m * 1e3:.1f}" for m in r["run_medians"]), f"{r['spread']:.1%}",
-                      f"{r['contention']:.2f}x")
+                      f"{r['contention']:.2f}x", " / ".join(f"{x:.2f}x" for x in r["interpreter"]))
     console.print(table)
     measured_rows = [r for r in rows if "relative_error" in r]
     if measured_rows:
@@ -483,6 +499,10 @@ def main() -> None:
                       f"the runs of one plan disagree by {statistics.median(disagree):.1%} (median; max "
                       f"{max(disagree):.1%}), which an exact estimate would still show against a single run; "
                       f"CPU contention (median, 1.00x = a free core per device): {contention:.2f}x; "
+                      f"interpreter-bound speed around the runs (1.00x = its fastest before the profile): "
+                      f"{sum(x > machine_drift.SLOW for r in measured_rows for x in r['interpreter'])} of "
+                      f"{sum(len(r['interpreter']) for r in measured_rows)} runs beside a reading over "
+                      f"{machine_drift.SLOW}x; "
                       f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; "
                       f"{sum(bool(r.get('within_range')) for r in measured_rows)} of "
                       f"{sum(r.get('within_range') is not None for r in measured_rows)} within the plan's stated range; "

@@ -38,7 +38,7 @@ REPEATS = 7  # timings per sample; their median is the sample
 PAUSE = 0.3  # seconds between samples, so that they spread over the machine's spells
 
 
-def _python() -> None:
+def python_loop() -> None:
     total = 0
     for i in range(20000):
         total += i * i
@@ -63,7 +63,7 @@ def _loops() -> dict[str, Callable[[], None]]:
         block.fill_(1)
         block.sum()
 
-    return {"python": _python, "small ops": small_ops, "matmul": matmul, "memory": memory}
+    return {"python": python_loop, "small ops": small_ops, "matmul": matmul, "memory": memory}
 
 
 def _sample(fn: Callable[[], None]) -> float:
