@@ -358,7 +358,7 @@ def measured_rows_of(name: str, case: Case, plans: list, iterations: int, runs: 
             "machine": {name: getattr(machine, name) for name in (
                 "h2d", "d2h", "d2d", "latency", "p2p_latency", "task_overhead", "microbatch_overhead",
                 "update_overhead", "host_update_overhead", "host_tensor_overhead", "p2p_send_overhead",
-                "cpu_cores", "compute_scale", "compute_interference")},
+                "cpu_cores", "compute_scale", "compute_interference", "compute_scale_range")},
         })
         if with_breakdown:
             row["breakdown"] = breakdown(plan, est, got.steady)
