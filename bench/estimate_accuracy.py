@@ -54,7 +54,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from rich.console import Console
@@ -107,36 +107,49 @@ SAMPLE_FULL = [("gpt2-tiny", ("pp", "dp", BASELINE), 2), ("gpt2-small", ("pp",),
                ("resnet-tiny", ("pp", "dp"), 1)]
 
 
-def _cpu_loop(kind: str = "matmul", out=None) -> float:
-    """Seconds of a fixed single-threaded loop: 150 products of 192x192 matrices (``matmul``) or
-    pure Python arithmetic (``python``, ``machine_drift.python_loop`` ten times)."""
+class CpuReading(NamedTuple):
+    """Seconds of the two fixed single-threaded loops in one process: 150 products of 192x192
+    matrices, and pure Python arithmetic (``machine_drift.python_loop`` ten times)."""
+
+    matmul: float
+    python: float
+
+
+def _cpu_loop(out=None) -> CpuReading:
     torch.set_num_threads(1)
     a = torch.randn(192, 192, generator=torch.Generator().manual_seed(0))
     a @ a  # untimed: a fresh process's first product (its kernels' set-up) read the first model's contention as 0.44x
     t0 = time.perf_counter()
-    for _ in range(150 if kind == "matmul" else 10):
-        if kind == "matmul":
-            a @ a
-        else:
-            machine_drift.python_loop()
-    seconds = time.perf_counter() - t0
+    for _ in range(150):
+        a @ a
+    t1 = time.perf_counter()
+    for _ in range(10):
+        machine_drift.python_loop()
+    reading = CpuReading(t1 - t0, time.perf_counter() - t1)
     if out is not None:
-        out.put(seconds)
-    return seconds
+        out.put(tuple(reading))
+    return reading
 
 
-def cpu_seconds(processes: int, kind: str = "matmul") -> float:
-    """Median seconds of a fixed loop (``matmul`` or ``python``) in ``processes`` forked processes
-    running at once (forked, one thread each, as the runtime's emulated devices are)."""
+def cpu_seconds(processes: int) -> CpuReading:
+    """Median seconds of each fixed loop in ``processes`` forked processes running at once (forked,
+    one thread each, as the runtime's emulated devices are)."""
     ctx = multiprocessing.get_context("fork")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_cpu_loop, args=(kind, out), daemon=True) for _ in range(processes)]
+    procs = [ctx.Process(target=_cpu_loop, args=(out,), daemon=True) for _ in range(processes)]
     for p in procs:
         p.start()
-    times = [out.get(timeout=120) for _ in procs]
+    readings = [out.get(timeout=120) for _ in procs]
     for p in procs:
         p.join()
-    return statistics.median(times)
+    return CpuReading(*(statistics.median(column) for column in zip(*readings)))
+
+
+def _baseline() -> CpuReading:
+    """The loops in one process before the profile: the matmul's first reading, and the Python
+    loop's fastest of five (its speed outside the machine's slow spells)."""
+    readings = [cpu_seconds(1) for _ in range(5)]
+    return CpuReading(readings[0].matmul, min(r.python for r in readings))
 
 
 def _p2p_receiver(inbox, out, slabs) -> None:
@@ -229,12 +242,11 @@ def _plan_of(base: Plan, machine: Machine, mode: str, config: Configuration, cas
 def plans_for(case: Case, modes: tuple[str, ...], per_mode: int = 1) -> list[tuple[str, Plan | None, Estimate | None, float]]:
     """(mode, plan or None if it does not fit, its estimate, compile seconds) for every mode, the
     ``per_mode`` best configurations of each; one compile (profile + machine probe) serves them all.
-    The plans carry ``cpu_alone``: the fixed loop's seconds in one process just before the profile
-    (``interpreter_alone``: the Python loop's, the fastest of five)."""
+    The plans carry ``cpu_alone``: the fixed loops' seconds in one process just before the profile
+    (``_baseline``)."""
     torch.manual_seed(0)
     model = case.build()
-    alone = cpu_seconds(1)
-    interpreter = min(cpu_seconds(1, "python") for _ in range(5))
+    alone = _baseline()
     t0 = time.perf_counter()
     base = harmony.compile(model, case.loss_fn, case.get_batch, minibatch_size=case.minibatch, devices=2,
                            mode="pp", build_optimizer=case.build_optimizer, probe=True, compare=False)
@@ -251,13 +263,13 @@ def plans_for(case: Case, modes: tuple[str, ...], per_mode: int = 1) -> list[tup
             for config in configs:
                 made = _plan_of(base, machine, mode, config, case)
                 if made is not None:
-                    made[0].cpu_alone, made[0].interpreter_alone = alone, interpreter
+                    made[0].cpu_alone = alone
                 out.append((mode, *(made or (None, None)), compile_seconds))
             continue
         if mode == base.options["mode"]:  # the compiled plan itself; re-simulated for its timeline
             est = estimate(base.tasks, base.profile, machine, capacity=base.options["planned_memory"])
             est.iteration_time = base.estimate["iteration_time"]
-            base.cpu_alone, base.interpreter_alone = alone, interpreter
+            base.cpu_alone = alone
             out.append((mode, base, est, compile_seconds))
             continue
         try:
@@ -271,7 +283,7 @@ def plans_for(case: Case, modes: tuple[str, ...], per_mode: int = 1) -> list[tup
                               "busy": {str(d): dict(s) for d, s in result.estimate.busy.items()}},
                     options={**base.options, "mode": mode})
         plan.loss_fn, plan.build_optimizer = case.loss_fn, case.build_optimizer
-        plan.cpu_alone, plan.interpreter_alone = alone, interpreter
+        plan.cpu_alone = alone
         out.append((mode, plan, result.estimate, compile_seconds))
     return out
 
@@ -306,15 +318,16 @@ def measure(case: Case, plans: list[Plan], iterations: int, runs: int) -> list[M
             if got.failed:
                 continue
             with console.status(f"training {case.name} {plan.options['mode']} (run {len(got.runs) + 1} of {runs})"):
-                pair, python = cpu_seconds(2), cpu_seconds(2, "python")
+                before = cpu_seconds(2)
                 try:
                     history = train(plan, case, iterations)
                 except HarmonyError as exc:  # a run that fails is a finding of its own: report it, go on
                     console.print(f"[red]{case.name} {plan.options['mode']} ({plan.tasks.config}) failed:[/red] {exc}")
                     got.failed = f"{type(exc).__name__}: {exc}"
                     continue
-                got.contention.append((pair + cpu_seconds(2)) / 2 / plan.cpu_alone)
-                got.interpreter.append((python + cpu_seconds(2, "python")) / 2 / plan.interpreter_alone)
+                after = cpu_seconds(2)
+                got.contention.append((before.matmul + after.matmul) / 2 / plan.cpu_alone.matmul)
+                got.interpreter.append((before.python + after.python) / 2 / plan.cpu_alone.python)
             got.runs.append([h.seconds for h in history])
             got.steady += history[1:]
     return out

@@ -116,7 +116,7 @@ def main() -> None:
     table = Table(title=f"fixed loops per core, {len(next(iter(samples.values())))} samples each "
                         f"(a sample: the median of {REPEATS} timings)")
     for column in ("core", "work", "median ms", f"samples > {SLOW}x median", "slow / median", "max / median"):
-        table.add_column(column, justify="right" if column not in ("work",) else "left")
+        table.add_column(column, justify="left" if column == "work" else "right")
     for (core, kind), times in samples.items():
         median, share, ratio = summary(times)
         table.add_row(str(core), kind, f"{median * 1e3:.3f}", f"{share:.0%}", f"{ratio:.2f}x",
