@@ -19,7 +19,7 @@ from harmony.decomposer.decompose import decompose
 from harmony.decomposer.layer_graph import LayerGraph, dtype_from_str
 from harmony.decomposer.sample_mixing import describe as describe_mixing
 from harmony.decomposer.sample_mixing import sample_mixing_layers
-from harmony.errors import HarmonyError
+from harmony.errors import DeviceOutOfMemoryError, HarmonyError
 from harmony.plan import Plan
 from harmony.profiling.sweep import Profiler, training_footprint
 from harmony.runtime.device import check_gpus, make_devices, parse_bytes
@@ -132,13 +132,26 @@ def compile_plan(
     profile measure the loss task's own memory (without it, a cross-entropy's is assumed). Every
     measurement runs at the plan's precision (under autocast for bf16), as its run will."""
     options.validate()
-    if graph is None:  # traced as written: autocast applies when the layers run, not to the graph
-        on_progress("decomposing")
-        inputs, _ = get_batch(min(2, options.minibatch), 0)
-        graph = decompose(model, inputs)
-    with precision.autocast(options.device_type, options.precision, cache=False):
-        plan, trace = _compile_plan(model, get_batch, build_optimizer, options, model_file, model_sha256, graph,
-                                    on_progress, loss_fn)
+    stage = ["starting"]
+
+    def report(message: str) -> None:
+        stage[0] = message
+        on_progress(message)
+
+    try:
+        if graph is None:  # traced as written: autocast applies when the layers run, not to the graph
+            report("decomposing")
+            inputs, _ = get_batch(min(2, options.minibatch), 0)
+            graph = decompose(model, inputs)
+        with precision.autocast(options.device_type, options.precision, cache=False):
+            plan, trace = _compile_plan(model, get_batch, build_optimizer, options, model_file, model_sha256, graph,
+                                        report, loss_fn)
+    except DeviceOutOfMemoryError as exc:
+        raise HarmonyError(
+            f"the compile ran out of device memory while {stage[0]} ({exc.device}: {exc.what()}). The profiler "
+            "measures what fits and is meant to catch this itself, so it is a bug of Harmony's, not of the model: "
+            "rerun with -v (harmony -v compile ...) and report the traceback"
+        ) from exc
     plan.tasks.precision = options.precision
     return plan, trace
 
@@ -168,7 +181,7 @@ def _compile_plan(model, get_batch, build_optimizer, options: CompileOptions, mo
         comparison = [row(options.mode, result)] + compared()
     comparison.sort(key=lambda r: (r["iteration_time"] is None, MODES.index(r["mode"])))
     on_progress("measuring the plan's packs")
-    measure = pack_measurer(graph, get_batch, build_optimizer, loss_fn, options, capacity)
+    measure = pack_measurer(graph, get_batch, build_optimizer, loss_fn, options)
     chosen = finish_plan(result, profile, machine, options, planned, bool(same_u), measure)
     est = chosen.estimate
     host = Layout.for_graph(graph, options.devices, build_optimizer, chosen.graph.low_copies,
@@ -273,12 +286,14 @@ def plan_packs(graph) -> set[tuple[int, int, int]]:
     return packs
 
 
-def pack_measurer(graph: LayerGraph, get_batch, build_optimizer, loss_fn, options: CompileOptions, capacity: int):
-    """Measures packs on a device like the profile's (an emulated one without a limit: a pack of a
-    plan fits by construction, and tracking is exact either way)."""
+def pack_measurer(graph: LayerGraph, get_batch, build_optimizer, loss_fn, options: CompileOptions):
+    """Measures packs on a device like the profile's without its limit (an emulated device of the
+    host's memory, a GPU's free memory): a measured pack may hold more than its composition said,
+    and then the plan is searched again (``measured_packs_plan``) rather than the compile failing
+    on the measurement. Peaks are exact either way."""
 
     def measure(packs: list[tuple[int, int, int]]) -> list[PackSample]:
-        device = make_devices(options.device_type, 1, None if options.device_type == "cpu" else capacity)[0]
+        device = make_devices(options.device_type, 1, None)[0]
         try:
             profiler = Profiler(graph, get_batch, build_optimizer, device, trials=0, loss_fn=loss_fn)
             return profiler.measure_packs(packs)

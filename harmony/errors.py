@@ -34,10 +34,11 @@ class DeviceOutOfMemoryError(HarmonyError):
                 return f"{n / size:.2f} {unit} ({n} bytes)"
         return f"{n} bytes"
 
-    def __str__(self) -> str:
+    def what(self) -> str:
+        """The allocation refused and the device's state, without advice."""
         cap = "unlimited" if self.capacity is None else self._fmt(self.capacity)
-        return (
-            f"{self.device}: out of memory: tried to allocate {self._fmt(self.requested)} with "
-            f"{self._fmt(self.current)} in use of a capacity of {cap}; "
-            "reduce the microbatch size or give the device more memory"
-        )
+        return (f"tried to allocate {self._fmt(self.requested)} with {self._fmt(self.current)} in use of a "
+                f"capacity of {cap}")
+
+    def __str__(self) -> str:
+        return f"{self.device}: out of memory: {self.what()}; reduce the microbatch size or give the device more memory"

@@ -206,8 +206,8 @@ class Profiler:
         """Packs (first, last, u) measured whole, as ``PackSample``s: the FWD task's peak and the
         BWD task's, the loss task's for a pack of the last layer. A plan's estimate then rests on
         what its own packs hold, not on composing layers (an upper bound, loose where layers share
-        tensors). A pack whose backward does not fit the device is left out, and so is the last
-        pack without a loss function. ``u = 0`` asks for the pack's optimizer step (``upd_bytes``)."""
+        tensors). A pack that does not fit the device is left out (the composition stands for it),
+        and so is the last pack without a loss function. ``u = 0`` asks for the pack's optimizer step (``upd_bytes``)."""
         out = [self._update_sample(first, last) for first, last, u in sorted(packs) if u == 0]
         last_layer = len(self.graph.modules) - 1
         for u in sorted({u for _, _, u in packs} - {0}):
@@ -218,8 +218,12 @@ class Profiler:
                 loss = self.loss_on_device(u) if last == last_layer else None
                 if last == last_layer and loss is None:
                     continue  # a loss task without its loss would be measured short
-                m, _ = measure_pack(self.graph.modules[first:last + 1], inputs[first], self.device, trials=0, loss=loss,
-                                    input_grad=first > 0)
+                try:
+                    m, _ = measure_pack(self.graph.modules[first:last + 1], inputs[first], self.device, trials=0,
+                                        loss=loss, input_grad=first > 0)
+                except DeviceOutOfMemoryError as exc:
+                    log.info("pack L%d-%d at u=%d: forward: %s", first, last, u, exc)
+                    continue
                 if m.bwd_error:
                     log.info("pack L%d-%d at u=%d: %s", first, last, u, m.bwd_error)
                     continue

@@ -110,6 +110,9 @@ class Device(ABC):
 
     ``memory_scope()`` is the one place where allocations are tracked and the capacity enforced:
     work run inside it raises ``DeviceOutOfMemoryError`` rather than a backend-specific error.
+    A backend whose own error surfaces inside the scope (CUDA's, raised by the allocator) is turned
+    into ours only at the scope's exit; code inside a scope that must tell an out-of-memory from
+    other failures wraps that part in ``oom_converted()``.
     """
 
     name: str
@@ -117,6 +120,16 @@ class Device(ABC):
     capacity: int  # bytes
     measures_memory = True  # whether ``allocated`` and ``peak`` are measured (not on an unchecked emulated device)
     torch_device: torch.device  # where its tensors live
+    native_oom: tuple[type[BaseException], ...] = ()  # the backend's own out-of-memory errors
+
+    @contextmanager
+    def oom_converted(self) -> Iterator[None]:
+        """The backend's out-of-memory error raised in this block becomes ``DeviceOutOfMemoryError``
+        here (the emulated device's tracker raises ours already)."""
+        try:
+            yield
+        except self.native_oom as e:
+            raise DeviceOutOfMemoryError(self.name, _requested_bytes(str(e)), self.allocated(), self.capacity) from e
 
     @abstractmethod
     def memory_scope(self) -> AbstractContextManager: ...
@@ -315,7 +328,18 @@ def cpu_device(name: str, capacity: int | None, check_memory: bool) -> CpuDevice
 # per GPU, the workspace bytes a first ``CudaDevice.warm_up`` in this process saw allocated
 _LIBRARY_BYTES: dict[int, int] = {}
 
-_CUDA_REQUEST = re.compile(r"Tried to allocate ([0-9.]+) ([KMGT]?i?B)")
+_CUDA_REQUEST = re.compile(r"Tried to allocate ([0-9.]+) ?([KMGT]?i?B)")
+
+
+def _requested_bytes(message: str) -> int | None:
+    """The bytes an allocator's out-of-memory message says were asked for, if it says."""
+    match = _CUDA_REQUEST.search(message)
+    if match is None:
+        return None
+    try:
+        return parse_bytes(f"{match.group(1)}{match.group(2)}")
+    except ValueError:
+        return None
 
 
 class CudaDevice(Device):
@@ -331,6 +355,7 @@ class CudaDevice(Device):
     whether they come out of ``capacity`` or on top of it."""
 
     kind = "cuda"
+    native_oom = (torch.cuda.OutOfMemoryError,)
 
     def __init__(self, index: int, capacity: int | None = None, name: str | None = None) -> None:
         if not torch.cuda.is_available():
@@ -394,18 +419,8 @@ class CudaDevice(Device):
     @contextmanager
     def memory_scope(self) -> Iterator[CudaDevice]:
         """Turn CUDA out-of-memory into ``DeviceOutOfMemoryError``; the allocator tracks the rest."""
-        try:
-            with torch.cuda.device(self.torch_device):
-                yield self
-        except torch.cuda.OutOfMemoryError as e:
-            match = _CUDA_REQUEST.search(str(e))
-            requested = None
-            if match:
-                try:
-                    requested = parse_bytes(f"{match.group(1)}{match.group(2)}")
-                except ValueError:
-                    pass
-            raise DeviceOutOfMemoryError(self.name, requested, self.allocated(), self.capacity) from e
+        with self.oom_converted(), torch.cuda.device(self.torch_device):
+            yield self
 
     def allocated(self) -> int:
         return torch.cuda.memory_allocated(self.torch_device) - self.reserved

@@ -104,8 +104,7 @@ def finished(case: Case, base: Plan, mode: str, config) -> tuple[TaskGraph, dict
     else:
         tasks = generate(mode, base.profile, config, DEVICES, MINIBATCH)
         result = SearchResult(config, tasks, estimate(tasks, base.profile, machine, capacity=capacity), 1, 0, 0.0)
-    measure = pack_measurer(base.graph, case.get_batch, optimizer_for(case.dtype), case.loss_fn, options,
-                            base.profile.capacity)
+    measure = pack_measurer(base.graph, case.get_batch, optimizer_for(case.dtype), case.loss_fn, options)
     result = finish_plan(result, base.profile, machine, options, capacity, same_u, measure)
     return result.graph, result.graph.memory.devices
 

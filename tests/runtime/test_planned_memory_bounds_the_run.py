@@ -63,7 +63,7 @@ def plan_at(name: str, fraction: float, mode: str) -> Plan:
     machine = _nominal_machine(options, capacity)
     same_u = bool(batch_coupled(base.graph))
     result = search(base.profile, machine, mode, DEVICES, m.minibatch, capacity=planned, same_u=same_u)
-    measure = pack_measurer(base.graph, m.get_batch, m.build_optimizer, m.loss_fn, options, capacity)
+    measure = pack_measurer(base.graph, m.get_batch, m.build_optimizer, m.loss_fn, options)
     result = finish_plan(result, base.profile, machine, options, planned, same_u, measure)
     plan = Plan(graph=base.graph, profile=base.profile, tasks=result.graph,
                 estimate={"peak_memory": {str(d): v for d, v in result.estimate.peak_memory.items()}},
