@@ -2,8 +2,11 @@
 # The checks to run on a lent GPU machine (.library/device): install the package against the
 # machine's own torch (no network there), run the CUDA tests, train from the CLI on the GPU (its own
 # and with workers sharing it), then the CPU suite under that torch as long as time allows. Full
-# logs go to $OUT (./out when run elsewhere). Usage: bash bench/cuda_check.sh [quick|tests|gpu ARGS]
-# (quick: no CPU suite; tests: no CLI runs; gpu: only `python -m bench.gpu ARGS`, e.g.
+# logs go to $OUT (./out when run elsewhere). Usage:
+# bash bench/cuda_check.sh [quick|tests|estimate|gpu ARGS]
+# (quick: no CPU suite; tests: no CLI runs; estimate: only `bench.estimate_accuracy --full` on the
+# machine's CPUs with the GPU hidden and nothing else running, about 3 minutes: issue 15's accuracy
+# on a machine without this VM's interpreter spells; gpu: only `python -m bench.gpu ARGS`, e.g.
 # `gpu --cases gpt2-large --systems eager,harmony`, one case per call of a machine whose commands end
 # in ten minutes, with DeepSpeed installed from the wheels in .whl/ (bench/gpu_wheels.sh) when they
 # travelled; its results folder, bench/results/gpu-<device>, is copied to $OUT)
@@ -16,6 +19,13 @@ nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv
 python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.cuda.device_count(), 'GPU(s)')"
 log install
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
+if [ "${1:-}" = estimate ]; then
+  log "bench.estimate_accuracy --full on $(nproc) CPUs, load $(cut -d' ' -f1 /proc/loadavg)"
+  CUDA_VISIBLE_DEVICES= COLUMNS=200 python3 -m bench.estimate_accuracy --full --iterations 11 \
+    --json "$OUT/estimate_accuracy.json" >"$OUT/estimate_accuracy.log" 2>&1
+  grep -a -E "mean absolute|rel. error|^Traceback|Error" "$OUT/estimate_accuracy.log" | cut -c1-400
+  exit 0
+fi
 if [ "${1:-}" = gpu ]; then
   shift
   if [ -d .whl ]; then
