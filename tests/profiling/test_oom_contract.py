@@ -141,3 +141,29 @@ def test_a_failed_measurement_leaves_no_device_memory_behind_in_reference_cycles
     finally:
         if enabled:
             gc.enable()
+
+
+def test_a_compile_on_devices_with_cudas_contract_makes_the_emulated_devices_plan(monkeypatch):
+    """The whole compile (sweep, layers, updates, the plan's packs) on GPU-like devices measures the
+    memory the emulated devices measure."""
+    import harmony.compiler as compiler
+
+    def compile_on(device_type):
+        monkeypatch.setattr(compiler, "make_devices",
+                            lambda kind, count, capacity: [device_type(f"d{i}", capacity) for i in range(count)])
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(WIDTH, 8 * WIDTH), torch.nn.GELU(),
+                                    torch.nn.Linear(8 * WIDTH, WIDTH), torch.nn.Linear(WIDTH, 10))
+        return harmony.compile(model, torch.nn.functional.cross_entropy, _get_batch, minibatch_size=64, devices=2,
+                               mode="pp", device_memory=120_000, probe=False,
+                               build_optimizer=lambda p: torch.optim.Adam(p))
+
+    def memory(plan):  # the profile's memory figures (its times, and so the plan chosen, vary run to run)
+        p = plan.profile
+        return (p.u_fmax, p.u_bmax, [[(s.u, s.fwd_peak, s.bwd_peak, s.bwd_first_peak, s.act_bytes, s.x_bytes)
+                                       for s in layer.fwd_samples] for layer in p.layers],
+                [(layer.upd_bytes, layer.upd_time_device == float("inf")) for layer in p.layers])
+
+    emulated, gpu_like = compile_on(CpuDevice), compile_on(GpuLike)
+    assert memory(gpu_like) == memory(emulated)
+    assert emulated.profile.u_bmax < 64  # the sweep ran out of memory on the way
