@@ -146,7 +146,7 @@ def test_a_failed_measurement_leaves_no_device_memory_behind_in_reference_cycles
 def test_a_compile_on_devices_with_cudas_contract_makes_the_emulated_devices_plan(monkeypatch):
     """The whole compile (sweep, layers, updates, the plan's packs) on GPU-like devices measures the
     memory the emulated devices measure."""
-    import harmony.compiler as compiler
+    from harmony import compiler
 
     def compile_on(device_type):
         monkeypatch.setattr(compiler, "make_devices",
