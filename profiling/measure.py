@@ -224,6 +224,8 @@ def measure_pack(
             except DeviceOutOfMemoryError as exc:
                 m.bwd_error = str(exc)
             if m.bwd_error:
+                for t in {id(t): t for state in states for t in state.values()}.values():
+                    t.grad = None  # what the failed backward accumulated, so that only garbage is left over
                 _collect_garbage(device, before)
         del states
     return m, outputs
