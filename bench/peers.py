@@ -9,7 +9,8 @@ process), ``ScheduleLoopedBFS``, ``ScheduleInterleaved1F1B``, ``ScheduleInterlea
 gloo, with 4 microbatches; Harmony runs its searched configuration, and a second time with the
 same 4 microbatches. The plain eager loop on one thread gives the two cores' limit (twice its
 rate). Goals (issue 16): Harmony's pp at least 1.2 times the best schedule's, and at least 0.9 of
-the two cores' limit.
+the two cores' limit. How much of that limit this machine gives any two processes at all is
+measured beside: two eager loops at once, each on its half of the minibatch, exchanging nothing.
 
 Beside them, with the same memory to spare, the data parallelism each side has: Harmony's ``dp``
 (searched on the same profile) against ``torch.nn.parallel.DistributedDataParallel`` on gloo (each
@@ -66,6 +67,7 @@ V_SHAPED = {"ScheduleZBVZeroBubble"}  # rank r holds stages r and 2W-1-r (the ot
 MICROBATCHES = 4
 MINIBATCH = 32
 DDP = "DistributedDataParallel"  # a Job's ``schedule`` for torch's data parallelism (the peer of Harmony's dp)
+PAIR = "independent eager loops"  # a Job's ``schedule``: each process trains alone on its half (no communication)
 AMPLE = 1 << 30
 
 
@@ -158,13 +160,16 @@ class Job:
 def _run_ddp_job(rank: int, world: int, job: Job) -> tuple[list[float], int, int]:
     """``job`` under DistributedDataParallel: the whole model on every process (rank 0's initial
     weights, which DDP broadcasts), each process its share of the minibatch; what ``_run_job``
-    returns."""
+    returns. As ``PAIR``, each process trains its own copy on its share and nothing is exchanged:
+    what two single-threaded processes reach on this machine when neither ever waits for the other,
+    the ceiling of every two-process system here (below the two cores' limit where the two cores
+    slow each other down)."""
     from torch.nn.parallel import DistributedDataParallel
 
     model = peer_model(job.depth)
     base = _reset_peak()
     torch.manual_seed(0)
-    module = DistributedDataParallel(model.build())
+    module = model.build() if job.schedule == PAIR else DistributedDataParallel(model.build())
     opt = model.build_optimizer(module.parameters())
     share = MINIBATCH // world
     times = []
@@ -186,7 +191,7 @@ def _run_job(rank: int, world: int, job: Job) -> tuple[list[float], int, int]:
     """``job``'s step times (seconds), peak RSS growth and state bytes on this process."""
     from torch.distributed import pipelining
 
-    if job.schedule == DDP:
+    if job.schedule in (DDP, PAIR):
         return _run_ddp_job(rank, world, job)
     model = peer_model(job.depth)
     per_rank = 2 if job.schedule in TWO_STAGES else 1
@@ -313,12 +318,13 @@ def _harmony_row(label: str, plan, runs: list) -> dict[str, Any]:
 
 def _pipelining_row(name: str, runs: list[PipeRun]) -> dict[str, Any]:
     failed = next((r.error for r in runs if r.error), None)
-    return {"system": "torch DDP (gloo)" if name == DDP else f"pipelining {name}", "error": failed,
+    system = {DDP: "torch DDP (gloo)", PAIR: "two eager loops at once (no communication)"}.get(name, f"pipelining {name}")
+    return {"system": system, "error": failed,
             "samples_per_second": math.nan if failed else statistics.median(r.samples_per_second for r in runs),
             "peak_per_process": [] if failed else [max(p) for p in zip(*(r.peak_rss for r in runs))],
             "state_bytes_per_process": [] if failed else runs[0].state_bytes,
             "memory_kind": "peak RSS growth",
-            "configuration": f"{MINIBATCH // 2} samples a process" if name == DDP else f"{MICROBATCHES} microbatches"}
+            "configuration": f"{MINIBATCH // 2} samples a process" if name in (DDP, PAIR) else f"{MICROBATCHES} microbatches"}
 
 
 def eager_rate(model: Model, steps: int) -> float:
@@ -360,7 +366,7 @@ def compare(depth: int, steps: int, rounds: int, budget: int, depths: tuple[int,
     plans = {"harmony pp (searched)": base, f"harmony pp ({MICROBATCHES} microbatches)": same_mb,
              "harmony dp (searched)": data_parallel}
     harmony_runs: dict[str, list] = {label: [] for label in plans}
-    pipe_runs: dict[str, list[PipeRun]] = {name: [] for name in (*SCHEDULES, DDP)}
+    pipe_runs: dict[str, list[PipeRun]] = {name: [] for name in (*SCHEDULES, DDP, PAIR)}
     limit_jobs = [Job(name, d, 2, group=name, budget=budget) for name in SCHEDULES for d in depths]
     limits: list[PipeRun] = []
     eager: list[float] = []
@@ -368,7 +374,7 @@ def compare(depth: int, steps: int, rounds: int, budget: int, depths: tuple[int,
         eager.append(eager_rate(model, steps))
         for label, plan in plans.items():
             harmony_runs[label].append(train(plan, iterations=steps))
-        jobs = [Job(name, depth, steps) for name in (*SCHEDULES, DDP)] + (limit_jobs if r == rounds - 1 else [])
+        jobs = [Job(name, depth, steps) for name in (*SCHEDULES, DDP, PAIR)] + (limit_jobs if r == rounds - 1 else [])
         for run in run_pipelining(jobs):
             (pipe_runs[run.job.schedule] if run.job.budget is None else limits).append(run)
     rows = [_harmony_row(label, plans[label], runs) for label, runs in harmony_runs.items()]
@@ -397,9 +403,12 @@ def compare(depth: int, steps: int, rounds: int, budget: int, depths: tuple[int,
     largest["harmony pp"] = {"largest": fit, "beyond_range": fit == depths[-1], "notes": notes}
     two_cores = 2 * statistics.median(eager)
     dp = rate["harmony dp (searched)"]
+    pair = rate["two eager loops at once (no communication)"]
     return {"model": model.name, "minibatch": MINIBATCH, "rows": rows,
             "ratio_to_best_peer": best / max(peers) if peers else math.nan,
             "eager_one_thread": statistics.median(eager), "ratio_to_two_cores": best / two_cores,
+            "two_processes": {"ratio_to_two_cores": pair / two_cores, "pp_ratio": best / pair,
+                              "dp_ratio": dp / pair},
             "data_parallel": {"ratio_to_ddp": dp / rate["torch DDP (gloo)"], "ratio_to_two_cores": dp / two_cores},
             "budget": budget, "depths": list(depths), "largest": largest}
 

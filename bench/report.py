@@ -167,6 +167,11 @@ def _section_peers(r: dict[str, Any]) -> list[str]:
     limit = "" if cores is None else (
         f" Against the two cores' limit (twice the one-thread eager loop, {r['eager_one_thread']:.1f} samples/s): "
         f"{cores:.2f} (goal ≥ 0.9, **{'met' if cores >= 0.9 else 'not met'}**).")
+    pair = r.get("two_processes")
+    if pair is not None and limit:
+        limit += (f" Two eager loops at once, each on half the minibatch and exchanging nothing, reach "
+                  f"{pair['ratio_to_two_cores']:.2f} of that limit: the most any two processes get here; pp reaches "
+                  f"{pair['pp_ratio']:.2f} of it, dp {pair['dp_ratio']:.2f}.")
     dp = r.get("data_parallel")
     beside = "" if dp is None else (
         f" Beside them, with the same memory to spare: Harmony's dp / torch DDP (gloo) = {dp['ratio_to_ddp']:.2f}, "
