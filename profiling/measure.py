@@ -72,7 +72,8 @@ def _leaving_no_garbage(measure: Callable) -> Callable:
     """``measure`` (taking a ``device`` argument) whose out-of-memory error holds none of the failed
     attempt's tensors: raised afresh (the same fields, no traceback into the frames of the layer
     that failed, which would keep its activations alive while the caller goes on: PyTorch's FAQ on
-    out-of-memory handlers), with cyclic garbage collected first (``_collect_garbage``)."""
+    out-of-memory handlers), with cyclic garbage collected first (``_collect_garbage``). The failed
+    attempt's own traceback is logged at debug level (``harmony -vv``)."""
     signature = inspect.signature(measure)
 
     @functools.wraps(measure)
@@ -82,6 +83,7 @@ def _leaving_no_garbage(measure: Callable) -> Callable:
         try:
             return measure(*args, **kwargs)
         except DeviceOutOfMemoryError as exc:
+            log.debug("%s ran out of memory (traceback kept only here):", measure.__name__, exc_info=True)
             failed = DeviceOutOfMemoryError(*exc.args)
         _collect_garbage(device, before)
         raise failed
