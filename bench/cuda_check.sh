@@ -45,14 +45,14 @@ grep -h "BLAS libraries keep" "$OUT/cuda_tests.log" | sort | uniq -c | head -5
 run() {  # name, timeout, harmony run arguments (the whole log, with a traceback on error, in $OUT)
   local name=$1 limit=$2; shift 2
   log "harmony run $*"
-  HARMONY_SHARE_GPUS=1 timeout "$limit" harmony -v run models/gpt2.py --iters 6 --report "$OUT/run-$name.json" "$@" \
-    >"$OUT/run-$name.log" 2>&1
-  grep -v "^\s*$" "$OUT/run-$name.log" | grep -v "^INFO" | tail -14
+  HARMONY_SHARE_GPUS=1 timeout "$limit" harmony "${V:--v}" run models/gpt2.py --iters 6 --report "$OUT/run-$name.json" \
+    "$@" >"$OUT/run-$name.log" 2>&1
+  grep -v "^\s*$" "$OUT/run-$name.log" | grep -v -E "^(INFO|DEBUG)" | tail -14
 }
 if [ "${1:-}" != tests ]; then
 run tiny 120 --arg preset=tiny --minibatch 16
 run tiny-shared-pp 120 --arg preset=tiny --minibatch 16 --devices 2 --mode pp
-run medium-6g 420 --arg preset=medium --minibatch 16 --device-memory 6GiB  # ran 3.5 min before failing on an H200
+V=-vv run medium-6g 420 --arg preset=medium --minibatch 16 --device-memory 6GiB  # ran 3.5 min before failing on an H200
 fi
 [ "${1:-}" = quick ] && exit 0
 log cpu suite under this torch
