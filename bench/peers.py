@@ -265,17 +265,33 @@ class PipeRun:
     error: str | None = None
 
 
-def run_pipelining(jobs: list[Job], timeout: float = 900) -> list[PipeRun]:
+MMAP_THRESHOLD = "MALLOC_MMAP_THRESHOLD_"  # glibc: allocations of at least this many bytes get their own mapping
+
+
+def run_pipelining(jobs: list[Job], timeout: float = 900, rss_between_jobs: bool = False) -> list[PipeRun]:
     """Every job on the same 2 spawned processes (one start-up for all); a job's first step is
-    left out of its median. Jobs skipped after their group failed are missing from the answer."""
+    left out of its median. Jobs skipped after their group failed are missing from the answer.
+
+    ``rss_between_jobs``: every allocation of 64 KiB or more gets its own mapping (glibc's
+    ``MALLOC_MMAP_THRESHOLD_``), so that a freed tensor leaves the resident set before the next job
+    on the same processes and each job's peak RSS growth is its own. That slows training: these
+    models trained 1.6-1.75x slower with it (a mapping and its page faults for every activation),
+    and until 2026-11-27 every peer's throughput here was measured so. Jobs timed for throughput
+    run without it, each in processes of their own."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    # large allocations always mmapped, so that freed tensors leave the RSS between jobs
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
-    procs = [ctx.Process(target=_worker, args=(r, 2, jobs, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
+    saved = os.environ.pop(MMAP_THRESHOLD, None)  # spawned processes read the environment as they start
+    if rss_between_jobs:
+        os.environ[MMAP_THRESHOLD] = "65536"
+    try:
+        procs = [ctx.Process(target=_worker, args=(r, 2, jobs, port, out)) for r in range(2)]
+        for p in procs:
+            p.start()
+    finally:
+        os.environ.pop(MMAP_THRESHOLD, None)
+        if saved is not None:
+            os.environ[MMAP_THRESHOLD] = saved
     got: dict[int, list] = {}
     finished = 0
     deadline = time.monotonic() + timeout
@@ -374,9 +390,10 @@ def compare(depth: int, steps: int, rounds: int, budget: int, depths: tuple[int,
         eager.append(eager_rate(model, steps))
         for label, plan in plans.items():
             harmony_runs[label].append(train(plan, iterations=steps))
-        jobs = [Job(name, depth, steps) for name in (*SCHEDULES, DDP, PAIR)] + (limit_jobs if r == rounds - 1 else [])
-        for run in run_pipelining(jobs):
-            (pipe_runs[run.job.schedule] if run.job.budget is None else limits).append(run)
+        for name in (*SCHEDULES, DDP, PAIR):  # each in fresh processes: its peak RSS growth is its own
+            pipe_runs[name] += run_pipelining([Job(name, depth, steps)])
+        if r == rounds - 1:
+            limits += run_pipelining(limit_jobs, rss_between_jobs=True)
     rows = [_harmony_row(label, plans[label], runs) for label, runs in harmony_runs.items()]
     rows += [_pipelining_row(name, runs) for name, runs in pipe_runs.items()]
     rate = {r["system"]: r["samples_per_second"] for r in rows}
