@@ -35,6 +35,7 @@ budget. Depths are bounded so that the search ends in time; ">= N" means it neve
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import functools
 import gc
@@ -43,6 +44,7 @@ import os
 import queue
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -268,6 +270,22 @@ class PipeRun:
 MMAP_THRESHOLD = "MALLOC_MMAP_THRESHOLD_"  # glibc: allocations of at least this many bytes get their own mapping
 
 
+@contextlib.contextmanager
+def spawn_environment(rss_between_jobs: bool) -> Iterator[None]:
+    """The environment the peers' processes start with (a spawned process reads it as it starts):
+    the mmap threshold only where asked for (``run_pipelining``), whatever the parent has; the
+    parent's own environment as it was afterwards."""
+    saved = os.environ.pop(MMAP_THRESHOLD, None)
+    if rss_between_jobs:
+        os.environ[MMAP_THRESHOLD] = "65536"
+    try:
+        yield
+    finally:
+        os.environ.pop(MMAP_THRESHOLD, None)
+        if saved is not None:
+            os.environ[MMAP_THRESHOLD] = saved
+
+
 def run_pipelining(jobs: list[Job], timeout: float = 900, rss_between_jobs: bool = False) -> list[PipeRun]:
     """Every job on the same 2 spawned processes (one start-up for all); a job's first step is
     left out of its median. Jobs skipped after their group failed are missing from the answer.
@@ -281,17 +299,10 @@ def run_pipelining(jobs: list[Job], timeout: float = 900, rss_between_jobs: bool
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    saved = os.environ.pop(MMAP_THRESHOLD, None)  # spawned processes read the environment as they start
-    if rss_between_jobs:
-        os.environ[MMAP_THRESHOLD] = "65536"
-    try:
+    with spawn_environment(rss_between_jobs):
         procs = [ctx.Process(target=_worker, args=(r, 2, jobs, port, out)) for r in range(2)]
         for p in procs:
             p.start()
-    finally:
-        os.environ.pop(MMAP_THRESHOLD, None)
-        if saved is not None:
-            os.environ[MMAP_THRESHOLD] = saved
     got: dict[int, list] = {}
     finished = 0
     deadline = time.monotonic() + timeout
