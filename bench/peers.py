@@ -159,7 +159,7 @@ class Job:
     budget: int | None = None
 
 
-def _run_ddp_job(rank: int, world: int, job: Job) -> tuple[list[float], int, int]:
+def _run_whole_model_job(rank: int, world: int, job: Job) -> tuple[list[float], int, int]:
     """``job`` under DistributedDataParallel: the whole model on every process (rank 0's initial
     weights, which DDP broadcasts), each process its share of the minibatch; what ``_run_job``
     returns. As ``PAIR``, each process trains its own copy on its share and nothing is exchanged:
@@ -181,7 +181,7 @@ def _run_ddp_job(rank: int, world: int, job: Job) -> tuple[list[float], int, int
         dist.barrier()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        model.loss_fn(module(x[mine]), y[mine]).backward()  # DDP averages the gradients: the minibatch's mean
+        model.loss_fn(module(x[mine]), y[mine]).backward()  # under DDP the gradients are averaged: the minibatch's mean
         opt.step()
         dist.barrier()
         times.append(time.perf_counter() - t0)
@@ -194,7 +194,7 @@ def _run_job(rank: int, world: int, job: Job) -> tuple[list[float], int, int]:
     from torch.distributed import pipelining
 
     if job.schedule in (DDP, PAIR):
-        return _run_ddp_job(rank, world, job)
+        return _run_whole_model_job(rank, world, job)
     model = peer_model(job.depth)
     per_rank = 2 if job.schedule in TWO_STAGES else 1
     stages_total = world * per_rank

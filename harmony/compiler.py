@@ -132,10 +132,11 @@ def compile_plan(
     profile measure the loss task's own memory (without it, a cross-entropy's is assumed). Every
     measurement runs at the plan's precision (under autocast for bf16), as its run will."""
     options.validate()
-    stage = ["starting"]
+    stage = "starting"
 
     def report(message: str) -> None:
-        stage[0] = message
+        nonlocal stage
+        stage = message
         on_progress(message)
 
     try:
@@ -148,7 +149,7 @@ def compile_plan(
                                         report, loss_fn)
     except DeviceOutOfMemoryError as exc:
         raise HarmonyError(
-            f"the compile ran out of device memory while {stage[0]} ({exc.device}: {exc.what()}). The profiler "
+            f"the compile ran out of device memory while {stage} ({exc.device}: {exc.what()}). The profiler "
             "measures what fits and is meant to catch this itself, so it is a bug of Harmony's, not of the model: "
             "rerun with -v (harmony -v compile ...) and report the traceback"
         ) from exc
