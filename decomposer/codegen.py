@@ -151,6 +151,18 @@ Relayed: {relayed}
 '''
 
 
+_WRAP = "torch.fx._symbolic_trace.wrap("
+
+
+def _module_level_wraps(src: str) -> tuple[list[str], str]:
+    """The ``torch.fx.wrap`` registrations fx writes above ``forward`` (a traced call to a function
+    its library wrapped, torchvision's ``stochastic_depth``), and the code without them: ``wrap``
+    must run at a module's top level, not in the generated class's body."""
+    lines = src.split("\n")
+    wraps = [line.strip() for line in lines if line.strip().startswith(_WRAP)]
+    return wraps, "\n".join(line for line in lines if not line.strip().startswith(_WRAP))
+
+
 def generate(
     index: int,
     total: int,
@@ -180,7 +192,9 @@ def generate(
         index=index, total=total, model=type(model).__name__, name=name, tracer=tracer,
         inputs=", ".join(placeholders) or "-", outputs=", ".join(outputs) or "-", relayed=", ".join(relayed) or "-",
     )
-    body = textwrap.indent(code.src.strip("\n"), "    ")
+    wraps, src = _module_level_wraps(code.src)
+    imports += wraps
+    body = textwrap.indent(src.strip("\n"), "    ")
     init_body = "\n".join("        " + line for line in init) if init else "        pass"
     source = (
         f"{header}\n" + "\n".join(imports) + "\n\n\n"

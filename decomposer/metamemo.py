@@ -46,9 +46,22 @@ def _rebuild(key: tuple) -> Any:
     """The value ``_leaf_key`` described: a fresh meta tensor, or the immutable value itself."""
     if key[0] == "tensor":
         _, shape, stride, dtype, requires_grad = key
-        out = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-        return out.requires_grad_(True) if requires_grad else out
+        if requires_grad:
+            return _op_output(shape, stride, dtype)
+        return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
     return key[1]
+
+
+def _op_output(shape: tuple, stride: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """A meta tensor that requires grad as a module's output does: made by an op, not a leaf, so
+    that an in-place op after it (``ReLU(inplace=True)`` after a BatchNorm, torchvision's
+    ShuffleNet and MobileNet) is as legal as on the real output. A clone keeps the strides of a
+    dense layout; any other is a view of a cloned flat storage."""
+    out = torch.empty_strided(shape, stride, dtype=dtype, device="meta", requires_grad=True).clone()
+    if out.stride() == tuple(stride):
+        return out
+    span = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0
+    return torch.empty(span, dtype=dtype, device="meta", requires_grad=True).clone().as_strided(shape, stride)
 
 
 class MetaMemo:

@@ -160,7 +160,53 @@ def segment(gm: fx.GraphModule, model: torch.nn.Module, gran: Granularity) -> li
     segments[0].nodes[:0] = prefix
     if gran.merges_parameterless:
         segments = _merge_parameterless(segments, model)
-    return segments
+    return _mutations_with_producers(segments, gm)
+
+
+def mutated_input(node: fx.Node, gm: fx.GraphModule) -> fx.Node | None:
+    """The input ``node`` changes in place, if it does: a module built with ``inplace=True``
+    (``ReLU``, ``Hardswish``, ``Dropout``), a functional call given ``inplace=True``, a trailing-
+    underscore op (``torch.relu_``, ``x.mul_``) or an item assignment."""
+    if not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    target = node.target
+    if node.op == "call_module":
+        inplace = getattr(gm.get_submodule(target), "inplace", False) is True
+    elif node.op in ("call_function", "call_method"):
+        name = target if isinstance(target, str) else getattr(target, "__name__", "")
+        inplace = (node.kwargs.get("inplace") is True or name == "setitem"
+                   or (name.endswith("_") and not name.startswith("_")))
+    else:
+        inplace = False
+    return node.args[0] if inplace else None
+
+
+def _mutations_with_producers(segments: list[Segment], gm: fx.GraphModule) -> list[Segment]:
+    """A layer must not start by changing its input in place: at run time a layer's inputs are
+    autograd leaves (what collects the gradient for the layer before), and autograd refuses an
+    in-place op on a leaf that requires grad. So an in-place op that opens a layer on a value the
+    layer before made (torchvision's RegNet: a block's ``ReLU(inplace=True)`` after its residual
+    sum, cut from the block) moves to the end of that layer, where the value is an op's output,
+    and the same op's order in the whole graph is kept. A layer that was nothing but such ops
+    (named alone with ``modules=``) is left empty and dropped."""
+    producer = {n: i for i, seg in enumerate(segments) for n in seg.nodes}
+    for i in range(1, len(segments)):
+        seg, before = segments[i], segments[i - 1]
+        while seg.nodes:
+            node = seg.nodes[0]
+            value = mutated_input(node, gm)
+            if value is None or producer.get(value) != i - 1 or any(producer.get(a, -1) >= i for a in node.all_input_nodes):
+                break
+            before.nodes.append(seg.nodes.pop(0))
+            producer[node] = i - 1
+            if node.op == "call_module" and node.target in seg.module_paths:
+                if not any(n.op == "call_module" and n.target == node.target for n in seg.nodes):
+                    seg.module_paths.remove(node.target)
+                if node.target not in before.module_paths:
+                    before.module_paths.append(node.target)
+        if not seg.nodes:  # the layer was nothing but that op (a layer named on its own): it joins the one before
+            before.module_paths.extend(p for p in seg.module_paths if p not in before.module_paths)
+    return [seg for seg in segments if seg.nodes]
 
 
 def _uses_tensor_state(seg: Segment, model: torch.nn.Module) -> bool:
