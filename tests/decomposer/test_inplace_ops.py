@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from zoo import assert_close, assert_layers_match_model
 
 import harmony
-from zoo import assert_close, assert_layers_match_model
 
 
 def halved(x: torch.Tensor) -> torch.Tensor:
