@@ -423,7 +423,7 @@ def measure_model_scale(graph: LayerGraph, profile: Profile, machine: Machine, g
     a row spread 1.8-2.3 on GPT-2 tiny; fewer, and fewer iterations, where their steps' estimate
     says they would take more than ``MODEL_SCALE_SECONDS``), read as
     ``measure_compute_scaling`` reads the blocks'. ``precision``: the plan's, which the runs compute in."""
-    u = max(1, round(math.sqrt(min(profile.u_fmax, profile.u_bmax, minibatch))))
+    u = max(profile.u_min, round(math.sqrt(min(profile.u_fmax, profile.u_bmax, minibatch))))
     devices = max(2, machine.devices)
     base = dataclasses.replace(machine, devices=devices, compute_scale=1.0, compute_interference=0.0)
     packs = _calibration_packs(len(profile.layers))

@@ -305,6 +305,9 @@ class Profile:
     u_fmax: int
     u_bmax: int
     layers: list[LayerProfile]
+    # the fewest samples every layer trains on (BatchNorm needs two values per channel): no
+    # microbatch of a plan is smaller (``Profile.splits``)
+    u_min: int = 1
     graph_hash: str = ""  # ties the profile to the layer graph it was made from
     notes: dict[str, str] = field(default_factory=dict)
     machine: Machine | None = None  # devices and link bandwidths, probed or from a spec

@@ -107,11 +107,32 @@ class Profiler:
         return attempt.bwd_fits if backward else attempt.fwd_fits
 
     # ------------------------------------------------------------------ the sweep
-    def slow_start(self, backward: bool, cap: int) -> int:
-        """Largest u ≤ cap whose every layer fits (forward, or backward), by slow start."""
-        if not self._fits(1, backward):
-            raise HarmonyError(self._too_small(self._fit_cache[(1, backward)]))
-        u = 1
+    def smallest_microbatch(self, cap: int) -> int:
+        """The fewest samples (up to ``MIN_MICROBATCH_TRIES``) every layer trains on, out of memory or
+        not. BatchNorm in training needs more than one value per channel: an MLP with BatchNorm1d, or
+        an ImageNet network on CIFAR-sized images (a 1x1 map at the end), trains on the user's
+        minibatch but not on one sample, and a plan must not split the minibatch below that. A
+        model that fails at every size tried fails with one sample's error."""
+        first: _LayerFailed | None = None
+        for u in range(1, min(cap, MIN_MICROBATCH_TRIES) + 1):
+            try:
+                self._fits(u, backward=True)
+            except _LayerFailed as exc:
+                first = first or exc
+                continue
+            if first is not None:
+                log.warning("layer %d (%s) cannot train on fewer than %d samples (%s); every microbatch of the plan "
+                            "holds at least %d", first.index, first.name, u, first.cause, u)
+            return u
+        assert first is not None
+        raise first
+
+    def slow_start(self, backward: bool, cap: int, start: int = 1) -> int:
+        """Largest u ≤ cap whose every layer fits (forward, or backward), by slow start from ``start``
+        (the smallest microbatch the model trains on)."""
+        if not self._fits(start, backward):
+            raise HarmonyError(self._too_small(self._fit_cache[(start, backward)]))
+        u = start
         while u * 2 <= cap and self._fits(u * 2, backward):
             u *= 2
         step = max(1, u // 2)
@@ -125,10 +146,10 @@ class Profiler:
     def _too_small(self, attempt: _Attempt) -> str:
         """Which layer cannot run one sample on this device, and how much it needs (measured on an
         unlimited device)."""
-        i = attempt.failed_layer
+        i, u = attempt.failed_layer, attempt.u
         if i is None:
-            return f"{self.device.name}: even microbatch size 1 does not fit: {attempt.failure}"
-        values = self._inputs(1)
+            return f"{self.device.name}: even microbatch size {u} does not fit: {attempt.failure}"
+        values = self._inputs(u)
         for module in self.graph.modules[:i]:
             values = measure_layer(module, values, CpuDevice("need"), trials=0, backward=False)[1]
         need, _ = measure_layer(self.graph.modules[i], values, CpuDevice("need"), trials=0, backward=True,
@@ -136,14 +157,14 @@ class Profiler:
         needed = max(need.fwd_peak, need.bwd_peak)
         if needed <= self.device.capacity:  # the layer fits; something else took the room
             return (
-                f"{self.device.name}: layer {i} ({self.graph.layers[i].name}) needs {needed:,} bytes for one sample, "
+                f"{self.device.name}: layer {i} ({self.graph.layers[i].name}) needs {needed:,} bytes for {_samples(u)}, "
                 f"within the {self.device.capacity:,} bytes of the device, yet it ran out of memory ({attempt.failure}); "
                 "something else holds that device's memory (another process, or tensors of this one): free it "
                 "or give more memory (--device-memory)"
             )
         return (
             f"layer {i} ({self.graph.layers[i].name}) needs {needed:,} bytes of device memory "
-            f"for one sample (forward {need.fwd_peak:,}, backward {need.bwd_peak:,}), more than the {self.device.capacity:,} "
+            f"for {_samples(u)} (forward {need.fwd_peak:,}, backward {need.bwd_peak:,}), more than the {self.device.capacity:,} "
             f"bytes of {self.device.name}; give each device more memory (--device-memory) or cut the model into "
             "smaller layers (--depth or --modules)"
         )
@@ -155,14 +176,15 @@ class Profiler:
             return self._profile(u_cap, samples)
 
     def _profile(self, u_cap: int, samples: int) -> Profile:
-        u_fmax = self.slow_start(backward=False, cap=u_cap)
-        u_bmax = self.slow_start(backward=True, cap=u_fmax)
-        log.info("%s: U_FMAX=%d U_BMAX=%d", self.device.name, u_fmax, u_bmax)
+        u_min = self.smallest_microbatch(u_cap)
+        u_fmax = self.slow_start(backward=False, cap=u_cap, start=u_min)
+        u_bmax = self.slow_start(backward=True, cap=u_fmax, start=u_min)
+        log.info("%s: U_MIN=%d U_FMAX=%d U_BMAX=%d", self.device.name, u_min, u_fmax, u_bmax)
         # the stride, plus the sweep's doublings: peak memory bends where the task's largest moment
         # moves from one phase to another, and denser small sizes catch that bend
-        doublings = {1 << k for k in range(u_fmax.bit_length()) if 1 << k <= u_fmax}
-        bwd_us = set(stride_sizes(u_bmax, samples)) | {u for u in doublings if u <= u_bmax}
-        sizes = sorted(set(stride_sizes(u_fmax, samples)) | doublings | bwd_us)  # a backward sample needs its forward
+        doublings = {1 << k for k in range(u_fmax.bit_length()) if u_min <= 1 << k <= u_fmax} | {u_min}
+        bwd_us = _from(u_min, stride_sizes(u_bmax, samples)) | {u for u in doublings if u <= u_bmax}
+        sizes = sorted(_from(u_min, stride_sizes(u_fmax, samples)) | doublings | bwd_us)  # a backward sample needs its forward
         layers = [self._layer_profile(i) for i in range(len(self.graph.layers))]
         losses: list[LossSample] = []
         for u in sizes:
@@ -183,7 +205,7 @@ class Profiler:
                     layer.bwd_samples.append(sample)
         return Profile(
             source="measured", device=f"{self.device.kind}:{self.device.name}", capacity=self.device.capacity,
-            u_fmax=u_fmax, u_bmax=u_bmax, layers=layers, graph_hash=self.graph.fingerprint(),
+            u_fmax=u_fmax, u_bmax=u_bmax, u_min=u_min, layers=layers, graph_hash=self.graph.fingerprint(),
             loss_samples=losses, update_growth=self._update_growth(layers),
         )
 
@@ -326,15 +348,45 @@ def training_footprint(graph: LayerGraph, get_batch: Callable[[int, int], tuple]
     on an unlimited emulated device) and scaled by the minibatch size."""
     if graph.modules is None:
         raise HarmonyError("the layer graph has no layer modules to run; decompose the model first")
+    first: _LayerFailed | None = None
+    for u in range(1, min(minibatch, MIN_MICROBATCH_TRIES) + 1):  # the fewest samples it trains on
+        try:
+            return int((2 + k_per_w) * graph.parameter_bytes() + minibatch * _activation_bytes(graph, get_batch, u) / u)
+        except _LayerFailed as exc:
+            first = first or exc
+    assert first is not None
+    raise first
+
+
+def _activation_bytes(graph: LayerGraph, get_batch: Callable[[int, int], tuple], u: int) -> int:
+    """Every layer's activations at microbatch ``u``, measured on an unlimited emulated device."""
     device = CpuDevice("footprint")
-    inputs, _ = get_batch(1, 0)
+    inputs, _ = get_batch(u, 0)
     values = inputs if isinstance(inputs, tuple) else (inputs,)
     activations = 0
     for index, module in enumerate(graph.modules):
-        with _naming_failures(index, graph.layers[index].name, 1):
+        with _naming_failures(index, graph.layers[index].name, u):
             m, values = measure_layer(module, values, device, trials=0, backward=True, input_grad=index > 0)
         activations += m.act_bytes
-    return int((2 + k_per_w) * graph.parameter_bytes() + minibatch * activations)
+    return activations
+
+
+# how many sizes, from one sample up, a model is tried at before its failure is taken for its own
+MIN_MICROBATCH_TRIES = 8
+
+
+class _LayerFailed(HarmonyError):
+    """A layer's own error (not out of memory) at one microbatch size."""
+
+    def __init__(self, index: int, name: str, u: int, exc: BaseException) -> None:
+        self.index, self.name, self.u = index, name, u
+        self.cause = f"{type(exc).__name__}: {exc}"
+        super().__init__(
+            f"layer {index} ({name}) failed at microbatch size {u}: {self.cause}. Its code ran at the example batch "
+            "when the model was decomposed; if it fails only at other sizes, the trace fixed something there "
+            "(torch.export asserting what a mask selected, as in Hugging Face BART's classification head): keep "
+            "the module computing it whole (--opaque MODULE) or trace with the other method (--method fx or export)"
+        )
 
 
 @contextmanager
@@ -345,13 +397,16 @@ def _naming_failures(index: int, name: str, u: int):
     except (DeviceOutOfMemoryError, HarmonyError):
         raise
     except Exception as exc:
-        raise HarmonyError(
-            f"layer {index} ({name}) failed at microbatch size {u}: {type(exc).__name__}: {exc}. Its code ran at "
-            "the example batch when the model was decomposed; if it fails only at other sizes, the trace fixed "
-            "something there (torch.export asserting what a mask selected, as in Hugging Face BART's "
-            "classification head): keep the module computing it whole (--opaque MODULE) or trace with the other "
-            "method (--method fx or export)"
-        ) from exc
+        raise _LayerFailed(index, name, u, exc) from exc
+
+
+def _samples(u: int) -> str:
+    return "one sample" if u == 1 else f"{u} samples (the fewest it trains on)"
+
+
+def _from(u_min: int, sizes: list[int]) -> set[int]:
+    """``sizes`` with those below the smallest microbatch raised to it."""
+    return {max(u, u_min) for u in sizes}
 
 
 def stride_sizes(u_max: int, samples: int) -> list[int]:

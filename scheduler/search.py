@@ -27,8 +27,8 @@ from harmony.scheduler.keep import KEEP_MODES, keep_state
 from harmony.scheduler.memory import kept_on, least_peaks
 from harmony.scheduler.machine import Machine
 from harmony.profiling.profiles import Profile
-from harmony.scheduler.taskgraph import generate
-from harmony.scheduler.tasks import Configuration, Kind, TaskGraph
+from harmony.scheduler.taskgraph import DATA_PARALLEL, generate, split_samples
+from harmony.scheduler.tasks import Configuration, Kind, TaskGraph, microbatch_sizes
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,31 @@ def ladder(limit: int) -> list[int]:
         k *= 2
     sizes.add(max(1, limit))
     return sorted(sizes)
+
+
+def microbatch_ladders(profile: Profile, mode: str, devices: int, minibatch: int,
+                       sizes: Callable[[int], list[int]]) -> tuple[list[int], list[int]]:
+    """The backward and forward microbatch sizes a search of ``mode`` tries: ``sizes`` up to what
+    the profile's sweep fitted and a device's samples, less those that would cut a microbatch
+    below the fewest samples the model trains on. Refuses a minibatch that no size cuts so."""
+    per_device = minibatch if mode not in DATA_PARALLEL else -(-minibatch // devices)
+    groups = split_samples(mode, minibatch, devices)
+    u_bs = trainable_sizes(sizes(min(profile.u_bmax, per_device)), groups, profile.u_min)
+    u_fs = trainable_sizes(sizes(min(profile.u_fmax, per_device)), groups, profile.u_min)
+    if not u_bs or not u_fs:
+        raise NoFeasibleConfiguration(
+            f"the model trains on no fewer than {profile.u_min} samples at once (the profile's smallest microbatch), "
+            f"and no {mode} microbatch size cuts {' and '.join(map(str, groups))} samples into microbatches that "
+            "large; use a larger minibatch" + (" or fewer devices" if mode in DATA_PARALLEL else ""))
+    return u_bs, u_fs
+
+
+def trainable_sizes(sizes: list[int], groups: list[int], u_min: int) -> list[int]:
+    """The microbatch sizes that cut every group of samples into microbatches of at least ``u_min``
+    (the fewest samples the model trains on: ``Profile.u_min``), the last, smaller one included."""
+    if u_min <= 1:
+        return sizes
+    return [u for u in sizes if all(min(microbatch_sizes(g, u)) >= u_min for g in groups)]
 
 
 def every_size(limit: int) -> list[int]:
@@ -182,6 +207,7 @@ def search(
     """
     capacity = capacity if capacity is not None else profile.capacity
     start = time.perf_counter()
+    microbatch_ladders(profile, mode, devices, minibatch, sizes)  # a minibatch no microbatch size cuts: why
     # the fewest packs that fit the profile's memory can still overflow once prefetching and
     # transfers in flight are simulated: widen to more, smaller packs until something fits
     tried: set[int] = set()
@@ -230,10 +256,8 @@ def pack_doublings(mode: str, coarse: bool = False) -> tuple[int, int]:
 def _search(profile, machine, mode, devices, minibatch, capacity, extra_packs, sizes, keep_candidates, same_u,
             coarse, keep, timeline, options) -> SearchResult:
     start = time.perf_counter()
-    per_device = minibatch if mode not in ("dp", "dp-swap", "dp-swap-r") else -(-minibatch // devices)
     bwd_doublings, fwd_doublings = pack_doublings(mode, coarse)
-    u_bs = sizes(min(profile.u_bmax, per_device))
-    u_fs = sizes(min(profile.u_fmax, per_device))
+    u_bs, u_fs = microbatch_ladders(profile, mode, devices, minibatch, sizes)
     pending: list[tuple[float, int, Configuration]] = []
     seen: set[tuple] = set()  # configurations whose task graph is already pending
     forward: dict[tuple, list] = {}  # (U_F, the loss pack) -> forward packings: many backward packings share one

@@ -180,6 +180,17 @@ def _check(config: Configuration, layers: int) -> None:
         raise ValueError(f"the last pack must be shared by P_F and P_B (jit-compute): {config.packs_f[-1]} vs {config.packs_b[-1]}")
 
 
+DATA_PARALLEL = ("dp", "dp-swap", "dp-swap-r")  # modes that give each device its share of the minibatch
+
+
+def split_samples(mode: str, minibatch: int, devices: int) -> list[int]:
+    """The sample counts ``mode``'s tasks cut into microbatches: each device's share in the
+    data-parallel modes, the whole minibatch in the others."""
+    if mode in DATA_PARALLEL:
+        return sorted({_share(minibatch, devices, d)[1] for d in range(devices)})
+    return [minibatch]
+
+
 def _share(total: int, parts: int, index: int) -> tuple[int, int]:
     """(offset, size) of part ``index`` when ``total`` samples are split as evenly as possible."""
     base, extra = divmod(total, parts)

@@ -29,6 +29,7 @@ import harmony
 from harmony.compiler import batch_coupled
 from harmony.decomposer.sample_mixing import sample_mixing_layers
 from harmony.plan import Plan
+from harmony.profiling.sweep import training_footprint
 from harmony.runtime.reference import microbatches_of, reference_train
 from harmony.scheduler.search import search
 from harmony.scheduler.taskgraph import generate
@@ -330,3 +331,42 @@ def test_unequal_microbatch_sizes_forced_on_a_centering_model_train_unlike_eager
     forced.loss_fn = cross_entropy
     _, _, error = train_both(model, forced, steps=1)
     assert error > 1e-6
+
+
+# --------------------------------------------------------------------------- the fewest samples a model trains on
+class NormedMLP(nn.Module):
+    """BatchNorm1d after each hidden layer: in training it refuses a microbatch of one sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(D_IN if i == 0 else WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.ReLU()) for i in range(3))
+        self.head = nn.Linear(WIDTH, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("mode", ["pp", "dp"])
+def test_a_model_that_cannot_train_on_one_sample_trains_like_eager_on_microbatches_of_two_or_more(mode):
+    torch.manual_seed(0)
+    model = NormedMLP().double()
+    minibatch = 33  # odd: no size may leave a last microbatch of one sample
+    graph = harmony.decompose(copy.deepcopy(model), (features(2, 0)[0],))
+    capacity = training_footprint(graph, features, minibatch) // 3
+    plan = harmony.compile(copy.deepcopy(model), cross_entropy, features, minibatch_size=minibatch, devices=2,
+                           device_memory=capacity, mode=mode, build_optimizer=adam, probe=False)
+    assert plan.profile.u_min == 2
+    sizes = [u for task in plan.tasks.tasks for u in task.microbatches]
+    assert min(sizes) >= 2 and max(sizes) < minibatch, plan.tasks.config
+    reference = copy.deepcopy(model)
+    batches = [features(minibatch, step) for step in range(2)]
+    with harmony.Trainer(plan, optimizer=adam, timeout=60) as trainer:
+        losses = [trainer.step(*batch) for batch in batches]
+        state = trainer.state_dict()
+    assert losses == pytest.approx(reference_train(reference, cross_entropy, adam, batches, microbatches_of(plan.tasks)),
+                                   rel=1e-9)
+    for name, want in reference.state_dict().items():
+        assert torch.allclose(state[name], want, rtol=1e-9, atol=1e-9), name

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import harmony
-from harmony.profiling.sweep import Profiler, stride_sizes, training_footprint
+from harmony.profiling.sweep import Profiler, _activation_bytes, stride_sizes, training_footprint
 from harmony.runtime.device import CpuDevice
 from harmony.profiling.profiles import Profile, fit_samples
 
@@ -104,13 +104,21 @@ def test_a_layer_that_fails_for_another_reason_is_named():
         profiler.run(1, backward=False, trials=0)
 
 
-def test_the_training_footprint_names_a_layer_that_fails_at_one_sample():
-    """BatchNorm in train mode refuses one sample, as a trace that fixed something at the example
-    batch would: the footprint's one-sample pass names the layer and what to try."""
+def test_the_training_footprint_of_a_model_that_cannot_train_on_one_sample_is_read_at_two():
+    """BatchNorm in train mode refuses one sample; the footprint's per-sample activations are then
+    measured on two and halved."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
     graph = harmony.decompose(model, torch.randn(2, 4))
-    with pytest.raises(harmony.HarmonyError, match=r"layer 1 \(1\) failed at microbatch size 1: ValueError.*--opaque"):
-        training_footprint(graph, lambda b, s: (torch.randn(b, 4), None), 8)
+    batch = lambda b, s: (torch.randn(b, 4), None)
+    per_sample = _activation_bytes(graph, batch, 2) / 2
+    assert training_footprint(graph, batch, 8) == int(4 * graph.parameter_bytes() + 8 * per_sample)
+
+
+def test_the_training_footprint_names_a_layer_that_fails_at_every_size():
+    graph = harmony.decompose(_mlp(), _get_batch(2, 0)[0])
+    graph.modules[1].forward = lambda *args: (_ for _ in ()).throw(ValueError("broken layer"))
+    with pytest.raises(harmony.HarmonyError, match=r"layer 1 \(.*\) failed at microbatch size 1: ValueError.*--opaque"):
+        training_footprint(graph, _get_batch, 8)
 
 
 def test_interpolated_time_matches_a_fresh_measurement_within_noise():
@@ -259,3 +267,31 @@ def test_the_profile_counts_the_tensors_the_runtime_moves_for_each_layers_state(
     assert sum(c[0] for c in counts) == 4 and sum(c[1] for c in counts) == 3
     assert sum(c[2] for c in counts) == 6 and sum(c[3] for c in counts) == 2
     assert profile.state_tensors("W", 0, len(counts) - 1) == 4 and profile.state_tensors("Y", 0, 0) == 0
+
+
+def _batchnorm_mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.BatchNorm1d(WIDTH), torch.nn.ReLU(),
+                               torch.nn.Linear(WIDTH, 10))
+
+
+def test_a_model_that_cannot_train_on_one_sample_is_profiled_from_the_fewest_it_trains_on(caplog):
+    # BatchNorm in training needs more than one value per channel: BatchNorm1d on one sample fails
+    graph = harmony.decompose(_batchnorm_mlp(), _get_batch(2, 0)[0])
+    profiler = Profiler(graph, _get_batch, lambda p: torch.optim.SGD(p, lr=0.1), CpuDevice("emu", 1 << 30), trials=0)
+    with caplog.at_level("WARNING"):
+        profile = profiler.profile(u_cap=8)
+    assert profile.u_min == 2
+    assert "cannot train on fewer than 2 samples" in caplog.text and "Expected more than 1 value" in caplog.text
+    for layer in profile.layers:
+        assert min(s.u for s in layer.fwd_samples + layer.bwd_samples) == 2
+    assert Profile.from_dict(profile.to_dict()).u_min == 2
+    assert training_footprint(graph, _get_batch, 8) > 0
+
+
+def test_a_model_that_fails_at_every_size_names_its_layer_and_the_first_size():
+    graph = harmony.decompose(_mlp(), _get_batch(2, 0)[0])
+    graph.modules[1].forward = lambda *args: (_ for _ in ()).throw(ValueError("broken layer"))
+    profiler = Profiler(graph, _get_batch, lambda p: torch.optim.SGD(p, lr=0.1), CpuDevice("emu", 1 << 30), trials=0)
+    with pytest.raises(harmony.HarmonyError, match=r"layer 1 \(.*\) failed at microbatch size 1: ValueError: broken layer"):
+        profiler.profile(u_cap=4)

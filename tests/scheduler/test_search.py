@@ -216,3 +216,23 @@ def test_a_simulation_leaves_no_reference_cycles_for_the_collector(mode):
     finally:
         gc.enable()
     assert left < 50, left
+
+
+@pytest.mark.parametrize("mode,minibatch", [("pp", 9), ("dp", 9), ("gpipe-swap", 7)])
+def test_no_microbatch_is_smaller_than_the_fewest_samples_the_model_trains_on(mode, minibatch):
+    # BatchNorm trains on no fewer than two samples: not even a minibatch's last, smaller microbatch
+    profile = skewed_profile(capacity=12_000_000)
+    profile.u_min = 2
+    found = search(profile, Machine.from_spec("1080ti", 2), mode, 2, minibatch, capacity=profile.capacity,
+                   keep_candidates=True)
+    assert found.candidates
+    for _, config in found.candidates:
+        graph = generate(mode, profile, config, 2, minibatch)
+        assert min(u for task in graph.tasks for u in task.microbatches) >= 2, config
+
+
+def test_a_minibatch_that_cannot_be_cut_into_trainable_microbatches_is_refused_with_the_reason():
+    profile = skewed_profile(capacity=12_000_000)
+    profile.u_min = 2
+    with pytest.raises(NoFeasibleConfiguration, match="no fewer than 2 samples.*1 and 2 samples.*fewer devices"):
+        search(profile, Machine.from_spec("1080ti", 2), "dp", 2, 3, capacity=profile.capacity)
