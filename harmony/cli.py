@@ -128,7 +128,9 @@ def _cmd_profile(ns: argparse.Namespace) -> int:
     _print_profile(profile)
     console.print(machine.describe())
     where = f"; wrote {ns.out}/profile.msgpack" if ns.out is not None else ""
-    console.print(f"{profile.device}: capacity {_human_bytes(profile.capacity)}, U_FMAX={profile.u_fmax}, U_BMAX={profile.u_bmax}{where}")
+    console.print(f"{profile.device}: capacity {_human_bytes(profile.capacity)}, U_FMAX={profile.u_fmax}, U_BMAX={profile.u_bmax}"
+                  + (f", U_MIN={profile.u_min} (the fewest samples every layer trains on)" if profile.u_min > 1 else "")
+                  + where)
     return 0
 
 
