@@ -21,7 +21,7 @@ from harmony.decomposer.sample_mixing import describe as describe_mixing
 from harmony.decomposer.sample_mixing import sample_mixing_layers
 from harmony.errors import DeviceOutOfMemoryError, HarmonyError
 from harmony.plan import Plan
-from harmony.profiling.sweep import Profiler, training_footprint
+from harmony.profiling.sweep import Profiler, default_capacity
 from harmony.runtime.device import check_gpus, make_devices, parse_bytes
 from harmony.profiling.analytic import analytic_profile
 from harmony.scheduler.devicespec import load_spec
@@ -394,9 +394,8 @@ def profile_graph(graph, get_batch, build_optimizer, options: CompileOptions, on
         host_bandwidth = spec.host_memory_bandwidth
     else:
         if capacity is None and options.device_type == "cpu":
-            # a quarter of the training footprint, so that a default run needs the swaps a GPU run needs
             on_progress("measuring the training footprint")
-            capacity = max(1, training_footprint(graph, get_batch, options.minibatch) // 4)
+            capacity = default_capacity(graph, get_batch, options.minibatch)
         device = make_devices(options.device_type, 1, capacity)[0]
         # an emulated device computes on one thread, as the runtime's forked workers do (OpenMP
         # cannot run a parallel region in a process forked from one that used it)

@@ -348,27 +348,49 @@ def training_footprint(graph: LayerGraph, get_batch: Callable[[int, int], tuple]
     on an unlimited emulated device) and scaled by the minibatch size."""
     if graph.modules is None:
         raise HarmonyError("the layer graph has no layer modules to run; decompose the model first")
+    activations, _, u = _smallest_pass(graph, get_batch, minibatch)
+    return _footprint(graph, minibatch * activations / u, k_per_w)
+
+
+def _footprint(graph: LayerGraph, activations: float, k_per_w: float = 2.0) -> int:
+    return int((2 + k_per_w) * graph.parameter_bytes() + activations)
+
+
+def default_capacity(graph: LayerGraph, get_batch: Callable[[int, int], tuple], minibatch: int) -> int:
+    """An emulated device's memory when the user gives none: a quarter of the training footprint,
+    so that a default run needs the swaps a GPU run needs, and at least twice what the hungriest
+    layer takes at the smallest microbatch, so that every layer has room to run (a model that
+    trains on no fewer than two samples needs that much more of it)."""
+    activations, peak, u = _smallest_pass(graph, get_batch, minibatch)
+    return max(1, _footprint(graph, minibatch * activations / u) // 4, 2 * peak)
+
+
+def _smallest_pass(graph: LayerGraph, get_batch: Callable[[int, int], tuple], minibatch: int) -> tuple[int, int, int]:
+    """(every layer's activations, the largest layer peak, u) at the fewest samples u the model
+    trains on."""
     first: _LayerFailed | None = None
-    for u in range(1, min(minibatch, MIN_MICROBATCH_TRIES) + 1):  # the fewest samples it trains on
+    for u in range(1, min(minibatch, MIN_MICROBATCH_TRIES) + 1):
         try:
-            return int((2 + k_per_w) * graph.parameter_bytes() + minibatch * _activation_bytes(graph, get_batch, u) / u)
+            return (*_activation_bytes(graph, get_batch, u), u)
         except _LayerFailed as exc:
             first = first or exc
     assert first is not None
     raise first
 
 
-def _activation_bytes(graph: LayerGraph, get_batch: Callable[[int, int], tuple], u: int) -> int:
-    """Every layer's activations at microbatch ``u``, measured on an unlimited emulated device."""
+def _activation_bytes(graph: LayerGraph, get_batch: Callable[[int, int], tuple], u: int) -> tuple[int, int]:
+    """(every layer's activations, the largest forward or backward peak of one layer) at microbatch
+    ``u``, measured on an unlimited emulated device."""
     device = CpuDevice("footprint")
     inputs, _ = get_batch(u, 0)
     values = inputs if isinstance(inputs, tuple) else (inputs,)
-    activations = 0
+    activations = peak = 0
     for index, module in enumerate(graph.modules):
         with _naming_failures(index, graph.layers[index].name, u):
             m, values = measure_layer(module, values, device, trials=0, backward=True, input_grad=index > 0)
         activations += m.act_bytes
-    return activations
+        peak = max(peak, m.fwd_peak, m.bwd_peak)
+    return activations, peak
 
 
 # how many sizes, from one sample up, a model is tried at before its failure is taken for its own

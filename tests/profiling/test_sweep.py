@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import harmony
-from harmony.profiling.sweep import Profiler, _activation_bytes, stride_sizes, training_footprint
+from harmony.profiling.sweep import Profiler, _activation_bytes, default_capacity, stride_sizes, training_footprint
 from harmony.runtime.device import CpuDevice
 from harmony.profiling.profiles import Profile, fit_samples
 
@@ -110,8 +110,10 @@ def test_the_training_footprint_of_a_model_that_cannot_train_on_one_sample_is_re
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
     graph = harmony.decompose(model, torch.randn(2, 4))
     batch = lambda b, s: (torch.randn(b, 4), None)
-    per_sample = _activation_bytes(graph, batch, 2) / 2
-    assert training_footprint(graph, batch, 8) == int(4 * graph.parameter_bytes() + 8 * per_sample)
+    activations, peak = _activation_bytes(graph, batch, 2)
+    assert training_footprint(graph, batch, 8) == int(4 * graph.parameter_bytes() + 8 * activations / 2)
+    # an emulated device given no memory has room for the hungriest layer at the fewest samples
+    assert default_capacity(graph, batch, 8) == max(training_footprint(graph, batch, 8) // 4, 2 * peak)
 
 
 def test_the_training_footprint_names_a_layer_that_fails_at_every_size():
