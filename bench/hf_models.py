@@ -13,27 +13,19 @@ Needs ``transformers``. Runs take 4-15 s each on two cores.
 
 from __future__ import annotations
 
-import argparse
-import copy
-import json
-import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
-from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-import harmony
-from harmony.profiling.sweep import training_footprint
-from harmony.runtime.reference import microbatches_of, reference_train
+from bench import outside
+from bench.outside import Case
 
-VOCAB, SEQ, MINIBATCH, DEVICES, STEPS = 128, 32, 16, 2, 2
-Case = tuple[Callable[[], nn.Module], Callable[[int, int], tuple], Callable]
-
-
-def adam(params):
-    return torch.optim.Adam(params, lr=1e-3, eps=1e-6)
+VOCAB, SEQ, MINIBATCH = 128, 32, 16
+TITLE = (f"Hugging Face models against eager ({outside.STEPS} steps, float64, {outside.DEVICES} emulated devices, "
+         "a third of the training footprint each)")
 
 
 def _tokens(b: int, step: int) -> torch.Tensor:
@@ -130,94 +122,28 @@ CASES: dict[str, Callable[[], Case]] = {
 
 
 def run(name: str, mode: str) -> dict[str, Any]:
-    """One architecture in one mode: the worst relative errors against eager, and the peaks."""
-    start = time.perf_counter()
-    row: dict[str, Any] = {"model": name, "mode": mode}
-    try:
-        build, get_batch, loss_fn = CASES[name]()
-        model = build()
-        graph = harmony.decompose(copy.deepcopy(model), get_batch(2, 0)[0])
-        capacity = training_footprint(graph, get_batch, MINIBATCH) // 3
-        plan = harmony.compile(model, loss_fn, get_batch, minibatch_size=MINIBATCH, devices=DEVICES, mode=mode,
-                               device_type="cpu", device_memory=capacity, build_optimizer=adam, probe=False)
-        batches = [get_batch(MINIBATCH, step) for step in range(STEPS)]
-        reference = copy.deepcopy(model)
-        with harmony.Trainer(plan, optimizer=adam, timeout=120) as trainer:
-            losses = [trainer.step(inputs, target) for inputs, target in batches]
-            state = trainer.state_dict()
-            peaks = [max(w.peak for w in step.workers) for step in trainer.history]
-        expected = reference_train(reference, plan.loss_fn, adam, batches, microbatches_of(plan.tasks))
-        row.update(config=str(plan.tasks.config), capacity=capacity, peak=max(peaks),
-                   loss_error=max(abs(a - b) / abs(b) for a, b in zip(losses, expected)),
-                   param_error=_worst_parameter(reference.state_dict(), state))
-    except Exception as exc:  # noqa: BLE001 - a failing architecture is a row, not the end of the run
-        row["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-    row["seconds"] = time.perf_counter() - start
-    return row
-
-
-def _worst_parameter(want: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> float:
-    worst = 0.0
-    for name, w in want.items():
-        if w.is_floating_point():
-            scale = float(w.abs().max().clamp_min(1e-3))
-            worst = max(worst, float((got[name].double() - w.double()).abs().max()) / scale)
-    return worst
+    """One architecture in one mode (``outside.run``)."""
+    return outside.run(name, CASES[name], mode, MINIBATCH)
 
 
 def table(rows: list[dict[str, Any]]) -> Table:
-    out = Table(title=f"Hugging Face models against eager ({STEPS} steps, float64, {DEVICES} emulated devices, "
-                      "a third of the training footprint each)")
-    for col in ("model", "mode", "loss error", "parameter error", "peak / capacity", "s", "configuration or error"):
-        out.add_column(col, justify="left" if col in ("model", "mode", "configuration or error") else "right")
-    for r in rows:
-        if "error" in r:
-            out.add_row(r["model"], r["mode"], "-", "-", "-", f"{r['seconds']:.0f}", f"[red]{_short(r['error'])}[/]")
-            continue
-        out.add_row(r["model"], r["mode"], f"{r['loss_error']:.1e}", f"{r['param_error']:.1e}",
-                    f"{r['peak'] / r['capacity']:.2f}", f"{r['seconds']:.0f}", r["config"])
-    return out
-
-
-def _short(error: str, limit: int = 110) -> str:
-    return error if len(error) <= limit else error[: limit - 1] + "…"
+    return outside.table(rows, TITLE)
 
 
 def markdown(rows: list[dict[str, Any]], header: str) -> str:
-    lines = [header, "", "| model | mode | loss error | parameter error | peak / capacity | configuration or error |",
-             "|---|---|---:|---:|---:|---|"]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['model']} | {r['mode']} | - | - | - | {_short(r['error'], 200)} |")
-        else:
-            lines.append(f"| {r['model']} | {r['mode']} | {r['loss_error']:.1e} | {r['param_error']:.1e} | "
-                         f"{r['peak'] / r['capacity']:.2f} | {r['config']} |")
-    return "\n".join(lines) + "\n"
+    return outside.markdown(rows, header)
+
+
+def _header() -> str:
+    import transformers
+
+    return (f"torch {torch.__version__}, transformers {transformers.__version__}: `python -m bench.hf_models` "
+            f"({outside.STEPS} steps, float64, {outside.DEVICES} emulated devices at a third of the training footprint; "
+            "errors relative to eager on the same microbatches)")
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}")
-    parser.add_argument("--modes", default="pp,dp", help="comma-separated modes (default: pp,dp)")
-    parser.add_argument("--json", help="also write the rows here")
-    parser.add_argument("--markdown", help="also write the table here, as markdown")
-    ns = parser.parse_args(argv)
-    unknown = [m for m in ns.models.split(",") if m not in CASES]
-    if unknown:
-        parser.error(f"unknown models: {', '.join(unknown)}")
-    rows = [run(name, mode) for name in ns.models.split(",") for mode in ns.modes.split(",")]
-    Console().print(table(rows))
-    if ns.json:
-        with open(ns.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    if ns.markdown:
-        import transformers
-
-        header = (f"torch {torch.__version__}, transformers {transformers.__version__}: `python -m bench.hf_models` "
-                  f"({STEPS} steps, float64, {DEVICES} emulated devices at a third of the training footprint; errors "
-                  "relative to eager on the same microbatches)")
-        with open(ns.markdown, "w") as f:
-            f.write(markdown(rows, header))
+    outside.main(argv, __doc__, CASES, MINIBATCH, TITLE, _header)
 
 
 if __name__ == "__main__":
