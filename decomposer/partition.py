@@ -10,6 +10,7 @@ layers in between pass it through unchanged (p2p relaying).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Hashable
 
@@ -21,6 +22,8 @@ from harmony.errors import DecomposeError
 
 FREE = None  # a node no unit owns (functional code between modules): joins the current layer
 GROUP = ("group",)  # consecutive standard leaves outside containers (embeddings, stems, heads)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -127,7 +130,21 @@ def _unit(node: fx.Node, gran: Granularity, auto: _AutoRule) -> tuple[Hashable, 
 
 
 def segment(gm: fx.GraphModule, model: torch.nn.Module, gran: Granularity) -> list[Segment]:
-    """Split the compute nodes of ``gm`` into contiguous segments, one per layer."""
+    """Split the compute nodes of ``gm`` into contiguous segments, one per layer.
+
+    ``auto`` on a model without containers (PyTorch's tutorial CNN: conv1, conv2, fc1… as plain
+    attributes) groups every module into one layer, which nothing can pipeline or swap; it then
+    cuts one layer per child module instead (``depth=1``)."""
+    segments = _segment(gm, model, gran)
+    if len(segments) == 1 and gran.depth is None and gran.modules is None:
+        children = _segment(gm, model, Granularity(depth=1))
+        if len(children) > 1:
+            log.info("no container of modules to cut %s at; one layer per child module", type(model).__name__)
+            return children
+    return segments
+
+
+def _segment(gm: fx.GraphModule, model: torch.nn.Module, gran: Granularity) -> list[Segment]:
     if gran.modules is not None:
         known = {name for name, _ in model.named_modules()}
         unknown = [m for m in gran.modules if m not in known]
