@@ -15,6 +15,7 @@ import contextlib
 import inspect
 import logging
 import math
+import operator
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -136,10 +137,33 @@ def _symbolic(model: torch.nn.Module, n_inputs: int, opaque: set[str]) -> Traced
         stack = list(tracer.module_stack.values())
         exc.harmony_module = stack[-1] if stack else ("", type(model))  # type: ignore[attr-defined]
         raise
+    _drop_specialized_inputs(graph, n_inputs)
     spec = _flatten_output(graph)
     gm = fx.GraphModule(tracer.root, graph)
     names = [n.name for n in graph.nodes if n.op == "placeholder"]
     return TracedModel(gm=gm, tracer="fx", out_spec=spec, input_names=names)
+
+
+_SPECIALIZATION_CHECKS = (torch._assert, fx._symbolic_trace._assert_is_none)
+
+
+def _drop_specialized_inputs(graph: fx.Graph, n_inputs: int) -> None:
+    """fx keeps a placeholder for every argument fixed to its default (``_concrete_defaults``: a
+    ``forward(x, scale=1.0)`` called with ``x`` alone), read only by checks that the caller passed
+    that value. Nobody passes it (the model is called with its example inputs' count), so the
+    placeholders and their checks go; a placeholder read by anything else stays, and the input
+    count then says so."""
+    for node in [n for n in graph.nodes if n.op == "placeholder"][n_inputs:]:
+        checks = []
+        for user in node.users:
+            if user.target is operator.eq and len(user.users) == 1:
+                checks += [next(iter(user.users)), user]
+            else:
+                checks.append(user)
+        if all(c.target in (*_SPECIALIZATION_CHECKS, operator.eq) for c in checks):
+            for check in checks:
+                graph.erase_node(check)
+            graph.erase_node(node)
 
 
 def _dynamic_shapes(model: torch.nn.Module, example_inputs: tuple) -> tuple | dict:

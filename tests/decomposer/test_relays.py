@@ -223,3 +223,22 @@ def test_a_model_without_containers_gets_one_layer_per_child_module():
     model = TutorialNet().double()
     lg = assert_layers_match_model(model, (torch.randn(2, 3, 32, 32, dtype=torch.float64),), RTOL[torch.float64])
     assert [spec.name for spec in lg.layers] == ["conv1+pool", "conv2+pool", "fc1", "fc2", "fc3"]
+
+
+class Scaled(nn.Module):
+    """A forward with arguments the caller leaves at their defaults."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x: torch.Tensor, scale: float = 0.5, mask: torch.Tensor | None = None) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x) * scale
+        return x if mask is None else x * mask
+
+
+def test_arguments_left_at_their_defaults_are_not_inputs_of_the_layers():
+    torch.manual_seed(0)
+    lg = assert_layers_match_model(Scaled().double(), (torch.randn(2, 4, dtype=torch.float64),), RTOL[torch.float64])
+    assert lg.inputs == ["x"]
