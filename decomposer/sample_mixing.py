@@ -53,34 +53,51 @@ class MixingLayer(NamedTuple):
     output: str
 
 
+class LayerChecks(NamedTuple):
+    """What running the layers showed: those that mix samples, and those that draw random
+    numbers (index, name), found by the generator's state moving, whatever the code calls
+    (torchvision's stochastic depth draws through ``torch.empty(...).bernoulli_``)."""
+
+    mixing: list[MixingLayer]
+    random: list[tuple[int, str]]
+
+
 def sample_mixing_layers(graph: LayerGraph, inputs: Sequence[Any] | None = None) -> list[MixingLayer]:
-    """The layers of ``graph`` whose outputs for one sample change with another sample's inputs.
+    """The layers of ``graph`` whose outputs for one sample change with another sample's inputs
+    (``check_layers``)."""
+    return check_layers(graph, inputs).mixing
+
+
+def check_layers(graph: LayerGraph, inputs: Sequence[Any] | None = None) -> LayerChecks:
+    """Run every layer as the module docs say: which mix samples, and which draw random numbers.
 
     ``inputs`` are real example inputs of the model (as ``graph.inputs``); without them the
     model's inputs are synthesised from their specs (floats in [0.5, 1.5), integers 0 or 1, random
-    booleans). Returns [] and logs why when the check cannot run: no layer modules, layers on the
-    meta device, or a graph that runs at one sample only.
+    booleans). Finds nothing and logs why when the check cannot run: no layer modules, layers on
+    the meta device, or a graph that runs at one sample only.
     """
     why = _cannot_check(graph)
     if why:
         log.info("sample-mixing check skipped: %s", why)
-        return []
+        return LayerChecks([], [])
     modules = graph.modules or []
     samples = _sample_count(graph)
     device = _device_of(modules)
     start = time.perf_counter()
-    found: list[MixingLayer] = []
+    found = LayerChecks([], [])
     with torch.no_grad(), _isolated(modules, graph.training, device):
         generator = torch.Generator(device=device).manual_seed(SEED)
         values = _model_inputs(graph, inputs, samples, device, generator)
         for spec, module in zip(graph.layers, modules):
             if values is None:
                 values = _synthesised(graph, spec.inputs, samples, device, generator)
-            values, output = _check_layer(graph, spec, module, values, device, generator)
+            values, output, random = _check_layer(graph, spec, module, values, device, generator)
             if output is not None:
-                found.append(MixingLayer(spec.index, spec.name, output))
-    log.info("sample-mixing check: %d layer(s) run at %d samples in %.3f s; %d mix samples",
-             len(modules), samples, time.perf_counter() - start, len(found))
+                found.mixing.append(MixingLayer(spec.index, spec.name, output))
+            if random:
+                found.random.append((spec.index, spec.name))
+    log.info("sample-mixing check: %d layer(s) run at %d samples in %.3f s; %d mix samples, %d draw random numbers",
+             len(modules), samples, time.perf_counter() - start, len(found.mixing), len(found.random))
     return found
 
 
@@ -232,32 +249,38 @@ def _other_sample(value: torch.Tensor, dim: int, generator: torch.Generator) -> 
 
 # --------------------------------------------------------------------------- one layer
 def _check_layer(graph: LayerGraph, spec: LayerSpec, module: torch.nn.Module, values: list,
-                 device: torch.device, generator: torch.Generator) -> tuple[list | None, str | None]:
+                 device: torch.device, generator: torch.Generator) -> tuple[list | None, str | None, bool]:
     """(the layer's outputs on ``values``, for the next layer; the first output that changed for
-    another sample when sample 0's inputs changed, or None). Outputs are None if the layer failed."""
+    another sample when sample 0's inputs changed, or None; whether it drew random numbers).
+    Outputs are None if the layer failed."""
     try:
-        base = _run(module, values, device)
+        base, random = _run(module, values, device)
         changed = _perturbed(values, graph.input_batch_dims(spec.index), generator)
         if changed is None:
-            return base, None
-        other = _run(module, changed, device)
+            return base, None, random
+        other, _ = _run(module, changed, device)
     except Exception as exc:  # noqa: BLE001 - a layer we cannot run is not evidence of mixing
         log.warning("sample-mixing check: layer %d (%s) did not run on synthesised inputs (%s: %s); not checked",
                     spec.index, spec.name, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-        return None, None
-    return base, _first_changed(graph, spec.outputs, base, other)
+        return None, None, False
+    return base, _first_changed(graph, spec.outputs, base, other), random
 
 
-def _run(module: torch.nn.Module, values: list, device: torch.device) -> list:
+def _run(module: torch.nn.Module, values: list, device: torch.device) -> tuple[list, bool]:
     """The layer's outputs, from the same random seed and buffers every time (buffers such as
-    batch-norm statistics are put back afterwards); inputs are copied, so in-place code leaves the
-    caller's values alone."""
+    batch-norm statistics are put back afterwards), and whether it drew random numbers (a
+    generator's state moved); inputs are copied, so in-place code leaves the caller's values alone."""
     buffers = [(b, b.clone()) for b in module.buffers()]
-    torch.random.default_generator.manual_seed(SEED)
+    generators = [torch.random.default_generator]
     if device.type == "cuda":
-        torch.cuda.default_generators[device.index or 0].manual_seed(SEED)
+        generators.append(torch.cuda.default_generators[device.index or 0])
+    seeded = []
+    for g in generators:
+        g.manual_seed(SEED)
+        seeded.append(g.get_state())
     try:
-        return list(module(*[v.clone() if isinstance(v, torch.Tensor) else v for v in values]))
+        outputs = list(module(*[v.clone() if isinstance(v, torch.Tensor) else v for v in values]))
+        return outputs, any(not torch.equal(g.get_state(), state) for g, state in zip(generators, seeded))
     finally:
         for buffer, saved in buffers:
             buffer.copy_(saved)

@@ -18,7 +18,7 @@ import torch
 from harmony.decomposer.decompose import decompose
 from harmony.decomposer.layer_graph import LayerGraph, dtype_from_str
 from harmony.decomposer.sample_mixing import describe as describe_mixing
-from harmony.decomposer.sample_mixing import sample_mixing_layers
+from harmony.decomposer.sample_mixing import check_layers
 from harmony.errors import DeviceOutOfMemoryError, HarmonyError
 from harmony.plan import Plan
 from harmony.profiling.sweep import Profiler, default_capacity
@@ -360,6 +360,7 @@ def batch_coupled(graph: LayerGraph, inputs: tuple | None = None) -> str:
         reasons.append(f"value {name} entering layer {layer}{more} depends on the microbatch size in a way that "
                        "cannot be cut between microbatches")
     batchnorm_layers: set[int] = set()
+    found: list[str] = []
     if graph.training:
         text = "\n".join(graph.sources.values())
         found = [name.rstrip("(").split(".")[-1] for name in _RANDOM_CALLS if name in text]
@@ -370,9 +371,14 @@ def batch_coupled(graph: LayerGraph, inputs: tuple | None = None) -> str:
                 if isinstance(sub, torch.nn.modules.batchnorm._BatchNorm):
                     reasons.append(f"{type(sub).__name__} normalizes over the microbatch")
                     batchnorm_layers.add(index)
+    checks = check_layers(graph, inputs)
+    if graph.training:
+        if not found and checks.random:  # drawn through calls no name gives away (torchvision's stochastic depth)
+            found = [f"layer {index} ({name})" for index, name in checks.random[:3]]
+            found += [f"{len(checks.random) - 3} more layers"] if len(checks.random) > 3 else []
         if found:
             reasons.insert(0, f"layers draw random numbers ({', '.join(sorted(set(found)))})")
-    mixing = [layer for layer in sample_mixing_layers(graph, inputs) if layer.index not in batchnorm_layers]
+    mixing = [layer for layer in checks.mixing if layer.index not in batchnorm_layers]
     if mixing:
         reasons.append(describe_mixing(mixing))
     return "; ".join(dict.fromkeys(reasons))

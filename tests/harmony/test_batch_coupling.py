@@ -370,3 +370,32 @@ def test_a_model_that_cannot_train_on_one_sample_trains_like_eager_on_microbatch
                                    rel=1e-9)
     for name, want in reference.state_dict().items():
         assert torch.allclose(state[name], want, rtol=1e-9, atol=1e-9), name
+
+
+# --------------------------------------------------------------------------- random draws no name gives away
+def keep_most(x: torch.Tensor) -> torch.Tensor:
+    """Stochastic depth's way: a function fx keeps whole (``torch.fx.wrap``), so the layer's code
+    shows a call to it and no random op."""
+    return x * torch.empty(x.shape[0], 1, dtype=x.dtype, device=x.device).bernoulli_(0.8) / 0.8
+
+
+torch.fx.wrap("keep_most")
+
+
+class StochasticNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(D_IN if i == 0 else WIDTH, WIDTH) for i in range(3))
+        self.head = nn.Linear(WIDTH, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            x = keep_most(torch.tanh(block(x))) if i == 1 else torch.tanh(block(x))
+        return self.head(x)
+
+
+def test_a_layer_drawing_random_numbers_through_a_call_no_name_gives_away_is_reported():
+    torch.manual_seed(0)
+    graph = decompose(StochasticNet().double())
+    assert "keep_most" in graph.sources[graph.layers[layer_named(graph, "blocks.1")].code_file]
+    assert batch_coupled(graph, (features(2, 0)[0],)) == f"layers draw random numbers (layer {layer_named(graph, 'blocks.1')} (blocks.1))"
