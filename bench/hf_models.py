@@ -17,15 +17,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from rich.table import Table
 from torch import nn
 
 from bench import outside
 from bench.outside import Case
 
 VOCAB, SEQ, MINIBATCH = 128, 32, 16
-TITLE = (f"Hugging Face models against eager ({outside.STEPS} steps, float64, {outside.DEVICES} emulated devices, "
-         "a third of the training footprint each)")
 
 
 def _tokens(b: int, step: int) -> torch.Tensor:
@@ -121,29 +118,14 @@ CASES: dict[str, Callable[[], Case]] = {
 }
 
 
-def run(name: str, mode: str) -> dict[str, Any]:
-    """One architecture in one mode (``outside.run``)."""
-    return outside.run(name, CASES[name], mode, MINIBATCH)
-
-
-def table(rows: list[dict[str, Any]]) -> Table:
-    return outside.table(rows, TITLE)
-
-
-def markdown(rows: list[dict[str, Any]], header: str) -> str:
-    return outside.markdown(rows, header)
-
-
-def _header() -> str:
-    import transformers
-
-    return (f"torch {torch.__version__}, transformers {transformers.__version__}: `python -m bench.hf_models` "
-            f"({outside.STEPS} steps, float64, {outside.DEVICES} emulated devices at a third of the training footprint; "
-            "errors relative to eager on the same microbatches)")
+COLLECTION = outside.Collection(CASES, MINIBATCH, "transformers", "bench.hf_models")
+run = COLLECTION.run
+table = COLLECTION.table
+markdown = outside.markdown
 
 
 def main(argv: list[str] | None = None) -> None:
-    outside.main(argv, __doc__, CASES, MINIBATCH, TITLE, _header)
+    COLLECTION.main(argv, __doc__)
 
 
 if __name__ == "__main__":

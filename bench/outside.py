@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -105,9 +107,41 @@ def markdown(rows: list[dict[str, Any]], header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None, doc: str, cases: dict[str, Callable[[], Case]], minibatch: int, title: str,
-         header: Callable[[], str]) -> None:
+@dataclass
+class Collection:
+    """A benchmark's cases and how it reports them: ``library`` names the package whose models
+    these are (its version heads the markdown), ``command`` the module that runs them."""
+
+    cases: dict[str, Callable[[], Case]]
+    minibatch: int
+    library: str
+    command: str
+
+    @property
+    def title(self) -> str:
+        return (f"{self.library} models against eager ({STEPS} steps, float64, {DEVICES} emulated devices, "
+                "a third of the training footprint each)")
+
+    def run(self, name: str, mode: str) -> dict[str, Any]:
+        """One case in one mode (``run``)."""
+        return run(name, self.cases[name], mode, self.minibatch)
+
+    def table(self, rows: list[dict[str, Any]]) -> Table:
+        return table(rows, self.title)
+
+    def header(self) -> str:
+        version = importlib.import_module(self.library).__version__
+        return (f"torch {torch.__version__}, {self.library} {version}: `python -m {self.command}` ({STEPS} steps, "
+                f"float64, {DEVICES} emulated devices at a third of the training footprint; errors relative to eager "
+                "on the same microbatches)")
+
+    def main(self, argv: list[str] | None, doc: str) -> None:
+        main(argv, doc, self)
+
+
+def main(argv: list[str] | None, doc: str, collection: Collection) -> None:
     """The command line of a collection of cases: which to run, in which modes, where to write."""
+    cases = collection.cases
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(cases), help=f"comma-separated, of: {', '.join(cases)}")
     parser.add_argument("--modes", default="pp,dp", help="comma-separated modes (default: pp,dp)")
@@ -117,11 +151,11 @@ def main(argv: list[str] | None, doc: str, cases: dict[str, Callable[[], Case]],
     unknown = [m for m in ns.models.split(",") if m not in cases]
     if unknown:
         parser.error(f"unknown models: {', '.join(unknown)}")
-    rows = [run(name, cases[name], mode, minibatch) for name in ns.models.split(",") for mode in ns.modes.split(",")]
-    Console().print(table(rows, title))
+    rows = [collection.run(name, mode) for name in ns.models.split(",") for mode in ns.modes.split(",")]
+    Console().print(collection.table(rows))
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump(rows, f, indent=1)
     if ns.markdown:
         with open(ns.markdown, "w") as f:
-            f.write(markdown(rows, header()))
+            f.write(markdown(rows, collection.header()))

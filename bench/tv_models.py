@@ -20,15 +20,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from rich.table import Table
 from torch import nn
 
 from bench import outside
 from bench.outside import Case
 
 MINIBATCH, CLASSES = 16, 10
-TITLE = (f"torchvision models against eager ({outside.STEPS} steps, float64, {outside.DEVICES} emulated devices, "
-         "a third of the training footprint each)")
 
 
 def _network(name: str, size: int = 32, **kwargs: Any) -> Callable[[], Case]:
@@ -67,25 +64,14 @@ CASES: dict[str, Callable[[], Case]] = {
 }
 
 
-def run(name: str, mode: str) -> dict[str, Any]:
-    """One network in one mode (``outside.run``)."""
-    return outside.run(name, CASES[name], mode, MINIBATCH)
-
-
-def table(rows: list[dict[str, Any]]) -> Table:
-    return outside.table(rows, TITLE)
-
-
-def _header() -> str:
-    import torchvision
-
-    return (f"torch {torch.__version__}, torchvision {torchvision.__version__}: `python -m bench.tv_models` "
-            f"({outside.STEPS} steps, float64, {outside.DEVICES} emulated devices at a third of the training footprint; "
-            "errors relative to eager on the same microbatches)")
+COLLECTION = outside.Collection(CASES, MINIBATCH, "torchvision", "bench.tv_models")
+run = COLLECTION.run
+table = COLLECTION.table
+markdown = outside.markdown
 
 
 def main(argv: list[str] | None = None) -> None:
-    outside.main(argv, __doc__, CASES, MINIBATCH, TITLE, _header)
+    COLLECTION.main(argv, __doc__)
 
 
 if __name__ == "__main__":
