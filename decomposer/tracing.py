@@ -187,6 +187,20 @@ _METADATA_CHECKS = tuple(op for op in (getattr(torch.ops.aten, "_assert_tensor_m
                          if op is not None for op in (op.default,))
 
 
+def _subgraph_error(model: torch.nn.Module, node: fx.Node) -> str:
+    """Why a graph holding a subgraph (a higher-order op's body) cannot be cut into layer code."""
+    users = [u for u in node.users if u.op == "call_function"]
+    op = getattr(users[0].target, "__name__", str(users[0].target)) if users else "a higher-order op"
+    stack = next((u.meta.get("nn_module_stack") for u in users if u.meta.get("nn_module_stack")), None) or {}
+    where = list(stack.values())[-1][0] if stack else ""
+    inside = f" in {where!r}" if where else ""
+    return (f"torch.export made part of {type(model).__name__}{inside} a subgraph ({op}: code under torch.no_grad(), "
+            "a parametrization such as spectral_norm, or a control-flow op), which Harmony's generated layer code "
+            "cannot hold. Keep the module computing it whole (--opaque MODULE, opaque_modules=[...]) so that it runs "
+            "eagerly; a module that reads a buffer it also updates in its forward (spectral_norm's power iteration) "
+            "would then train differently from eager, since Harmony's backward recomputes the forward")
+
+
 def _export(model: torch.nn.Module, example_inputs: tuple) -> TracedModel:
     from torch.export.graph_signature import InputKind, OutputKind
 
@@ -228,6 +242,8 @@ def _export(model: torch.nn.Module, example_inputs: tuple) -> TracedModel:
                     raise DecomposeError(f"torch.export produced an output of kind {spec.kind} that Harmony cannot place")
             graph.output(tuple(user))
         elif node.op == "get_attr":
+            if isinstance(getattr(gm, node.target), torch.nn.Module):
+                raise DecomposeError(_subgraph_error(model, node))
             fx.graph_module._assign_attr(getattr(gm, node.target), root, node.target)
             env[node] = graph.node_copy(node, lambda n: env[n])
         elif node.target in _METADATA_CHECKS:

@@ -134,3 +134,12 @@ def test_model_returning_its_own_parameter_raises_decompose_error():
 
     with pytest.raises(harmony.DecomposeError, match="parameter"):
         harmony.decompose(ReturnsWeight(), (torch.zeros(2, 4),))
+
+
+def test_code_that_torch_export_turns_into_a_subgraph_is_refused_naming_the_module():
+    # spectral_norm's power iteration runs under torch.no_grad(): fx cannot trace its control flow,
+    # and torch.export keeps it as a higher-order op with a subgraph, which layer code cannot hold
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.utils.parametrizations.spectral_norm(nn.Linear(4, 4)), nn.ReLU(), nn.Linear(4, 2))
+    with pytest.raises(harmony.DecomposeError, match=r"made part of Sequential in .* a subgraph .*--opaque"):
+        harmony.decompose(model, (torch.randn(2, 4),))
