@@ -20,9 +20,9 @@ import inspect
 import logging
 import statistics
 import time
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 from torch.func import functional_call
@@ -55,6 +55,22 @@ class Measurement:
     dx_bytes: int = 0
     bwd_error: str = ""  # why the backward task did not fit, if it did not
     fwd_layer_peaks: list[int] = field(default_factory=list)  # the FWD task's peak during each layer
+
+
+@contextmanager
+def _collection_paused() -> Iterator[None]:
+    """No automatic cycle collection inside a measured window. Bytes read as the difference of two
+    readings (a recompute's activations, an update's temporaries) lose whatever an earlier
+    measurement's cyclic garbage gives back if a collection falls between them: a layer's
+    activations read negative, and a run of ``bench.tv_models`` planned ResNet-18 from a training
+    footprint below its weights' bytes alone."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _collect_garbage(device: Device, before: int) -> None:
@@ -266,13 +282,15 @@ def _backward_once(modules, states, params, inputs: tuple, device: Device, m: Me
     memory figures go into ``m`` (a timed trial runs unwatched and leaves them)."""
     xs = _on_device(device, inputs, grad=input_grad)
     device.reset_peak()
-    before = device.allocated()
-    timer = device.timer()
-    timer.start()
-    ys = _run_pack(modules, states, xs)
-    recompute = timer.stop()
+    with _collection_paused():
+        before = device.allocated()
+        timer = device.timer()
+        timer.start()
+        ys = _run_pack(modules, states, xs)
+        recompute = timer.stop()
+        after = device.allocated()
     if watched:
-        m.act_bytes = device.allocated() - before
+        m.act_bytes = after - before
     outs = [y for y in ys if isinstance(y, torch.Tensor) and y.requires_grad]
     held = ys  # a BWD task holds all of its pack's outputs (masks relayed beside activations too)
     if loss is not None and outs:  # the loss task drops its outputs once the loss is computed
@@ -344,11 +362,12 @@ def update_scratch(
         for c in copies:
             c.grad = torch.zeros_like(c)
         opt = build_optimizer(copies)
-        before = device.allocated()
-        device.reset_peak()
-        for _ in range(2):
-            opt.step()
-        peak = device.peak()
+        with _collection_paused():
+            before = device.allocated()
+            device.reset_peak()
+            for _ in range(2):
+                opt.step()
+            peak = device.peak()
         values = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         state = sum(v.untyped_storage().nbytes() for v in values if v.dim() > 0)
         scalars = sum(v.untyped_storage().nbytes() for v in values

@@ -1,5 +1,6 @@
 """Pack memory derived from layer profiles bounds the measured peak of the pack's tasks."""
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -61,3 +62,37 @@ def test_a_pack_measured_whole_records_the_forwards_peak_during_each_layer():
     assert len(peaks) == len(modules)
     assert max(peaks) == measured.fwd_peak
     assert peaks[1] - peaks[0] >= 4 * (64 - 8) * 8  # the wide layer's output is there only while it runs
+
+
+def test_a_cycle_collection_inside_the_measured_recompute_takes_nothing_off_its_activations():
+    """An earlier measurement's cyclic garbage on the device, given back by an automatic collection
+    that falls inside the recompute (forced here from the layer's own forward), used to be taken
+    off the activations read as the difference of two readings: they read negative."""
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).double()
+    x = (torch.randn(8, 64, dtype=torch.float64),)
+    clean, _ = measure_layer(layer, x, CpuDevice("clean"), trials=0)
+    device = CpuDevice("dirty")
+    calls = []
+
+    def collect_inside_the_watched_recompute(module, args):
+        calls.append(1)
+        if len(calls) == 3:  # the FWD task's warm-up and run, then the first BWD task's recompute
+            gc.set_threshold(1, 1, 1)
+            [[] for _ in range(100)]  # allocations that start an automatic collection where one may run
+
+    handle = layer[0].register_forward_pre_hook(collect_inside_the_watched_recompute)
+    threshold = gc.get_threshold()
+    gc.set_threshold(10**9, 10**9, 10**9)
+    try:
+        with device.memory_scope():
+            cycle = [torch.zeros(1 << 17, dtype=torch.float64)]  # 1 MiB on the device, in a reference cycle
+            cycle.append(cycle)
+        del cycle
+        dirty, _ = measure_layer(layer, x, device, trials=0)
+    finally:
+        gc.set_threshold(*threshold)
+        handle.remove()
+    gc.collect()
+    assert device.allocated() == 0
+    assert dirty.act_bytes == clean.act_bytes > 0
