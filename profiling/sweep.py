@@ -144,8 +144,8 @@ class Profiler:
         return u
 
     def _too_small(self, attempt: _Attempt) -> str:
-        """Which layer cannot run one sample on this device, and how much it needs (measured on an
-        unlimited device)."""
+        """Which layer cannot run the smallest microbatch on this device, and how much it needs
+        (measured on an unlimited device)."""
         i, u = attempt.failed_layer, attempt.u
         if i is None:
             return f"{self.device.name}: even microbatch size {u} does not fit: {attempt.failure}"
@@ -346,8 +346,6 @@ def training_footprint(graph: LayerGraph, get_batch: Callable[[int, int], tuple]
     (``k_per_w`` times the weights; Adam keeps two) and every layer's activations for a whole
     minibatch. The activations per sample are measured (one sample through every layer's BWD task
     on an unlimited emulated device) and scaled by the minibatch size."""
-    if graph.modules is None:
-        raise HarmonyError("the layer graph has no layer modules to run; decompose the model first")
     activations, _, u = _smallest_pass(graph, get_batch, minibatch)
     return _footprint(graph, minibatch * activations / u, k_per_w)
 
@@ -368,6 +366,8 @@ def default_capacity(graph: LayerGraph, get_batch: Callable[[int, int], tuple], 
 def _smallest_pass(graph: LayerGraph, get_batch: Callable[[int, int], tuple], minibatch: int) -> tuple[int, int, int]:
     """(every layer's activations, the largest layer peak, u) at the fewest samples u the model
     trains on."""
+    if graph.modules is None:
+        raise HarmonyError("the layer graph has no layer modules to run; decompose the model first")
     first: _LayerFailed | None = None
     for u in range(1, min(minibatch, MIN_MICROBATCH_TRIES) + 1):
         try:
