@@ -118,14 +118,9 @@ CASES: dict[str, Callable[[], Case]] = {
 }
 
 
-COLLECTION = outside.Collection(CASES, MINIBATCH, "transformers", "bench.hf_models")
-run = COLLECTION.run
-table = COLLECTION.table
-markdown = outside.markdown
-
-
-def main(argv: list[str] | None = None) -> None:
-    COLLECTION.main(argv, __doc__)
+COLLECTION = outside.Collection(CASES, MINIBATCH, "transformers", "bench.hf_models", __doc__)
+run, table, markdown = COLLECTION.run, COLLECTION.table, outside.markdown
+main = COLLECTION.main
 
 
 if __name__ == "__main__":

@@ -110,13 +110,14 @@ def markdown(rows: list[dict[str, Any]], header: str) -> str:
 
 @dataclass
 class Collection:
-    """A benchmark's cases and how it reports them: ``library`` names the package whose models
-    these are (its version heads the markdown), ``command`` the module that runs them."""
+    """A benchmark's cases, how it reports them and its command line: ``library`` names the package
+    whose models these are (its version heads the markdown), ``command`` the module that runs them."""
 
     cases: dict[str, Callable[[], Case]]
     minibatch: int
     library: str
     command: str
+    doc: str  # the module's docstring: the command line's --help
     # cases compiled at another fraction of their footprint than a third (a model whose one layer
     # holds most of it cannot run that layer in a third)
     fractions: dict[str, float] = field(default_factory=dict)
@@ -142,27 +143,22 @@ class Collection:
     def _others(self) -> str:
         return "".join(f", {name} at {fraction:g}" for name, fraction in self.fractions.items())
 
-    def main(self, argv: list[str] | None, doc: str) -> None:
-        main(argv, doc, self)
-
-
-def main(argv: list[str] | None, doc: str, collection: Collection) -> None:
-    """The command line of a collection of cases: which to run, in which modes, where to write."""
-    cases = collection.cases
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default=",".join(cases), help=f"comma-separated, of: {', '.join(cases)}")
-    parser.add_argument("--modes", default="pp,dp", help="comma-separated modes (default: pp,dp)")
-    parser.add_argument("--json", help="also write the rows here")
-    parser.add_argument("--markdown", help="also write the table here, as markdown")
-    ns = parser.parse_args(argv)
-    unknown = [m for m in ns.models.split(",") if m not in cases]
-    if unknown:
-        parser.error(f"unknown models: {', '.join(unknown)}")
-    rows = [collection.run(name, mode) for name in ns.models.split(",") for mode in ns.modes.split(",")]
-    Console().print(collection.table(rows))
-    if ns.json:
-        with open(ns.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    if ns.markdown:
-        with open(ns.markdown, "w") as f:
-            f.write(markdown(rows, collection.header()))
+    def main(self, argv: list[str] | None = None) -> None:
+        """The command line: which cases to run, in which modes, where to write."""
+        parser = argparse.ArgumentParser(description=self.doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+        parser.add_argument("--models", default=",".join(self.cases), help=f"comma-separated, of: {', '.join(self.cases)}")
+        parser.add_argument("--modes", default="pp,dp", help="comma-separated modes (default: pp,dp)")
+        parser.add_argument("--json", help="also write the rows here")
+        parser.add_argument("--markdown", help="also write the table here, as markdown")
+        ns = parser.parse_args(argv)
+        unknown = [m for m in ns.models.split(",") if m not in self.cases]
+        if unknown:
+            parser.error(f"unknown models: {', '.join(unknown)}")
+        rows = [self.run(name, mode) for name in ns.models.split(",") for mode in ns.modes.split(",")]
+        Console().print(self.table(rows))
+        if ns.json:
+            with open(ns.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        if ns.markdown:
+            with open(ns.markdown, "w") as f:
+                f.write(markdown(rows, self.header()))

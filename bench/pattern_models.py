@@ -230,14 +230,9 @@ CASES: dict[str, Callable[[], Case]] = {
 }
 
 # the tutorial CNN's first linear layer holds most of its footprint: its backward needs more than a third
-COLLECTION = outside.Collection(CASES, MINIBATCH, "torch", "bench.pattern_models", fractions={"tutorial_cnn": 0.6})
+COLLECTION = outside.Collection(CASES, MINIBATCH, "torch", "bench.pattern_models", __doc__, fractions={"tutorial_cnn": 0.6})
 run = COLLECTION.run
-table = COLLECTION.table
-markdown = outside.markdown
-
-
-def main(argv: list[str] | None = None) -> None:
-    COLLECTION.main(argv, __doc__)
+main = COLLECTION.main
 
 
 if __name__ == "__main__":

@@ -64,14 +64,9 @@ CASES: dict[str, Callable[[], Case]] = {
 }
 
 
-COLLECTION = outside.Collection(CASES, MINIBATCH, "torchvision", "bench.tv_models")
-run = COLLECTION.run
-table = COLLECTION.table
-markdown = outside.markdown
-
-
-def main(argv: list[str] | None = None) -> None:
-    COLLECTION.main(argv, __doc__)
+COLLECTION = outside.Collection(CASES, MINIBATCH, "torchvision", "bench.tv_models", __doc__)
+run, table = COLLECTION.run, COLLECTION.table
+main = COLLECTION.main
 
 
 if __name__ == "__main__":

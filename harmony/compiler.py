@@ -360,7 +360,7 @@ def batch_coupled(graph: LayerGraph, inputs: tuple | None = None) -> str:
         reasons.append(f"value {name} entering layer {layer}{more} depends on the microbatch size in a way that "
                        "cannot be cut between microbatches")
     batchnorm_layers: set[int] = set()
-    found: list[str] = []
+    checks = check_layers(graph, inputs)
     if graph.training:
         text = "\n".join(graph.sources.values())
         found = [name.rstrip("(").split(".")[-1] for name in _RANDOM_CALLS if name in text]
@@ -371,8 +371,6 @@ def batch_coupled(graph: LayerGraph, inputs: tuple | None = None) -> str:
                 if isinstance(sub, torch.nn.modules.batchnorm._BatchNorm):
                     reasons.append(f"{type(sub).__name__} normalizes over the microbatch")
                     batchnorm_layers.add(index)
-    checks = check_layers(graph, inputs)
-    if graph.training:
         if not found and checks.random:  # drawn through calls no name gives away (torchvision's stochastic depth)
             found = [f"layer {index} ({name})" for index, name in checks.random[:3]]
             found += [f"{len(checks.random) - 3} more layers"] if len(checks.random) > 3 else []

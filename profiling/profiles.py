@@ -306,7 +306,7 @@ class Profile:
     u_bmax: int
     layers: list[LayerProfile]
     # the fewest samples every layer trains on (BatchNorm needs two values per channel): no
-    # microbatch of a plan is smaller (``Profile.splits``)
+    # microbatch of a plan is smaller (``search.microbatch_ladders``)
     u_min: int = 1
     graph_hash: str = ""  # ties the profile to the layer graph it was made from
     notes: dict[str, str] = field(default_factory=dict)

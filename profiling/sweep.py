@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import torch
 from torch.utils._pytree import tree_unflatten
@@ -113,19 +113,11 @@ class Profiler:
         an ImageNet network on CIFAR-sized images (a 1x1 map at the end), trains on the user's
         minibatch but not on one sample, and a plan must not split the minibatch below that. A
         model that fails at every size tried fails with one sample's error."""
-        first: _LayerFailed | None = None
-        for u in range(1, min(cap, MIN_MICROBATCH_TRIES) + 1):
-            try:
-                self._fits(u, backward=True)
-            except _LayerFailed as exc:
-                first = first or exc
-                continue
-            if first is not None:
-                log.warning("layer %d (%s) cannot train on fewer than %d samples (%s); every microbatch of the plan "
-                            "holds at least %d", first.index, first.name, u, first.cause, u)
-            return u
-        assert first is not None
-        raise first
+        u, _, refused = _at_fewest_samples(lambda u: self._fits(u, backward=True), cap)
+        if refused is not None:
+            log.warning("layer %d (%s) cannot train on fewer than %d samples (%s); every microbatch of the plan "
+                        "holds at least %d", refused.index, refused.name, u, refused.cause, u)
+        return u
 
     def slow_start(self, backward: bool, cap: int, start: int = 1) -> int:
         """Largest u ≤ cap whose every layer fits (forward, or backward), by slow start from ``start``
@@ -368,10 +360,21 @@ def _smallest_pass(graph: LayerGraph, get_batch: Callable[[int, int], tuple], mi
     trains on."""
     if graph.modules is None:
         raise HarmonyError("the layer graph has no layer modules to run; decompose the model first")
+    u, (activations, peak), _ = _at_fewest_samples(lambda u: _activation_bytes(graph, get_batch, u), minibatch)
+    return activations, peak, u
+
+
+T = TypeVar("T")
+
+
+def _at_fewest_samples(attempt: Callable[[int], T], limit: int) -> tuple[int, T, _LayerFailed | None]:
+    """(u, ``attempt(u)``, the first size's failure or None) at the fewest samples u, from one up
+    to ``MIN_MICROBATCH_TRIES`` and ``limit``, where no layer fails on its own (out of memory is
+    the caller's to judge). Every size failing raises the one-sample failure."""
     first: _LayerFailed | None = None
-    for u in range(1, min(minibatch, MIN_MICROBATCH_TRIES) + 1):
+    for u in range(1, min(limit, MIN_MICROBATCH_TRIES) + 1):
         try:
-            return (*_activation_bytes(graph, get_batch, u), u)
+            return u, attempt(u), first
         except _LayerFailed as exc:
             first = first or exc
     assert first is not None

@@ -106,10 +106,9 @@ def microbatch_ladders(profile: Profile, mode: str, devices: int, minibatch: int
     """The backward and forward microbatch sizes a search of ``mode`` tries: ``sizes`` up to what
     the profile's sweep fitted and a device's samples, less those that would cut a microbatch
     below the fewest samples the model trains on. Refuses a minibatch that no size cuts so."""
-    per_device = minibatch if mode not in DATA_PARALLEL else -(-minibatch // devices)
     groups = split_samples(mode, minibatch, devices)
-    u_bs = trainable_sizes(sizes(min(profile.u_bmax, per_device)), groups, profile.u_min)
-    u_fs = trainable_sizes(sizes(min(profile.u_fmax, per_device)), groups, profile.u_min)
+    u_bs = trainable_sizes(sizes(min(profile.u_bmax, max(groups))), groups, profile.u_min)
+    u_fs = trainable_sizes(sizes(min(profile.u_fmax, max(groups))), groups, profile.u_min)
     if not u_bs or not u_fs:
         raise NoFeasibleConfiguration(
             f"the model trains on no fewer than {profile.u_min} samples at once (the profile's smallest microbatch), "
@@ -207,7 +206,7 @@ def search(
     """
     capacity = capacity if capacity is not None else profile.capacity
     start = time.perf_counter()
-    microbatch_ladders(profile, mode, devices, minibatch, sizes)  # a minibatch no microbatch size cuts: why
+    ladders = microbatch_ladders(profile, mode, devices, minibatch, sizes)  # refuses a minibatch no size cuts
     # the fewest packs that fit the profile's memory can still overflow once prefetching and
     # transfers in flight are simulated: widen to more, smaller packs until something fits
     tried: set[int] = set()
@@ -218,7 +217,7 @@ def search(
         tried.add(extra)
         try:
             with _collecting_own():
-                result = _search(profile, machine, mode, devices, minibatch, capacity, extra, sizes, keep_candidates,
+                result = _search(profile, machine, mode, devices, minibatch, capacity, extra, ladders, keep_candidates,
                                  same_u, coarse, keep, timeline, options)
         except NoFeasibleConfiguration as exc:
             overflowed += exc.overflowed
@@ -253,11 +252,11 @@ def pack_doublings(mode: str, coarse: bool = False) -> tuple[int, int]:
     return (0, 3) if coarse else (64, 64)
 
 
-def _search(profile, machine, mode, devices, minibatch, capacity, extra_packs, sizes, keep_candidates, same_u,
+def _search(profile, machine, mode, devices, minibatch, capacity, extra_packs, ladders, keep_candidates, same_u,
             coarse, keep, timeline, options) -> SearchResult:
     start = time.perf_counter()
     bwd_doublings, fwd_doublings = pack_doublings(mode, coarse)
-    u_bs, u_fs = microbatch_ladders(profile, mode, devices, minibatch, sizes)
+    u_bs, u_fs = ladders
     pending: list[tuple[float, int, Configuration]] = []
     seen: set[tuple] = set()  # configurations whose task graph is already pending
     forward: dict[tuple, list] = {}  # (U_F, the loss pack) -> forward packings: many backward packings share one

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from zoo import FACTORIES, RTOL, assert_layers_match_model
 
 import harmony
-from zoo import FACTORIES, RTOL, assert_layers_match_model
+from bench.pattern_models import TutorialCNN
 
 
 class Block(nn.Module):
@@ -197,30 +198,9 @@ def test_naming_a_module_list_as_a_layer_is_a_clear_error():
         harmony.decompose(Net(), (torch.randn(2, 4),), modules=["blocks"])
 
 
-class TutorialNet(nn.Module):
-    """PyTorch's CIFAR-10 tutorial network: plain attributes, no container to cut at."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 6, 5)
-        self.pool = nn.MaxPool2d(2, 2)
-        self.conv2 = nn.Conv2d(6, 16, 5)
-        self.fc1 = nn.Linear(16 * 5 * 5, 120)
-        self.fc2 = nn.Linear(120, 84)
-        self.fc3 = nn.Linear(84, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.pool(torch.relu(self.conv1(x)))
-        x = self.pool(torch.relu(self.conv2(x)))
-        x = torch.flatten(x, 1)
-        x = torch.relu(self.fc1(x))
-        x = torch.relu(self.fc2(x))
-        return self.fc3(x)
-
-
 def test_a_model_without_containers_gets_one_layer_per_child_module():
     torch.manual_seed(0)
-    model = TutorialNet().double()
+    model = TutorialCNN().double()  # PyTorch's CIFAR-10 tutorial network: no container to cut at
     lg = assert_layers_match_model(model, (torch.randn(2, 3, 32, 32, dtype=torch.float64),), RTOL[torch.float64])
     assert [spec.name for spec in lg.layers] == ["conv1+pool", "conv2+pool", "fc1", "fc2", "fc3"]
 
