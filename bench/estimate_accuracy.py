@@ -195,7 +195,8 @@ def without_runtime_costs(machine: Machine) -> Machine:
     """``machine`` as the estimator saw it before the runtime's own costs were measured."""
     return dataclasses.replace(machine, task_overhead=0.0, microbatch_overhead=0.0, update_overhead=0.0,
                                tensor_overhead=0.0, iteration_overhead=0.0, host_update_overhead=0.0,
-                               host_tensor_overhead=0.0, p2p_send_overhead=0.0, cpu_cores=None, compute_scale=1.0,
+                               host_tensor_overhead=0.0, p2p_send_overhead=0.0, compute_task_overhead=0.0,
+                               cpu_cores=None, compute_scale=1.0,
                                compute_interference=0.0)
 
 
@@ -371,7 +372,7 @@ def measured_rows_of(name: str, case: Case, plans: list, iterations: int, runs: 
             "machine": {name: getattr(machine, name) for name in (
                 "h2d", "d2h", "d2d", "latency", "p2p_latency", "task_overhead", "microbatch_overhead",
                 "update_overhead", "host_update_overhead", "host_tensor_overhead", "p2p_send_overhead",
-                "cpu_cores", "compute_scale", "compute_interference", "compute_scale_range")},
+                "cpu_cores", "compute_scale", "compute_interference", "compute_scale_range", "compute_task_overhead")},
         })
         if with_breakdown:
             row["breakdown"] = breakdown(plan, est, got.steady)

@@ -446,7 +446,9 @@ def _scaled_to_the_model(graph, profile: Profile, machine: Machine, get_batch, l
              "compute_scale": "the real launcher's tasks on the model's own layers, one device, over their estimate "
                               "from its profile (median)",
              "compute_interference": f"the same on {max(2, machine.devices)} devices at once over one device, less "
-                                     "one, per other device"}
+                                     "one, per other device",
+             "compute_task_overhead": "the same runs: the intercept beside the scale over each run's compute tasks "
+                                      "(median of the one-device runs)"}
     return dataclasses.replace(scaling.applied(machine), notes=notes)
 
 

@@ -41,7 +41,10 @@ emulated devices uses instead (``compiler._scaled_to_the_model``): its own layer
 one device and on all, at the square root of the largest microbatch its profile measured (plans under
 memory pressure run small microbatches, and the ratio moves with the microbatch). On ``bench.estimate_accuracy
 --full`` the blocks' scale left GPT-2 small, VGG and ResNet 24-35% under their runs; the model's
-own brought them within -20..+13% (one run each, bench/results/estimate_accuracy.md).
+own brought them within -20..+13% (one run each, bench/results/estimate_accuracy.md). The model's
+calibration also reads what each of its tasks costs beside the scale (``_task_cost``, the
+machine's ``compute_task_overhead``): its tasks hold two microbatches, a plan's up to eight, and a
+cost per task read as a scale grows with every microbatch of a long task.
 
 ``measure_cores`` runs a fixed single-threaded loop for a fixed window in one forked process, then in
 ``devices + 1`` processes released together by a barrier: ``k`` processes on ``c`` free cores do ``c``
@@ -289,7 +292,8 @@ def measure_overheads(machine: Machine, iterations: int = 12, timeout: float = 6
     devices = max(2, machine.devices)
     base = dataclasses.replace(machine, devices=devices, task_overhead=0.0, microbatch_overhead=0.0,
                                update_overhead=0.0, iteration_overhead=0.0, tensor_overhead=0.0, host_update_overhead=0.0,
-                               host_tensor_overhead=0.0, p2p_send_overhead=0.0, cpu_cores=None)
+                               host_tensor_overhead=0.0, p2p_send_overhead=0.0, compute_task_overhead=0.0,
+                               cpu_cores=None)
     graph, profile = _profiled(_model(), (WIDTH,))
     packs = [(i, i) for i in range(len(profile.layers))]
     config = Configuration(u_f=1, packs_f=packs, u_b=1, packs_b=packs)
@@ -422,10 +426,12 @@ def measure_model_scale(graph: LayerGraph, profile: Profile, machine: Machine, g
     profile measured, ``rounds`` times interleaved (five: with three, the scale of five compiles in
     a row spread 1.8-2.3 on GPT-2 tiny; fewer, and fewer iterations, where their steps' estimate
     says they would take more than ``MODEL_SCALE_SECONDS``), read as
-    ``measure_compute_scaling`` reads the blocks'. ``precision``: the plan's, which the runs compute in."""
+    ``measure_compute_scaling`` reads the blocks', with a cost per task beside the scale
+    (``_scaling``'s ``per_task``). ``precision``: the plan's, which the runs compute in."""
     u = max(profile.u_min, round(math.sqrt(min(profile.u_fmax, profile.u_bmax, minibatch))))
     devices = max(2, machine.devices)
-    base = dataclasses.replace(machine, devices=devices, compute_scale=1.0, compute_interference=0.0)
+    base = dataclasses.replace(machine, devices=devices, compute_scale=1.0, compute_interference=0.0,
+                               compute_task_overhead=0.0)
     packs = _calibration_packs(len(profile.layers))
     config = Configuration(u_f=u, packs_f=packs, u_b=u, packs_b=packs)
     capacity = CpuDevice("model-scale").capacity  # the host's memory: the calibration is not the plan
@@ -453,49 +459,79 @@ def measure_model_scale(graph: LayerGraph, profile: Profile, machine: Machine, g
                                  slots=build_routes(tasks, graph).gradient_slots())
         return _run(graph, tasks, store, loss_fn, build_optimizer, batch(tasks.minibatch), iterations, timeout).tasks
 
-    return _scaling(runs, rounds, measure, "the model")
+    return _scaling(runs, rounds, measure, "the model", per_task=True)
 
 
 class Scaling(NamedTuple):
     """What a calibration read (``_scaling``): the compute scale (the median round on one device),
-    the interference, and the range a plan's tasks may land in (``_range``,
-    ``Machine.compute_scale_range``)."""
+    the interference, the range a plan's tasks may land in (``_range``,
+    ``Machine.compute_scale_range``) and the cost per compute task beside the scale
+    (``Machine.compute_task_overhead``; 0 where the calibration does not read one)."""
 
     scale: float
     interference: float
     low: float
     high: float
+    task: float = 0.0
 
     def applied(self, machine: Machine) -> Machine:
         return dataclasses.replace(machine, compute_scale=self.scale, compute_interference=self.interference,
-                                   compute_scale_range=[self.low, self.high] if self.high > self.low else None)
+                                   compute_scale_range=[self.low, self.high] if self.high > self.low else None,
+                                   compute_task_overhead=self.task)
 
 
 def _scaling(runs: dict[int, tuple[TaskGraph, dict[int, tuple[float, float]]]], rounds: int,
-             measure: Callable[[TaskGraph], dict[int, float]], what: str) -> Scaling:
+             measure: Callable[[TaskGraph], dict[int, float]], what: str, per_task: bool = False) -> Scaling:
     """The compute scale, interference and range (``Scaling``) from ``runs`` (per device count, one and all: a
     task graph and, per task, the estimator's span and the compute inside it), each measured
     ``rounds`` times interleaved: per run, the median over the tasks of the compute scale that
     explains the measured span (``_median_ratio``); the median one-device run is the scale (a run,
     like a user's, sees the machine's typical load, not its best moment), the median all-devices
     run over it, less one, spread over the other devices, the interference; the one-device tasks'
-    readings over all rounds, the range (``_range``)."""
-    ratios: dict[int, list[float]] = {count: [] for count in runs}
-    tasks_alone: list[float] = []  # every one-device task's reading, all rounds
+    readings over all rounds, the range (``_range``). With ``per_task``, each one-device run first
+    reads a cost per task (``_task_cost``: the intercept beside the scale), their median is taken
+    off every task's span before the scales are read, and it is the machine's
+    ``compute_task_overhead``."""
+    spans: dict[int, list[dict[int, float]]] = {count: [] for count in runs}
     for _ in range(rounds):
         for count, (tasks, modelled) in runs.items():
-            reads = _task_ratios(tasks, measure(tasks), modelled)
-            ratios[count].append(_median_of(reads))
-            if count == 1:
-                tasks_alone += reads
+            spans[count].append(measure(tasks))
+    alone_tasks, alone_modelled = runs[1]
+    cost = statistics.median(_task_cost(alone_tasks, run, alone_modelled) for run in spans[1]) if per_task else 0.0
+    ratios = {count: [_median_of(_task_ratios(runs[count][0], run, runs[count][1], cost)) for run in spans[count]]
+              for count in runs}
+    tasks_alone = [r for run in spans[1] for r in _task_ratios(alone_tasks, run, alone_modelled, cost)]
     devices = max(runs)
     alone, together = statistics.median(ratios[1]), statistics.median(ratios[devices])
     interference = max(0.0, (together / alone - 1.0) / (devices - 1))
     low, high = _range(tasks_alone, ratios[1])
     log.info("compute scaling on %s: tasks run %.2fx their estimate on one device (%.2f-%.2f over its tasks and "
-             "rounds), %.2fx on %d at once: %.3f per other device computing", what, alone, low, high, together,
-             devices, interference)
-    return Scaling(alone, interference, low, high)
+             "rounds) and %.3f ms more each, %.2fx on %d at once: %.3f per other device computing", what, alone, low,
+             high, cost * 1e3, together, devices, interference)
+    return Scaling(alone, interference, low, high, cost)
+
+
+def _task_cost(tasks: TaskGraph, measured: dict[int, float], modelled: dict[int, tuple[float, float]]) -> float:
+    """Seconds each compute task of one run took beyond its scaled compute and its modelled rest: the
+    intercept of the least-squares line ``measured - (span - compute) = scale x compute + cost`` over
+    the run's FWD and BWD tasks (a few packs, forward and backward: computes that differ severalfold).
+    A task starts on layers another pack's task has pushed out of the caches, at a cost the
+    overheads probe's near-zero layers do not have; read into the scale instead, it came out as a
+    scale of 1.4-1.6 on tasks of two microbatches (VGG and ResNet tiny) where tasks of six or eight
+    ran at 1.0-1.2, and replayed on three compiles of ``bench.estimate_accuracy --full``'s sample
+    (the same calibration runs and measured plans) the mean error went from 10.9, 13.4 and 11.9%
+    to 5.9, 13.0 and 11.4%. 0 where the tasks' computes are too alike to tell a cost from a scale,
+    or where the line says no cost (or no compute)."""
+    points = [(modelled[t.id][1], measured[t.id] - (modelled[t.id][0] - modelled[t.id][1])) for t in tasks.tasks
+              if t.kind in (Kind.FWD, Kind.BWD) and t.id in measured and modelled.get(t.id, (0.0, 0.0))[1] > 0]
+    computes = [x for x, _ in points]
+    if len(points) < 3 or max(computes) < _DISTINCT_COMPUTES * min(computes):
+        return 0.0
+    slope, intercept = statistics.linear_regression(computes, [y for _, y in points])
+    return intercept if intercept > 0 and slope >= MIN_COMPUTE_SCALE else 0.0
+
+
+_DISTINCT_COMPUTES = 1.5  # the largest task's compute over the smallest's below which no cost per task is read
 
 
 def _range(tasks: list[float], rounds: list[float]) -> tuple[float, float]:
@@ -558,16 +594,21 @@ def _median_of(reads: list[float]) -> float:
     return statistics.median(reads) if reads else 0.0
 
 
-def _task_ratios(tasks: TaskGraph, measured: dict[int, float], modelled: dict[int, tuple[float, float]]) -> list[float]:
+def _task_ratios(tasks: TaskGraph, measured: dict[int, float], modelled: dict[int, tuple[float, float]],
+                 cost: float = 0.0) -> list[float]:
     """Per compute task, the scale ``s`` for which the estimate, with its compute times ``s`` and
-    the rest (the runtime's overheads, waits) as modelled, gives the measured span: the estimator
-    applies the scale to compute alone, so the calibration measures it so. Measured over the whole
-    span instead, a task whose overheads are half of it read 0.8 where its compute ran at 0.6.
-    Where the modelled overheads alone come near the measured spans (tasks of almost no compute),
-    that reading says nothing (its median can go to zero or below): the ratios of the whole spans
-    stand instead."""
+    the rest (the runtime's overheads, waits, and ``cost`` on a FWD or BWD task) as modelled, gives
+    the measured span: the estimator applies the scale to compute alone, so the calibration
+    measures it so. Measured over the whole span instead, a task whose overheads are half of it
+    read 0.8 where its compute ran at 0.6. Where the modelled overheads alone come near the
+    measured spans (tasks of almost no compute), that reading says nothing (its median can go to
+    zero or below): the ratios of the whole spans stand instead."""
     kept = [t for t in tasks.tasks if t.kind != Kind.UPD and t.id in measured and modelled.get(t.id, (0.0, 0.0))[0] > 0]
-    on_compute = [1.0 + (measured[t.id] - modelled[t.id][0]) / modelled[t.id][1] for t in kept if modelled[t.id][1] > 0]
+
+    def rest(t) -> float:
+        return modelled[t.id][0] + (cost if t.kind in (Kind.FWD, Kind.BWD) else 0.0)
+
+    on_compute = [1.0 + (measured[t.id] - rest(t)) / modelled[t.id][1] for t in kept if modelled[t.id][1] > 0]
     if on_compute and statistics.median(on_compute) >= MIN_COMPUTE_SCALE:
         return on_compute
     log.info("the runtime's overheads are most of these tasks' spans: their scale is read on the whole spans")

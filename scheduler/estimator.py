@@ -35,7 +35,8 @@ What is simulated (the runtime's semantics, which this module must keep in step 
 - **The runtime's own costs.** A unit on a device lasts its profiled compute times
   ``machine.compute_scale`` (the runtime's compute over the profiler's, measured; 1 where nobody
   did) plus the machine's measured
-  overheads (``Machine.task_overhead`` on a task's first unit, ``microbatch_overhead`` on each
+  overheads (``Machine.task_overhead`` on a task's first unit, and on a FWD or BWD task's first
+  unit the model's own ``compute_task_overhead`` as well; ``microbatch_overhead`` on each
   microbatch, ``update_overhead`` on each optimizer step on a device, fused or not;
   ``host_update_overhead`` and ``host_tensor_overhead`` per parameter on each update on the host;
   ``p2p_send_overhead`` on a unit per P2P piece it sends, which an emulated device's compute thread
@@ -343,7 +344,8 @@ def task_compute_seconds(task: Task, profile: Profile) -> float:
 
 def unit_overheads(task: Task, machine: Machine, units: int, tensors: int = 0) -> list[float]:
     """The runtime's own seconds on each of a task's ``units`` compute units (see the module docs):
-    the task's fixed cost on the first, a microbatch's on each microbatch, an update's on a fused
+    the task's fixed cost on the first (a FWD or BWD task's with the model's cost per compute task,
+    ``Machine.compute_task_overhead``), a microbatch's on each microbatch, an update's on a fused
     device update and on a UPD task. A task on the host (an offloaded update of ``tensors``
     parameters) pays the host update's: the launcher runs it without the executor's per-task work,
     and with work of its own around the step (``Machine.host_update_overhead``)."""
@@ -363,7 +365,7 @@ def unit_overheads(task: Task, machine: Machine, units: int, tensors: int = 0) -
         extra[j] = machine.microbatch_overhead
     if memory.fused_update(task) and units > microbatches:
         extra[-1] += machine.update_overhead
-    extra[0] += machine.task_overhead
+    extra[0] += machine.task_overhead + machine.compute_task_overhead
     return extra
 
 

@@ -47,6 +47,15 @@ on layers of near-zero compute, ``harmony.profiling.overheads``; zero when nobod
   (``runtime/transport``), so the message's hand-off delays its next unit (measured: the p2p-out
   spans of the overheads probe's pipeline, 0.15-0.25 ms here). Zero on GPUs, whose sends are
   issued to a stream;
+- ``compute_task_overhead``: on the emulated ``cpu`` backend, seconds each FWD or BWD task of the
+  model takes beyond its scaled compute and the costs above: the intercept of the model's own
+  calibration, read beside ``compute_scale`` on the same tasks (``profiling/overheads._scaling``).
+  A task starts on layers whose weights and code another pack's task has just pushed out of the
+  caches; the near-zero layers the overheads above are read on have nothing to push out. Folded
+  into one scale instead, it made the calibration's tasks of two microbatches read VGG and ResNet
+  tiny 1.4-1.6x the profile, where their plans' tasks of six to eight ran at 1.0-1.2x, and those
+  plans came out 20-45% over their runs. Not charged to UPD tasks, which the calibration does not
+  run on a device.
 - ``cpu_cores``: on the emulated ``cpu`` backend every device computes on the host's cores, and so
   do the host's offloaded updates: the number of cores they get between them (measured: a fixed
   single-threaded loop run in more processes than cores). ``None``: each device has its own
@@ -89,17 +98,17 @@ log = logging.getLogger(__name__)
 __all__ = ["Machine", "MachineError", "KIND", "VERSION", "CHANNELS", "ANALYTIC_LATENCY"]
 
 KIND = "machine"
-VERSION = 7  # 2: task_overhead, microbatch_overhead, update_overhead, cpu_cores; 3: compute_scale, compute_interference;
+VERSION = 8  # 2: task_overhead, microbatch_overhead, update_overhead, cpu_cores; 3: compute_scale, compute_interference;
 # 4: iteration_overhead; 5: tensor_overhead; 6: host_update_overhead, host_tensor_overhead, p2p_send_overhead;
-# 7: compute_scale_range
-_OLDER = (6, 5, 4, 3, 2, 1)  # versions read with the fields they lack at their defaults (not measured)
+# 7: compute_scale_range; 8: compute_task_overhead
+_OLDER = (7, 6, 5, 4, 3, 2, 1)  # versions read with the fields they lack at their defaults (not measured)
 
 CHANNELS = ("h2d", "d2h", "d2d", "msg")
 _KINDS = ("cpu", "cuda", "analytic")
 _SOURCES = ("measured", "analytic", "given")
 _BANDWIDTHS = ("h2d", "d2h", "d2d", "h2d_all", "d2h_all", "msg")
 _OVERHEADS = ("task_overhead", "microbatch_overhead", "update_overhead", "iteration_overhead", "tensor_overhead",
-              "host_update_overhead", "host_tensor_overhead", "p2p_send_overhead")
+              "host_update_overhead", "host_tensor_overhead", "p2p_send_overhead", "compute_task_overhead")
 
 # The fixed cost of one host<->device copy when nobody measured it: a cudaMemcpyAsync launch plus its
 # completion is about 5-10 us on PCIe systems (CUDA bandwidthTest / nvbandwidth at small sizes).
@@ -159,6 +168,7 @@ class Machine:
     compute_scale: float = 1.0  # the runtime's compute over the profile's, one device alone (cpu backend)
     compute_interference: float = 0.0  # slowdown per other unit computing at once (cpu backend)
     compute_scale_range: list[float] | None = None  # [low, high] of the calibration's task readings; None: one reading
+    compute_task_overhead: float = 0.0  # s, per FWD or BWD task beyond its scaled compute (the calibration's intercept)
 
     def __post_init__(self) -> None:
         problems = []
@@ -348,6 +358,7 @@ class Machine:
                    if self.p2p_send_overhead else "")
                 + (f"; {self.cpu_cores:.2f} cores shared by the devices' compute" if self.cpu_cores is not None else "")
                 + (f"; compute {self.compute_scale:.2f}x the profile" if self.compute_scale != 1.0 else "")
+                + (f" and {self.compute_task_overhead * 1e3:.2f} ms per compute task" if self.compute_task_overhead else "")
                 + (" ({:.2f}-{:.2f} across the calibration's tasks, 10th-90th percentile)".format(*self.compute_scale_range)
                    if self.compute_scale_range else "")
                 + (f"; each other device computing at once slows one by {self.compute_interference:.0%}"

@@ -138,3 +138,48 @@ def test_where_overheads_are_the_whole_span_the_scale_is_read_on_the_spans():
     modelled = {i: (2e-3, 0.5e-3) for i in range(3)}
     measured = {i: 1.2e-3 for i in range(3)}
     assert abs(overheads._median_ratio(tasks, measured, modelled) - 0.6) < 1e-9
+
+
+def _tasks_of(computes: list[float]):
+    """A stand-in task graph of FWD tasks (ids 0..) with these computes (s), on device 0, each modelled
+    with 0.2 ms of overheads around its compute."""
+    from types import SimpleNamespace
+
+    from harmony.scheduler.tasks import Kind
+    tasks = SimpleNamespace(tasks=[SimpleNamespace(id=i, kind=Kind.FWD, device=0) for i in range(len(computes))])
+    return tasks, {i: (c + 0.2e-3, c) for i, c in enumerate(computes)}
+
+
+def test_the_models_calibration_reads_a_cost_per_task_beside_the_scale():
+    # tasks of 1, 2 and 4 ms of compute that took 1.1x it plus 0.3 ms each (beyond the 0.2 ms modelled):
+    # read into one scale, the 1 ms task says 1.4 and the 4 ms one 1.175, so a plan of long tasks
+    # comes out high; read as a line, the scale is 1.1 and each task costs 0.3 ms
+    computes = [1e-3, 2e-3, 4e-3]
+    tasks, modelled = _tasks_of(computes)
+    alone = {i: 1.1 * c + 0.2e-3 + 0.3e-3 for i, c in enumerate(computes)}
+    together = {i: 1.32 * c + 0.2e-3 + 0.3e-3 for i, c in enumerate(computes)}  # 1.2x as slow on two devices
+    runs = {1: (tasks, modelled), 2: (tasks, modelled)}
+    reads = iter([alone, together] * 2)
+    scaling = overheads._scaling(runs, 2, lambda graph: next(reads), "a test", per_task=True)
+    assert scaling.scale == pytest.approx(1.1) and scaling.task == pytest.approx(0.3e-3)
+    assert scaling.interference == pytest.approx(0.2)
+    assert (scaling.low, scaling.high) == pytest.approx((1.1, 1.1))
+    machine = scaling.applied(_nominal_machine(_profiled()[1], 1 << 20))
+    assert machine.compute_task_overhead == pytest.approx(0.3e-3) and machine.compute_scale == pytest.approx(1.1)
+    # without per_task (the probe's MLP blocks) the same runs fold the cost into the scale
+    reads = iter([alone, together] * 2)
+    folded = overheads._scaling(runs, 2, lambda graph: next(reads), "a test")
+    assert folded.task == 0.0 and folded.scale == pytest.approx(1.1 + 0.3 / 2)
+
+
+def test_no_cost_per_task_is_read_where_the_tasks_computes_are_alike_or_the_line_says_none():
+    # computes within 1.5x of each other cannot tell a cost per task from a scale
+    tasks, modelled = _tasks_of([2e-3, 2.2e-3, 2.5e-3])
+    assert overheads._task_cost(tasks, {i: 1.1 * c + 0.5e-3 for i, (_, c) in modelled.items()}, modelled) == 0.0
+    # a line through the origin or below it: no cost (the scale alone explains the runs)
+    tasks, modelled = _tasks_of([1e-3, 2e-3, 4e-3])
+    assert overheads._task_cost(tasks, {i: 1.3 * c + 0.2e-3 for i, (_, c) in modelled.items()}, modelled) == 0.0
+    assert overheads._task_cost(tasks, {i: 1.3 * c + 0.1e-3 for i, (_, c) in modelled.items()}, modelled) == 0.0
+    # fewer than three tasks: no line
+    tasks, modelled = _tasks_of([1e-3, 4e-3])
+    assert overheads._task_cost(tasks, {i: 1.1 * c + 0.5e-3 for i, (_, c) in modelled.items()}, modelled) == 0.0

@@ -479,6 +479,19 @@ def test_an_update_pays_the_update_overhead_fused_on_the_device_or_not(profile):
         compute + 1 * MS + 2 * MS)
 
 
+def test_the_models_cost_per_compute_task_falls_on_forwards_and_backwards_not_on_updates(profile):
+    # the model's calibration reads a cost per FWD or BWD task beside its scale (the caches a task
+    # starts on); a device update, which that calibration never runs, pays only the update's costs
+    m = machine(shared=False, compute_task_overhead=0.5 * MS, update_overhead=2 * MS)
+    tasks = [fwd(i, 0, i, mbs=(4, 4)) for i in range(3)]
+    assert estimate(graph(tasks), profile, m).iteration_time == pytest.approx(3 * 4 * MS + 3 * 0.5 * MS)
+    backward = Task(id=0, device=0, kind=Kind.BWD, first=0, last=0, microbatches=[4, 4])
+    assert estimate(graph([backward]), profile, m).iteration_time == pytest.approx(
+        8 * (FWD_PER_SAMPLE + BWD_PER_SAMPLE) + 0.5 * MS)
+    upd = Task(id=0, device=0, kind=Kind.UPD, first=0, last=0, microbatches=[])
+    assert estimate(graph([upd]), profile, m).iteration_time == pytest.approx(UPD_DEVICE + 2 * MS)
+
+
 def test_a_dp_backward_stepped_by_a_later_update_task_steps_nothing_itself(profile):
     # dp's replicated update: the backward leaves its gradient, the UPD task steps (``Task.jit_update``)
     m = machine(shared=False, task_overhead=1 * MS, update_overhead=2 * MS)

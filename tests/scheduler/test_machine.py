@@ -148,11 +148,11 @@ def test_runtime_costs_round_trip_and_default_to_unmeasured(tmp_path):
 
 
 def test_a_version_1_file_is_read_with_the_runtime_costs_unmeasured(tmp_path):
-    assert VERSION == 7
+    assert VERSION == 8
     body = make().to_dict()
     for name in ("task_overhead", "microbatch_overhead", "update_overhead", "cpu_cores", "compute_scale",
                  "compute_interference", "iteration_overhead", "tensor_overhead", "host_update_overhead",
-                 "host_tensor_overhead", "p2p_send_overhead", "compute_scale_range"):
+                 "host_tensor_overhead", "p2p_send_overhead", "compute_scale_range", "compute_task_overhead"):
         del body[name]
     serialization.save(tmp_path / "old", KIND, 1, body)
     old = Machine.load(tmp_path / "old")
@@ -200,6 +200,23 @@ def test_a_version_6_file_is_read_with_one_reading_of_the_compute_scale(tmp_path
     serialization.save(tmp_path / "v6", KIND, 6, body)
     old = Machine.load(tmp_path / "v6")
     assert old == make(compute_scale=1.4) and old.compute_scale_range is None
+
+
+def test_a_version_7_file_is_read_without_a_cost_per_compute_task(tmp_path):
+    body = make(compute_scale=1.4, compute_scale_range=(1.2, 1.9)).to_dict()
+    del body["compute_task_overhead"]
+    serialization.save(tmp_path / "v7", KIND, 7, body)
+    old = Machine.load(tmp_path / "v7")
+    assert old == make(compute_scale=1.4, compute_scale_range=(1.2, 1.9)) and old.compute_task_overhead == 0.0
+
+
+def test_the_cost_per_compute_task_round_trips_and_is_described(tmp_path):
+    m = make(compute_scale=1.1, compute_task_overhead=4e-4)
+    m.save(tmp_path / "m")
+    assert Machine.load(tmp_path / "m") == m
+    assert "compute 1.10x the profile and 0.40 ms per compute task" in m.describe()
+    with pytest.raises(MachineError, match="compute_task_overhead"):
+        make(compute_task_overhead=-1e-3)
 
 
 def test_the_compute_scales_range_round_trips_and_is_described(tmp_path):
