@@ -193,11 +193,7 @@ def p2p_seconds(sizes: tuple[int, ...], repeats: int = 15) -> dict[int, float]:
 
 def without_runtime_costs(machine: Machine) -> Machine:
     """``machine`` as the estimator saw it before the runtime's own costs were measured."""
-    return dataclasses.replace(machine, task_overhead=0.0, microbatch_overhead=0.0, update_overhead=0.0,
-                               tensor_overhead=0.0, iteration_overhead=0.0, host_update_overhead=0.0,
-                               host_tensor_overhead=0.0, p2p_send_overhead=0.0, compute_task_overhead=0.0,
-                               cpu_cores=None, compute_scale=1.0,
-                               compute_interference=0.0)
+    return dataclasses.replace(machine.without_overheads(), cpu_cores=None, compute_scale=1.0, compute_interference=0.0)
 
 
 def _best_configurations(base: Plan, machine: Machine, mode: str, case: Case, count: int) -> list[Configuration]:

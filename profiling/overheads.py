@@ -290,10 +290,7 @@ def measure_overheads(machine: Machine, iterations: int = 12, timeout: float = 6
     first command's estimate 18.8-21.9 ms between compiles (20.1-21.1 ms with 12 and five rounds
     of the model's calibration, ``measure_model_scale``)."""
     devices = max(2, machine.devices)
-    base = dataclasses.replace(machine, devices=devices, task_overhead=0.0, microbatch_overhead=0.0,
-                               update_overhead=0.0, iteration_overhead=0.0, tensor_overhead=0.0, host_update_overhead=0.0,
-                               host_tensor_overhead=0.0, p2p_send_overhead=0.0, compute_task_overhead=0.0,
-                               cpu_cores=None)
+    base = dataclasses.replace(machine.without_overheads(), devices=devices, cpu_cores=None)
     graph, profile = _profiled(_model(), (WIDTH,))
     packs = [(i, i) for i in range(len(profile.layers))]
     config = Configuration(u_f=1, packs_f=packs, u_b=1, packs_b=packs)
@@ -498,9 +495,9 @@ def _scaling(runs: dict[int, tuple[TaskGraph, dict[int, tuple[float, float]]]], 
             spans[count].append(measure(tasks))
     alone_tasks, alone_modelled = runs[1]
     cost = statistics.median(_task_cost(alone_tasks, run, alone_modelled) for run in spans[1]) if per_task else 0.0
-    ratios = {count: [_median_of(_task_ratios(runs[count][0], run, runs[count][1], cost)) for run in spans[count]]
-              for count in runs}
-    tasks_alone = [r for run in spans[1] for r in _task_ratios(alone_tasks, run, alone_modelled, cost)]
+    reads = {count: [_task_ratios(runs[count][0], run, runs[count][1], cost) for run in spans[count]] for count in runs}
+    ratios = {count: [_median_of(run) for run in runs_read] for count, runs_read in reads.items()}
+    tasks_alone = [r for run in reads[1] for r in run]
     devices = max(runs)
     alone, together = statistics.median(ratios[1]), statistics.median(ratios[devices])
     interference = max(0.0, (together / alone - 1.0) / (devices - 1))

@@ -295,6 +295,11 @@ class Machine:
             },
         )
 
+    def without_overheads(self) -> Machine:
+        """This machine with none of the runtime's own costs measured (every ``_OVERHEADS`` field 0):
+        what a calibration models its runs on before it reads them."""
+        return dataclasses.replace(self, **dict.fromkeys(_OVERHEADS, 0.0))
+
     # ------------------------------------------------------------------ files
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
