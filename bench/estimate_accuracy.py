@@ -362,6 +362,7 @@ def measured_rows_of(name: str, case: Case, plans: list, iterations: int, runs: 
             "relative_error_without_runtime_costs": (plain - measured) / measured,
             "iteration_seconds": got.runs, "run_medians": medians,
             "runs_disagree": (max(medians) - min(medians)) / measured,
+            "repeat_error": repeat_error(got.runs),
             "spread": (max(kept) - min(kept)) / measured,
             "contention": statistics.median(got.contention), "interpreter": got.interpreter,
             "load_average": os.getloadavg()[0],
@@ -374,6 +375,20 @@ def measured_rows_of(name: str, case: Case, plans: list, iterations: int, runs: 
             row["breakdown"] = breakdown(plan, est, got.steady)
         rows.append(row)
     return rows
+
+
+def repeat_error(runs: list[list[float]]) -> float | None:
+    """How far the benchmark's own measurement moves when it is taken again: the runs split into two
+    interleaved halves (odd and even, so both span the same minutes), each half's median kept
+    iteration as this benchmark reads a plan, and the one half's error against the other's as if
+    it were the estimate. An estimator can do no better against one measurement than the
+    measurement does against a second one of the same plan, so over the rows this is the floor
+    the accuracy target is read against on this machine. None with fewer than two runs."""
+    if len(runs) < 2:
+        return None
+    halves = [[s for run in runs[start::2] for s in run[1:]] for start in (0, 1)]
+    first, second = (statistics.median(half) for half in halves)
+    return (first - second) / second
 
 
 def breakdown(plan: Plan, est: Estimate, steady: list) -> dict[str, Any]:
@@ -440,6 +455,15 @@ def error_summary(rows: list[dict[str, Any]]) -> dict[str, float]:
             "max_without_runtime_costs": max(plain) if plain else float("nan")}
 
 
+def _repeat_summary(rows: list[dict[str, Any]]) -> str:
+    """The rows' ``repeat_error`` in words; empty where fewer than two runs were taken."""
+    repeats = [abs(r["repeat_error"]) for r in rows if r.get("repeat_error") is not None]
+    if not repeats:
+        return ""
+    return (f"the measurement against itself taken again (half the runs against the other half): "
+            f"{statistics.fmean(repeats):.1%} mean (max {max(repeats):.1%}); ")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="GPT-2 tiny (pp, dp, baseline) and the small GPT-2 (pp)")
@@ -479,21 +503,22 @@ def main() -> None:
                         f"training footprint, median of {ns.runs} runs x {ns.iterations - 1} iterations after one "
                         f"warm-up each")
     for col in ("model", "mode", "configuration", "estimated ms", "range ms", "measured ms", "rel. error",
-                "without runtime costs", "runs (ms)", "noise (spread)", "contention", "interpreter"):
+                "without runtime costs", "runs (ms)", "measured again", "noise (spread)", "contention", "interpreter"):
         table.add_column(col, justify="left" if col in ("model", "mode", "configuration") else "right",
                          overflow="fold")
     for r in rows:
         if "measured_seconds" not in r:
             estimated = f"{r['estimated_seconds'] * 1e3:.1f}" if "estimated_seconds" in r else "-"
             measured = "run failed" if "failed" in r else "-"
-            table.add_row(r["model"], r["mode"], r["configuration"], estimated, "-", measured, "-", "-", "-", "-", "-", "-")
+            table.add_row(r["model"], r["mode"], r["configuration"], estimated, "-", measured, "-", "-", "-", "-", "-", "-", "-")
             continue
         span = r.get("estimated_range")
         span_text = (f"{span[0] * 1e3:.1f}-{span[1] * 1e3:.1f}" + ("" if r["within_range"] else " (out)")) if span else "-"
         table.add_row(r["model"], r["mode"], r["configuration"], f"{r['estimated_seconds'] * 1e3:.1f}", span_text,
                       f"{r['measured_seconds'] * 1e3:.1f}", f"{r['relative_error']:+.1%}",
                       f"{r['relative_error_without_runtime_costs']:+.1%}",
-                      " / ".join(f"{m * 1e3:.1f}" for m in r["run_medians"]), f"{r['spread']:.1%}",
+                      " / ".join(f"{m * 1e3:.1f}" for m in r["run_medians"]),
+                      "-" if r.get("repeat_error") is None else f"{r['repeat_error']:+.1%}", f"{r['spread']:.1%}",
                       f"{r['contention']:.2f}x", " / ".join(f"{x:.2f}x" for x in r["interpreter"]))
     console.print(table)
     measured_rows = [r for r in rows if "relative_error" in r]
@@ -508,6 +533,7 @@ def main() -> None:
                       f"machine noise (median spread of the measured iterations): {noise:.1%}; "
                       f"the runs of one plan disagree by {statistics.median(disagree):.1%} (median; max "
                       f"{max(disagree):.1%}), which an exact estimate would still show against a single run; "
+                      f"{_repeat_summary(measured_rows)}"
                       f"CPU contention (median, 1.00x = a free core per device): {contention:.2f}x; "
                       f"interpreter-bound speed around the runs (1.00x = its fastest before the profile): "
                       f"{sum(x > machine_drift.SLOW for r in measured_rows for x in r['interpreter'])} of "

@@ -599,17 +599,19 @@ def _task_ratios(tasks: TaskGraph, measured: dict[int, float], modelled: dict[in
     measures it so. Measured over the whole span instead, a task whose overheads are half of it
     read 0.8 where its compute ran at 0.6. Where the modelled overheads alone come near the
     measured spans (tasks of almost no compute), that reading says nothing (its median can go to
-    zero or below): the ratios of the whole spans stand instead."""
+    zero or below): the ratios of the whole spans stand instead, each span less its ``cost``, which
+    the machine goes on charging beside the scale."""
     kept = [t for t in tasks.tasks if t.kind != Kind.UPD and t.id in measured and modelled.get(t.id, (0.0, 0.0))[0] > 0]
 
-    def rest(t) -> float:
-        return modelled[t.id][0] + (cost if t.kind in (Kind.FWD, Kind.BWD) else 0.0)
+    def charged(t) -> float:
+        return cost if t.kind in (Kind.FWD, Kind.BWD) else 0.0
 
-    on_compute = [1.0 + (measured[t.id] - rest(t)) / modelled[t.id][1] for t in kept if modelled[t.id][1] > 0]
+    on_compute = [1.0 + (measured[t.id] - modelled[t.id][0] - charged(t)) / modelled[t.id][1]
+                  for t in kept if modelled[t.id][1] > 0]
     if on_compute and statistics.median(on_compute) >= MIN_COMPUTE_SCALE:
         return on_compute
     log.info("the runtime's overheads are most of these tasks' spans: their scale is read on the whole spans")
-    return [measured[t.id] / modelled[t.id][0] for t in kept]
+    return [(measured[t.id] - charged(t)) / modelled[t.id][0] for t in kept]
 
 
 MIN_COMPUTE_SCALE = 0.1  # below it, a scale read on compute alone is the overheads' error, not the compute's

@@ -140,6 +140,15 @@ def test_where_overheads_are_the_whole_span_the_scale_is_read_on_the_spans():
     assert abs(overheads._median_ratio(tasks, measured, modelled) - 0.6) < 1e-9
 
 
+def test_a_scale_read_on_whole_spans_leaves_out_the_cost_per_task_the_machine_charges_beside_it():
+    # as above, with 0.3 ms more on each task that the calibration read as a cost per task: the machine
+    # charges that cost on top of the scaled span, so the span's ratio is read without it (1.2 / 2.0)
+    tasks = _graph_of(3)
+    modelled = {i: (2e-3, 0.5e-3) for i in range(3)}
+    measured = {i: 1.2e-3 + 0.3e-3 for i in range(3)}
+    assert overheads._task_ratios(tasks, measured, modelled, cost=0.3e-3) == pytest.approx([0.6] * 3)
+
+
 def _tasks_of(computes: list[float]):
     """A stand-in task graph of FWD tasks (ids 0..) with these computes (s), on device 0, each modelled
     with 0.2 ms of overheads around its compute."""
