@@ -6,7 +6,7 @@ task, microbatch, update and p2p message and the cores the devices share, ``harm
 that gives the plan of mode pp; dp and a per-device-swap baseline are searched on the same profile
 and the same probed machine. ``--full`` takes the best few configurations of the search per mode
 (``SAMPLE_FULL``, 15 in all), not just the best, as the paper's Fig. 15 samples the search. Every plan
-is then trained ``--runs`` times (two by default), each time in fresh worker processes for K
+is then trained ``--runs`` times (twelve by default), each time in fresh worker processes for K
 iterations, the runs interleaved over the model's plans (every plan once, then every plan again), so
 that a slow minute of the machine falls on all of them rather than on one; the first iteration of
 each run (process and allocator warm-up) is left out and the median of the rest of all runs is the
@@ -14,7 +14,13 @@ measured iteration time, compared with the scheduler's estimate (the event-drive
 ratio taken within the run. The runs' own disagreement, (max - min) / median of their medians, is
 printed beside each row: how far one run of the plan can be from another, the error an exact
 estimate would still show against a single run (the same plan read 23.6-28.2 ms over eight runs of
-ten iterations in a row, ResNet tiny pp). Beside it, the same estimate with the
+ten iterations in a row, ResNet tiny pp). Fresh workers land differently each run: one compiled
+plan trained twenty times over two minutes (11 iterations a run, 2026-11-27) read 25.0-33.9 ms on
+ResNet tiny dp, 7.9-11.6 ms on GPT-2 tiny dp and 10.1-14.2 ms on VGG tiny dp (two levels, 10.5 and
+13.5, run by run). Any one of those runs, taken as the plan's time, was 8-22% off the others on
+average, while the median of the twenty lay within 3.7-6.6% of each estimate. So the default is
+twelve runs: with sixteen, the two interleaved halves of a plan's runs agreed within 1.7% on
+average (5.4% at most; ``repeat_error``), against 7.3% (52.8%) with four. Beside it, the same estimate with the
 runtime's costs switched off (overheads zero, no shared cores: what the estimator modelled before
 they were measured), on the same measured run. The spread of the measured iterations,
 (max - min) / median, is printed beside each row as the machine's noise, and so is its CPU
@@ -469,7 +475,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="GPT-2 tiny (pp, dp, baseline) and the small GPT-2 (pp)")
     parser.add_argument("--full", action="store_true", help="15 configurations: the best few of the search per mode")
     parser.add_argument("--iterations", type=int, default=6, help="iterations per configuration, the first discarded")
-    parser.add_argument("--runs", type=int, default=2,
+    parser.add_argument("--runs", type=int, default=12,
                         help="fresh runs per configuration, interleaved over the model's configurations")
     parser.add_argument("--breakdown", action="store_true", help="per-task estimated vs measured seconds")
     parser.add_argument("--json", type=Path, help="write the rows here")
