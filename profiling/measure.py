@@ -297,11 +297,12 @@ def _backward_once(modules, states, params, inputs: tuple, device: Device, m: Me
         value, held = loss(ys, device)
         outs = [value]
     del ys
+    # the output gradient is made before the timer: a BWD task receives it (the next pack's dX)
+    grads = None if loss is not None or not outs else [torch.ones_like(y) for y in outs]
     timer = device.timer()
     timer.start()
     if outs:
         wanted = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad] + params
-        grads = None if loss is not None else [torch.ones_like(y) for y in outs]
         torch.autograd.backward(outs, grads, inputs=wanted)
     del held
     backward = timer.stop()

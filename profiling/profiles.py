@@ -321,6 +321,10 @@ class Profile:
     low_copies: list[LowCopy] = field(default_factory=list)
     # trainable weights that could be carried so too, where the host steps them (``for_update``)
     host_copies: list[LowCopy] = field(default_factory=list)
+    # seconds of a backward call's own work beyond its layers' (autograd's set-up of the pass), which
+    # each layer's ``bwd_time``, measured alone, carries once and a pack's backward carries once in
+    # all (``pack_time``); 0 where it was not measured (analytic profiles, older files)
+    backward_call_time: float = 0.0
 
     def for_update(self, update: str) -> "Profile":
         """The profile of a plan whose updates run on ``update`` ("host" or "device"). A trainable
@@ -418,7 +422,9 @@ class Profile:
         return grids[quantity]
 
     def pack_time(self, first: int, last: int, u: int, quantity: str) -> float:
-        """Seconds of a pack (layers first..last) for fwd_time, bwd_time or recompute_time.
+        """Seconds of a pack (layers first..last) for fwd_time, bwd_time or recompute_time: its
+        layers' sum, less, for the backward, the call cost (``backward_call_time``) that every
+        layer but one carries: a BWD task makes one backward call over its pack.
 
         From prefix sums per (quantity, u): the search asks for hundreds of thousands of packs.
         """
@@ -429,7 +435,10 @@ class Profile:
             prefix = prefixes[key] = [0.0]
             for value in self.column(quantity, u):
                 prefix.append(prefix[-1] + value)
-        return prefix[last + 1] - prefix[first]
+        total = prefix[last + 1] - prefix[first]
+        if quantity == "bwd_time" and last > first:
+            total = max(total - (last - first) * self.backward_call_time, 0.0)
+        return total
 
     def measured_pack(self, first: int, last: int, u: int) -> PackSample | None:
         """The pack measured whole at size u, if it was (``packs``)."""

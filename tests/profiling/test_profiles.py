@@ -48,6 +48,23 @@ def test_a_columns_sums_match_the_pack_time_of_its_layers():
     assert profile.pack_time(1, 3, 3, "bwd_time") == pytest.approx(sum(column[1:4]))
 
 
+def test_a_packs_backward_counts_the_backward_calls_own_cost_once_not_once_per_layer():
+    # each layer's bwd_time, measured alone, carries one backward call's set-up; a BWD task makes one call
+    profile = _profile([(1, 2, 4, 8)] * 5)
+    profile.backward_call_time = 15e-6
+    column = profile.column("bwd_time", 3)
+    assert profile.pack_time(1, 3, 3, "bwd_time") == pytest.approx(sum(column[1:4]) - 2 * 15e-6)
+    assert profile.pack_time(2, 2, 3, "bwd_time") == pytest.approx(column[2])  # a pack of one layer: its own
+    forward = profile.column("fwd_time", 3)
+    assert profile.pack_time(1, 3, 3, "fwd_time") == pytest.approx(sum(forward[1:4]))  # the forward composes as it is
+
+
+def test_a_profile_saved_without_a_backward_call_cost_loads_with_none():
+    body = _profile([(1, 2, 4)] * 2).to_dict()
+    del body["backward_call_time"]
+    assert Profile.from_dict(body).backward_call_time == 0.0
+
+
 def test_a_fits_error_is_its_worst_interior_sample_predicted_from_the_others():
     fit = fit_samples([3, 1, 2], [4.0, 1.0, 2.0])  # at 2, the line from 1 to 3 says 2.5: 25% off
     assert fit.us == [1, 2, 3] and fit.ys == [1.0, 2.0, 4.0]
