@@ -231,15 +231,39 @@ class Profiler:
             torch.manual_seed(0)
             chain = [_Link() for _ in range(CALL_CHAIN)]
             inputs = (torch.randn(1, CALL_WIDTH),)
+        devices = [self.device]
+        if self.device.kind == "cpu":  # an emulated device too small for the chain: the same cores, uncapped
+            devices.append(CpuDevice("backward call", None))
+        for device in devices:
+            try:
+                measured = self._chain_backwards(chain, inputs, device)
+            except DeviceOutOfMemoryError as exc:
+                measured, why = None, str(exc)
+            else:
+                why = "a backward does not fit"
+            if measured is not None:
+                alone, whole = measured
+                break
+            log.info("the backward call's cost is not read on %s: %s", device.name, why)
+        else:
+            return 0.0
+        per_call = max((sum(alone) - whole) / (CALL_CHAIN - 1), 0.0)
+        log.info("backward call cost: %.1f us (%d layers' backwards %.3f ms alone, %.3f ms as one pack)",
+                 per_call * 1e6, CALL_CHAIN, sum(alone) * 1e3, whole * 1e3)
+        return per_call
+
+    def _chain_backwards(self, chain: list[torch.nn.Module], inputs: tuple,
+                         device: Device) -> tuple[list[float], float] | None:
+        """Each layer's backward measured alone, and the chain's as one pack, on ``device``; None
+        where a backward does not fit (a forward that does not raises ``DeviceOutOfMemoryError``)."""
         alone, values = [], inputs
         for module in chain:
-            m, values = measure_layer(module, values, self.device, trials=self.trials)
+            m, values = measure_layer(module, values, device, trials=self.trials)
+            if m.bwd_error:
+                return None
             alone.append(m.bwd_time)
-        whole, _ = measure_pack(chain, inputs, self.device, trials=self.trials)
-        per_call = max((sum(alone) - whole.bwd_time) / (CALL_CHAIN - 1), 0.0)
-        log.info("backward call cost: %.1f us (%d layers' backwards %.3f ms alone, %.3f ms as one pack)",
-                 per_call * 1e6, CALL_CHAIN, sum(alone) * 1e3, whole.bwd_time * 1e3)
-        return per_call
+        whole, _ = measure_pack(chain, inputs, device, trials=self.trials)
+        return None if whole.bwd_error else (alone, whole.bwd_time)
 
     def loss_on_device(self, u: int) -> Callable[[tuple, Device], tuple[torch.Tensor, Any]] | None:
         """The loss of a microbatch of ``u`` samples as a loss task computes it from the last

@@ -107,6 +107,10 @@ def test_a_chains_backward_composed_from_its_layers_matches_the_chain_measured_w
     assert abs(composed - whole) < (alone - whole) / 2
 
 
+def test_the_backward_call_cost_is_read_on_the_same_cores_where_the_emulated_device_is_too_small_for_its_chain():
+    assert _profiler(capacity=16 << 10, trials=3)._backward_call_time() > 0
+
+
 def test_profiling_leaves_model_buffers_and_rng_untouched():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv1d(4, 4, 1), torch.nn.BatchNorm1d(4), torch.nn.Dropout(0.5))
