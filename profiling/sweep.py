@@ -238,13 +238,13 @@ class Profiler:
             try:
                 measured = self._chain_backwards(chain, inputs, device)
             except DeviceOutOfMemoryError as exc:
-                measured, why = None, str(exc)
-            else:
-                why = "a backward does not fit"
-            if measured is not None:
-                alone, whole = measured
-                break
-            log.info("the backward call's cost is not read on %s: %s", device.name, why)
+                log.info("the backward call's cost is not read on %s: %s", device.name, exc)
+                continue
+            if measured is None:
+                log.info("the backward call's cost is not read on %s: a backward does not fit", device.name)
+                continue
+            alone, whole = measured
+            break
         else:
             return 0.0
         per_call = max((sum(alone) - whole) / (CALL_CHAIN - 1), 0.0)
