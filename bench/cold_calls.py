@@ -40,6 +40,8 @@ from torch.func import functional_call
 
 from harmony.decomposer.decompose import decompose
 from harmony.models import gpt2, resnet
+from harmony.profiling.measure import measure_layer
+from harmony.runtime.device import CpuDevice
 
 PAUSE = 1e-3  # seconds the timed thread sleeps before each call of a paused condition
 CORE = 0  # the core both processes are pinned to
@@ -55,12 +57,10 @@ def _layers(count: int = 3, u: int = 3) -> list[Callable[[], object]]:
     x, _ = resnet.get_batch(u, 0)
     graph = decompose(model, (x,))
     calls, values = [], (x,)
-    with torch.no_grad():
-        for module in graph.modules[:count]:
-            state = {k: v.detach().clone() for k, v in [*module.named_parameters(), *module.named_buffers()]}
-            calls.append(_call_of(module, state, values))
-            out = functional_call(module, state, values, tie_weights=False)
-            values = (out,) if isinstance(out, torch.Tensor) else tuple(out)
+    for module in graph.modules[:count]:
+        state = {k: v.detach().clone() for k, v in [*module.named_parameters(), *module.named_buffers()]}
+        calls.append(_call_of(module, state, values))
+        values = measure_layer(module, values, CpuDevice("feed"), trials=0, backward=False)[1]  # as the profiler feeds
     return calls
 
 

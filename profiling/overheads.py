@@ -519,7 +519,7 @@ def _task_cost(tasks: TaskGraph, measured: dict[int, float], modelled: dict[int,
     (the same calibration runs and measured plans) the mean error went from 10.9, 13.4 and 11.9%
     to 5.9, 13.0 and 11.4%. 0 where the tasks' computes are too alike to tell a cost from a scale,
     or where the line says no cost (or no compute)."""
-    points = [(modelled[t.id][1], measured[t.id] - (modelled[t.id][0] - modelled[t.id][1])) for t in tasks.tasks
+    points = [(modelled[t.id][1], _beyond_rest(t, measured, modelled)) for t in tasks.tasks
               if t.kind in (Kind.FWD, Kind.BWD) and t.id in measured and modelled.get(t.id, (0.0, 0.0))[1] > 0]
     computes = [x for x, _ in points]
     if len(points) < 3 or max(computes) < _DISTINCT_COMPUTES * min(computes):
@@ -529,6 +529,13 @@ def _task_cost(tasks: TaskGraph, measured: dict[int, float], modelled: dict[int,
 
 
 _DISTINCT_COMPUTES = 1.5  # the largest task's compute over the smallest's below which no cost per task is read
+
+
+def _beyond_rest(task, measured: dict[int, float], modelled: dict[int, tuple[float, float]]) -> float:
+    """Seconds of the task's measured span beyond the modelled rest (its span less its compute): what
+    its compute took, as the calibration reads it."""
+    span, compute = modelled[task.id]
+    return measured[task.id] - (span - compute)
 
 
 def _range(tasks: list[float], rounds: list[float]) -> tuple[float, float]:
@@ -606,7 +613,7 @@ def _task_ratios(tasks: TaskGraph, measured: dict[int, float], modelled: dict[in
     def charged(t) -> float:
         return cost if t.kind in (Kind.FWD, Kind.BWD) else 0.0
 
-    on_compute = [1.0 + (measured[t.id] - modelled[t.id][0] - charged(t)) / modelled[t.id][1]
+    on_compute = [(_beyond_rest(t, measured, modelled) - charged(t)) / modelled[t.id][1]
                   for t in kept if modelled[t.id][1] > 0]
     if on_compute and statistics.median(on_compute) >= MIN_COMPUTE_SCALE:
         return on_compute
