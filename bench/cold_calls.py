@@ -126,7 +126,9 @@ def _conditions(calls: int) -> dict[str, list[float]]:
         proc = ctx.Process(target=_neighbour, args=(kind, stop, ready), daemon=True)
         proc.start()
         try:
-            ready.wait(timeout=60)
+            if not ready.wait(timeout=60):  # measured without it, the row would say nothing about a neighbour
+                raise RuntimeError(f"the {kind} neighbour process did not start within 60 s "
+                                   f"(exit code {proc.exitcode}); rerun when the machine is less loaded")
             out[f"after a 1 ms sleep, neighbour: {kind}"] = [_median_cpu(c, calls, PAUSE) for c in layers]
         finally:
             stop.set()
