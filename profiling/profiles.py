@@ -644,6 +644,9 @@ class Profile:
             raise FormatError(f"profile is malformed ({type(exc).__name__}: {exc})") from exc
         if any(layer.index != i or not layer.fwd_samples or not layer.bwd_samples for i, layer in enumerate(layers)):
             raise FormatError("profile is malformed (layers out of order, or a layer without samples)")
+        if profile.backward_call_time < 0:  # it is taken off every pack's backward: a negative one would add to it
+            raise FormatError(f"profile: field 'backward_call_time' is negative ({profile.backward_call_time}); "
+                              "re-create the profile")
         return profile
 
     def save(self, path: str | Path) -> None:

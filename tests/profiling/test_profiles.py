@@ -65,6 +65,14 @@ def test_a_profile_saved_without_a_backward_call_cost_loads_with_none():
     assert Profile.from_dict(body).backward_call_time == 0.0
 
 
+def test_a_profile_with_a_negative_backward_call_cost_is_refused_naming_the_field():
+    from harmony.errors import FormatError
+    body = _profile([(1, 2, 4)] * 2).to_dict()
+    body["backward_call_time"] = -1e-5
+    with pytest.raises(FormatError, match="backward_call_time"):
+        Profile.from_dict(body)
+
+
 def test_a_fits_error_is_its_worst_interior_sample_predicted_from_the_others():
     fit = fit_samples([3, 1, 2], [4.0, 1.0, 2.0])  # at 2, the line from 1 to 3 says 2.5: 25% off
     assert fit.us == [1, 2, 3] and fit.ys == [1.0, 2.0, 4.0]
