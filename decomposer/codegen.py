@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from harmony.decomposer import grad_mode
+from harmony.decomposer.layer_support import grad_off
 from harmony.decomposer.partition import Segment
 from harmony.decomposer.tracing import constructor_source, device_of
 from harmony.errors import DecomposeError
@@ -67,6 +69,7 @@ def layer_graphs(
         else:
             result = tuple(arg(v) for v in boundaries[i + 1])
         g.output(result)
+        grad_mode.bracket(g)
         g.lint()
         graphs.append(g)
     return graphs
@@ -80,6 +83,9 @@ def _import_line(name: str, value) -> str | None:
         return f"{name} = float({repr(str(value))})"
     if value is type(None):
         return f"{name} = type(None)"
+    cls = getattr(value, "autograd_function", None)
+    if isinstance(cls, type) and issubclass(cls, torch.autograd.Function):  # kept whole (autograd_guard)
+        return f"import {cls.__module__} as _{name}_module\n{name} = _{name}_module.{cls.__qualname__}.apply"
     if isinstance(value, types.ModuleType):
         return f"import {value.__name__}" if name == value.__name__ else f"import {value.__name__} as {name}"
     module, qualname = getattr(value, "__module__", None), getattr(value, "__qualname__", None)
@@ -194,7 +200,11 @@ def generate(
     )
     wraps, src = _module_level_wraps(code.src)
     imports += wraps
-    body = textwrap.indent(src.strip("\n"), "    ")
+    src = src.strip("\n")
+    if any(n.target is grad_off for n in graph.nodes):
+        imports.append("from harmony.decomposer.layer_support import keeps_grad_mode")
+        src = "@keeps_grad_mode\n" + src
+    body = textwrap.indent(src, "    ")
     init_body = "\n".join("        " + line for line in init) if init else "        pass"
     source = (
         f"{header}\n" + "\n".join(imports) + "\n\n\n"

@@ -12,7 +12,7 @@ import torch.fx as fx
 from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
-from harmony.decomposer import batching, codegen, partition, tracing
+from harmony.decomposer import batching, codegen, grad_mode, partition, tracing
 from harmony.decomposer.layer_graph import LayerGraph, LayerSpec, StateSpec, ValueSpec
 from harmony.decomposer.metamemo import MetaMemo
 from harmony.errors import DecomposeError
@@ -51,7 +51,8 @@ class _MetaProp(fx.Interpreter):
         self.memo = None if real else MetaMemo()
 
     def run_node(self, n: fx.Node) -> Any:
-        result = super().run_node(n)
+        with grad_mode.run_marked(n):
+            result = super().run_node(n)
         self.values[n] = result
         return result
 
@@ -181,7 +182,7 @@ def decompose(
     with _without_autocast():  # the model as written: mixed precision applies when its layers run
         traced = tracing.trace(model, inputs, opaque=opaque, method=method)
     with tracing.lifted_on(model, traced.lifted):
-        return _decompose_traced(model, traced, inputs, gran, opaque)
+        return _decompose_traced(model, traced, inputs, gran, traced.opaque)
 
 
 def _decompose_traced(model: torch.nn.Module, traced: tracing.TracedModel, inputs: tuple,

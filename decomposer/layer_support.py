@@ -8,7 +8,8 @@ keep the original model's qualified names, so a layer's ``state_dict`` keys are 
 
 from __future__ import annotations
 
-from typing import Callable
+import functools
+from typing import Any, Callable
 
 import torch
 
@@ -94,3 +95,31 @@ def _get_tensor(source: torch.nn.Module, path: str) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise AttributeError(f"{path} is not a tensor of {type(source).__name__}")
     return value
+
+
+def grad_off() -> bool:
+    """Enter a part of the model's forward that ran under ``torch.no_grad()``; returns the mode
+    to restore after it (``decomposer/grad_mode.py``)."""
+    previous = torch.is_grad_enabled()
+    torch.set_grad_enabled(False)
+    return previous
+
+
+def grad_restore(previous: bool) -> None:
+    """Leave such a part: the caller's grad mode again."""
+    torch.set_grad_enabled(previous)
+
+
+def keeps_grad_mode(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """A layer's forward that switches grad mode gives its caller's mode back even when it raises
+    (an out-of-memory error the profiler catches and retries after)."""
+
+    @functools.wraps(forward)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        previous = torch.is_grad_enabled()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            torch.set_grad_enabled(previous)
+
+    return wrapped

@@ -18,12 +18,13 @@ import math
 import operator
 import traceback
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from harmony.decomposer import autograd_guard, grad_mode
 from harmony.errors import DecomposeError
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,9 @@ class TracedModel:
     # tensors torch.export lifted out of forward() (``torch.tensor(...)`` written there) under names
     # the model has no attribute for, e.g. ``transformer.h.0.self_attention.lifted_tensor_0``
     lifted: dict[str, torch.Tensor] = field(default_factory=dict)
+    # the modules kept whole: those asked for, and those whose forward does what only an eager run
+    # keeps (``autograd_guard``)
+    opaque: set[str] = field(default_factory=set)
 
 
 def _plain_attrs(module: torch.nn.Module) -> dict[str, Any]:
@@ -102,6 +106,11 @@ class HarmonyTracer(fx.Tracer):
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         return module_qualified_name in self.leaves
 
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        node = super().create_node(*args, **kwargs)
+        grad_mode.mark_if_no_grad(node)
+        return node
+
 
 def _concrete_defaults(model: torch.nn.Module, n_inputs: int) -> dict[str, Any]:
     """Fix forward() arguments beyond the example inputs to their defaults (HF-style signatures)."""
@@ -130,7 +139,8 @@ def _flatten_output(graph: fx.Graph) -> pytree.TreeSpec:
 def _symbolic(model: torch.nn.Module, n_inputs: int, opaque: set[str]) -> TracedModel:
     tracer = HarmonyTracer(model, opaque)
     try:
-        graph = tracer.trace(model, concrete_args=_concrete_defaults(model, n_inputs) or None)
+        with torch.enable_grad():
+            graph = tracer.trace(model, concrete_args=_concrete_defaults(model, n_inputs) or None)
     except DecomposeError:
         raise
     except Exception as exc:
@@ -141,7 +151,7 @@ def _symbolic(model: torch.nn.Module, n_inputs: int, opaque: set[str]) -> Traced
     spec = _flatten_output(graph)
     gm = fx.GraphModule(tracer.root, graph)
     names = [n.name for n in graph.nodes if n.op == "placeholder"]
-    return TracedModel(gm=gm, tracer="fx", out_spec=spec, input_names=names)
+    return TracedModel(gm=gm, tracer="fx", out_spec=spec, input_names=names, opaque=set(opaque))
 
 
 _SPECIALIZATION_CHECKS = (torch._assert, fx._symbolic_trace._assert_is_none)
@@ -194,7 +204,7 @@ def _subgraph_error(model: torch.nn.Module, node: fx.Node) -> str:
     stack = next((u.meta.get("nn_module_stack") for u in users if u.meta.get("nn_module_stack")), None) or {}
     where = list(stack.values())[-1][0] if stack else ""
     inside = f" in {where!r}" if where else ""
-    return (f"torch.export made part of {type(model).__name__}{inside} a subgraph ({op}: code under torch.no_grad(), "
+    return (f"torch.export made part of {type(model).__name__}{inside} a subgraph ({op}: "
             "a parametrization such as spectral_norm, or a control-flow op), which Harmony's generated layer code "
             "cannot hold. Keep the module computing it whole (--opaque MODULE, opaque_modules=[...]) so that it runs "
             "eagerly; a module that reads a buffer it also updates in its forward (spectral_norm's power iteration) "
@@ -213,6 +223,30 @@ def _export(model: torch.nn.Module, example_inputs: tuple) -> TracedModel:
     root = torch.nn.Module()
     specs = {spec.arg.name: spec for spec in sig.input_specs}
     lifted: dict[str, torch.Tensor] = {}
+    regions = grad_mode.region_modules(gm)
+
+    def copy(node: fx.Node, arg: Callable[[fx.Node], Any]) -> fx.Node | None:
+        """One node of export's graph in the flat graph, with the fixes layer code needs (None for
+        export's checks that a value keeps the dtype and device it had while tracing: under
+        autocast, mixed precision, or on another device the layers legitimately differ)."""
+        if node.target in _METADATA_CHECKS:
+            return None
+        new = graph.node_copy(node, arg)
+        if node.target is torch.ops.aten.view.default:
+            # export can drop a contiguous() it judged a no-op for the symbolic batch size
+            # (torch 2.11, torchvision's ViT attention: permute then view fails at batch 2);
+            # reshape is that same view wherever a view exists, and a copy elsewhere
+            new.target = torch.ops.aten.reshape.default
+        if isinstance(node.kwargs.get("device"), torch.device) or any(isinstance(a, torch.device) for a in node.args):
+            # export bakes the tracing device in (as a keyword, or positionally as in
+            # aten.to.device for Hugging Face's attention masks); ask the running layer for its own
+            with graph.inserting_before(new):
+                dev = graph.call_function(device_of, ())
+            new.args = tuple(dev if isinstance(a, torch.device) else a for a in new.args)
+            if isinstance(new.kwargs.get("device"), torch.device):
+                new.kwargs = {**new.kwargs, "device": dev}
+        return new
+
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             spec = specs[node.name]
@@ -241,31 +275,19 @@ def _export(model: torch.nn.Module, example_inputs: tuple) -> TracedModel:
                 else:
                     raise DecomposeError(f"torch.export produced an output of kind {spec.kind} that Harmony cannot place")
             graph.output(tuple(user))
+        elif node.op == "get_attr" and node.target in regions:
+            continue
+        elif grad_mode.is_region(node):
+            env[node] = grad_mode.inline_region(gm, node, graph, [env[a] for a in node.args[2:]], copy)
+        elif node.target is operator.getitem and isinstance(env.get(node.args[0]), tuple):
+            env[node] = env[node.args[0]][node.args[1]]
         elif node.op == "get_attr":
             if isinstance(getattr(gm, node.target), torch.nn.Module):
                 raise DecomposeError(_subgraph_error(model, node))
             fx.graph_module._assign_attr(getattr(gm, node.target), root, node.target)
             env[node] = graph.node_copy(node, lambda n: env[n])
-        elif node.target in _METADATA_CHECKS:
-            # export's checks that a value keeps the dtype and device it had while tracing: under
-            # autocast (mixed precision) or on another device the layers legitimately differ
-            continue
         else:
-            env[node] = graph.node_copy(node, lambda n: env[n])
-            if node.target is torch.ops.aten.view.default:
-                # export can drop a contiguous() it judged a no-op for the symbolic batch size
-                # (torch 2.11, torchvision's ViT attention: permute then view fails at batch 2);
-                # reshape is that same view wherever a view exists, and a copy elsewhere
-                env[node].target = torch.ops.aten.reshape.default
-            if isinstance(node.kwargs.get("device"), torch.device) or any(isinstance(a, torch.device) for a in node.args):
-                # export bakes the tracing device in (as a keyword, or positionally as in
-                # aten.to.device for Hugging Face's attention masks); ask the running layer for its own
-                with graph.inserting_before(env[node]):
-                    dev = graph.call_function(device_of, ())
-                new = env[node]
-                new.args = tuple(dev if isinstance(a, torch.device) else a for a in new.args)
-                if isinstance(new.kwargs.get("device"), torch.device):
-                    new.kwargs = {**new.kwargs, "device": dev}
+            env[node] = copy(node, lambda n: env[n])
     graph.lint()
     new_gm = fx.GraphModule(root, graph)
     names = [n.name for n in graph.nodes if n.op == "placeholder"]
@@ -335,8 +357,44 @@ def trace(
     opaque = set(opaque or ())
     if method not in ("auto", "fx", "export"):
         raise DecomposeError(f"unknown tracing method {method!r}; use 'auto', 'fx' or 'export'")
+    autograd_guard.check_model(model, opaque)
+    before = autograd_guard.snapshot(model)
     with _without_kv_cache(model):
-        return _trace(model, example_inputs, opaque, method)
+        traced = _trace_keeping_autograd(model, example_inputs, opaque, method)
+    autograd_guard.check_unchanged(model, before)
+    return traced
+
+
+_MOST_KEPT_WHOLE = 16  # modules kept whole for what only eager runs keep, before the compile gives up
+
+
+def _trace_keeping_autograd(model: torch.nn.Module, example_inputs: tuple, opaque: set[str],
+                            method: str) -> TracedModel:
+    """Trace, keeping whole (opaque) each module whose forward does what only an eager run keeps
+    (``autograd_guard``: a tensor hook registered in forward(), a custom autograd Function that
+    torch.export would inline), and tracing again."""
+    guard = autograd_guard.Guard(model)
+    for _ in range(_MOST_KEPT_WHOLE):
+        try:
+            return _trace(model, example_inputs, opaque, method, guard)
+        except Exception as exc:
+            found = guard.needs_eager
+            if found is None:
+                raise
+            if not found.module:
+                raise DecomposeError(
+                    f"the model's own forward() uses {found.what}, which the traced layers cannot keep and no "
+                    f"module can be kept whole for: move it into a submodule (Harmony then runs that module "
+                    "eagerly), or remove it") from exc
+            if method == "export" or found.module in opaque:
+                raise DecomposeError(
+                    f"module {found.module!r} uses {found.what}, which the traced layers cannot keep; trace with "
+                    f"torch.fx (method='auto') keeping that module whole (opaque_modules=[{found.module!r}], CLI "
+                    f"--opaque {found.module}): {type(exc).__name__}: {exc}") from exc
+            log.warning("keeping module %r whole (it runs eagerly): its forward uses %s", found.module, found.what)
+            opaque = opaque | {found.module}
+    raise DecomposeError(f"more than {_MOST_KEPT_WHOLE} modules would have to be kept whole; mark them with "
+                         "opaque_modules=[...] (CLI --opaque)")
 
 
 @contextlib.contextmanager
@@ -368,24 +426,36 @@ def _without_kv_cache(model: torch.nn.Module):
             c.use_cache = True
 
 
-def _trace(model: torch.nn.Module, example_inputs: tuple, opaque: set[str], method: str) -> TracedModel:
+def _trace(model: torch.nn.Module, example_inputs: tuple, opaque: set[str], method: str,
+           guard: autograd_guard.Guard) -> TracedModel:
     fx_error: Exception | None = None
     if method in ("auto", "fx"):
         try:
-            return _symbolic(model, len(example_inputs), opaque)
+            with guard.watching("fx"):
+                return _symbolic(model, len(example_inputs), opaque)
         except DecomposeError:
             raise
         except Exception as exc:
+            if guard.refused is not None:
+                raise guard.refused from exc
+            if guard.needs_eager is not None:
+                raise
             fx_error = exc
             log.info("symbolic tracing failed (%s); trying torch.export", exc)
             if method == "fx":
                 raise _trace_error(model, fx_error, None) from exc
     try:
-        return _export(model, example_inputs)
+        with guard.watching("export"):
+            traced = _export(model, example_inputs)
     except DecomposeError:
         raise
     except Exception as exc:
+        if guard.refused is not None:
+            raise guard.refused from exc
+        if guard.needs_eager is not None:
+            raise
         raise _trace_error(model, fx_error, exc) from exc
+    return traced  # torch.export keeps no module whole
 
 
 def _trace_error(model: torch.nn.Module, fx_error: Exception | None, export_error: Exception | None) -> DecomposeError:
