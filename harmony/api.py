@@ -7,6 +7,7 @@ from typing import Callable
 
 import torch
 
+from harmony import inputs
 from harmony.compiler import CompileOptions, compile_plan
 from harmony.modelfile import default_optimizer
 from harmony.plan import Plan
@@ -35,19 +36,36 @@ def compile(  # noqa: A001 - the API's name (docs/architecture.md, section 7)
     plan's updates then wait for the whole gradient). ``precision="bf16"``: the devices compute
     under ``torch.autocast`` (weights, gradients and optimizer state stay float32). ``keep_state``:
     where a device has room, its packs' weights and optimizer state stay there across iterations
-    and are stepped there (docs/architecture.md, "Kept state"); False moves them every iteration."""
+    and are stepped there (docs/architecture.md, "Kept state"); False moves them every iteration.
+    The arguments are checked before any work (``harmony.inputs``): ``get_batch`` is called once on
+    two samples, and a model not on the meta device runs once on them for ``loss_fn``'s check."""
     options = CompileOptions(
-        minibatch=minibatch_size, devices=devices, device_memory=device_memory, mode=mode,
-        device_type=device_type, analytic=analytic, compare=compare, probe=probe, clip_grad_norm=clip_grad_norm,
-        precision=precision, keep_state=keep_state,
+        minibatch=inputs.check_minibatch_size(minibatch_size), devices=inputs.check_devices(devices),
+        device_memory=device_memory, mode=mode, device_type=device_type, analytic=analytic, compare=compare,
+        probe=probe, clip_grad_norm=clip_grad_norm, precision=precision, keep_state=keep_state,
     )
+    options.validate()
     optimizer = build_optimizer or default_optimizer
+    _check_functions(model, loss_fn, get_batch, build_optimizer, options.minibatch)
     plan, trace = compile_plan(model, get_batch, optimizer, options, loss_fn=loss_fn)
     plan.trace = trace
     plan.loss_fn = loss_fn
     plan.get_batch = get_batch
     plan.build_optimizer = optimizer
     return plan
+
+
+def _check_functions(model: torch.nn.Module, loss_fn: Callable, get_batch: Callable, build_optimizer: Callable | None,
+                     minibatch: int) -> None:
+    """What the compile is given, checked before any of its work (``harmony.inputs``): the model,
+    ``get_batch`` on the batch the decomposer traces (two samples, or one), ``build_optimizer`` on
+    stand-in parameters, and ``loss_fn`` on the model's output for that batch."""
+    inputs.check_model(model)
+    inputs.check_callable(loss_fn, "loss_fn", inputs.LOSS_SIGNATURE)
+    if build_optimizer is not None:
+        inputs.check_optimizer_builder(build_optimizer)
+    example, target = inputs.sample_batch(get_batch, min(2, minibatch))
+    inputs.check_loss_on_model(model, loss_fn, example, target)
 
 
 def load_plan(directory: str | Path, model_file: str | Path | None = None) -> Plan:

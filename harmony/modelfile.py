@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 from harmony.errors import HarmonyError, ModelFileError
+from harmony.inputs import check_batch, check_loss, check_optimizer, check_scheduler
 
 REQUIRED = ("build_model", "loss_fn", "get_batch")
 OPTIONAL = ("build_optimizer", "build_lr_scheduler")
@@ -100,6 +101,12 @@ class ModelFile:
                 f"{_where(exc, self.path)}; check the --arg options and the file"
             ) from exc
 
+    @property
+    def _source(self) -> str:
+        """The prefix of the checks' messages (``harmony.inputs``): the same words as the Python
+        API's, after the file's path."""
+        return f"{self.path}: "
+
     def build_model(self) -> torch.nn.Module:
         model = self._call("build_model")
         if not isinstance(model, torch.nn.Module):
@@ -109,19 +116,18 @@ class ModelFile:
         return model
 
     def loss_fn(self, output, target) -> torch.Tensor:
-        return self.module.loss_fn(output, target)
+        """The file's loss, checked on every call (a cheap look at its result): a scalar that
+        carries the output's gradient."""
+        return check_loss(self.module.loss_fn(output, target), output, error=ModelFileError, source=self._source)
 
     def get_batch(self, batch_size: int, step: int) -> tuple:
+        """The file's batch, checked on every call: a pair of ``batch_size`` samples, batch first."""
         batch = self._call("get_batch", batch_size, step)
-        if not (isinstance(batch, tuple) and len(batch) == 2):
-            raise ModelFileError(
-                f"{self.path}: get_batch() must return a pair (inputs, target), got {type(batch).__name__}"
-            )
-        return batch
+        return check_batch(batch, batch_size, step, error=ModelFileError, source=self._source)
 
     def build_optimizer(self, params) -> torch.optim.Optimizer:
         if hasattr(self.module, "build_optimizer"):
-            return self._call("build_optimizer", params)
+            return check_optimizer(self._call("build_optimizer", params), error=ModelFileError, source=self._source)
         return default_optimizer(params)
 
     @property
@@ -130,7 +136,8 @@ class ModelFile:
         return self._build_lr_scheduler if hasattr(self.module, "build_lr_scheduler") else None
 
     def _build_lr_scheduler(self, optimizer):
-        return self._call("build_lr_scheduler", optimizer)
+        return check_scheduler(self._call("build_lr_scheduler", optimizer), name="build_lr_scheduler",
+                               error=ModelFileError, source=self._source)
 
 
 def source_hash(path: Path) -> str:

@@ -50,6 +50,7 @@ import torch
 
 from harmony import checkpoint
 from harmony.errors import HarmonyError
+from harmony.inputs import LOSS_SIGNATURE, check_callable, check_optimizer_builder, check_scheduler_builder
 from harmony.plan import Plan
 from harmony.runtime.clipping import check_clipping
 from harmony.runtime.executor import Batch
@@ -60,6 +61,19 @@ from harmony.runtime.routes import build_routes
 from harmony.runtime.schedule import Schedule
 
 log = logging.getLogger(__name__)
+
+
+def _check_functions(optimizer: Callable | None, loss_fn: Callable | None, lr_scheduler: Callable | None,
+                     build_optimizer: Callable) -> None:
+    """The functions given to the trainer, checked before any worker starts (``harmony.inputs``): an
+    optimizer or scheduler builder that fails would otherwise fail in a worker's first update.
+    ``build_optimizer``: the one the run uses, which the scheduler builder is tried with."""
+    if loss_fn is not None:
+        check_callable(loss_fn, "loss_fn", LOSS_SIGNATURE)
+    if optimizer is not None:
+        check_optimizer_builder(optimizer, name="optimizer")
+    if lr_scheduler is not None:
+        check_scheduler_builder(lr_scheduler, build_optimizer)
 
 
 class Trainer:
@@ -80,6 +94,7 @@ class Trainer:
         if self.loss_fn is None:
             raise HarmonyError("the trainer needs the loss function: pass loss_fn=, or compile the plan with harmony.compile")
         self.build_optimizer = optimizer or plan.build_optimizer or default_optimizer
+        _check_functions(optimizer, loss_fn, lr_scheduler, self.build_optimizer)
         self.seed = seed
         self.history: list[StepResult] = []
         graph = plan.graph
