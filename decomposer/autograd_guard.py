@@ -40,7 +40,13 @@ from torch.utils.checkpoint import CheckpointFunction
 
 from harmony.errors import DecomposeError
 
-_ORIGINAL_APPLY = Function.__dict__["apply"].__func__
+# a classmethod in Python on some torch builds, a C classmethod descriptor on others (2.14)
+_APPLY = Function.__dict__["apply"]
+
+
+def original_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+    """``cls.apply`` as torch defines it, whatever is patched in while tracing."""
+    return _APPLY.__get__(None, cls)(*args, **kwargs)
 
 
 @dataclass
@@ -150,7 +156,7 @@ def _traced_apply(guard: Guard):
             if guard.tracer == "export" and _has_tensor((args, kwargs)):
                 raise guard.eager(f"the custom autograd Function {cls.__qualname__} (torch.export would inline its "
                                   "forward and lose its backward)")
-            return _ORIGINAL_APPLY(cls, *args, **kwargs)
+            return original_apply(cls, *args, **kwargs)
         if "<locals>" in cls.__qualname__:
             raise guard.eager(f"the custom autograd Function {cls.__qualname__}, defined where generated layer code "
                               "cannot import it by name")
@@ -168,7 +174,7 @@ def function_call(cls: type) -> Any:
     method after ``torch.autograd.function``, where ``apply`` is defined)."""
     if cls not in _CALLS:
         def call(*args: Any, **kwargs: Any) -> Any:
-            return _ORIGINAL_APPLY(cls, *args, **kwargs)
+            return original_apply(cls, *args, **kwargs)
 
         call.__name__ = call.__qualname__ = f"{cls.__name__}_apply"
         call.__module__ = "autograd_function"  # fx names the code's global after it (a "__main__" would be mangled)

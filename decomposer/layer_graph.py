@@ -310,7 +310,15 @@ class LayerGraph:
     def build_modules(
         self, device: str | torch.device = "cpu", source: torch.nn.Module | None = None, origin: Path | None = None
     ) -> list[torch.nn.Module]:
-        """Instantiate every layer from its generated source."""
+        """Instantiate every layer from its generated source, as the graph's own (``modules``)."""
+        self.modules = self.layer_modules(device, source, origin)
+        return self.modules
+
+    def layer_modules(
+        self, device: str | torch.device = "cpu", source: torch.nn.Module | None = None, origin: Path | None = None
+    ) -> list[torch.nn.Module]:
+        """Every layer instantiated from its generated source (sharing ``source``'s tensors where
+        given), leaving the graph's own modules as they are."""
         modules = []
         for spec in self.layers:
             cls = _import_layer_class(spec, self.sources[spec.code_file], origin)
@@ -321,7 +329,6 @@ class LayerGraph:
             self._fill_constants(modules)
             for module in modules:
                 module.train(self.training)
-        self.modules = modules
         return modules
 
     def constant_value(self, name: str) -> torch.Tensor:

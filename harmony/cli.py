@@ -158,6 +158,10 @@ def _training_arguments(p: argparse.ArgumentParser) -> None:
                         "iteration, even where a device has room to keep them (by default a plan keeps them on the "
                         "device, steps them there and writes them back to host memory when it is read: a checkpoint, "
                         "the end of the run)")
+    p.add_argument("--no-gradient-check", action="store_true",
+                   help="skip comparing the decomposed layers' output and gradients with eager autograd on the "
+                        "example batch before compiling (one forward and backward of a float64 copy on the host); "
+                        "without it a model whose tracing loses part of its backward trains with wrong gradients")
 
 
 def _cmd_compile(ns: argparse.Namespace) -> int:
@@ -167,7 +171,8 @@ def _cmd_compile(ns: argparse.Namespace) -> int:
         minibatch=ns.minibatch, devices=ns.devices, device_memory=ns.device_memory, mode=ns.mode,
         device_type=ns.device, analytic=ns.analytic, compare=not ns.no_compare, trials=ns.trials,
         probe=not ns.no_probe, memory_margin=ns.memory_margin, clip_grad_norm=ns.clip_grad_norm,
-        precision=ns.precision, keep_state=not ns.no_keep_state, extra={"args": ns.args},
+        precision=ns.precision, keep_state=not ns.no_keep_state, check_gradients=not ns.no_gradient_check,
+        extra={"args": ns.args},
     )
     options.validate()
     mf, model, graph = _load_and_decompose(ns, meta=bool(ns.analytic))
@@ -393,7 +398,8 @@ def _plan_for_run(ns: argparse.Namespace):
         minibatch=ns.minibatch, devices=ns.devices, device_memory=ns.device_memory, mode=ns.mode,
         device_type=ns.device, compare=False, trials=ns.trials, probe=not ns.no_probe,
         memory_margin=ns.memory_margin, clip_grad_norm=ns.clip_grad_norm, precision=ns.precision,
-        keep_state=not ns.no_keep_state, extra={"args": ns.args, "run_options": key},
+        keep_state=not ns.no_keep_state, check_gradients=not ns.no_gradient_check,
+        extra={"args": ns.args, "run_options": key},
     )
     options.validate()
     directory = ns.out or cache_dir(mf.source_hash, key)

@@ -16,6 +16,8 @@ from typing import Any, Callable
 import torch
 
 from harmony.decomposer.decompose import decompose
+from harmony.decomposer.forward_state import check_forward_state
+from harmony.decomposer.gradient_check import check_gradients
 from harmony.decomposer.layer_graph import LayerGraph, dtype_from_str
 from harmony.decomposer.sample_mixing import describe as describe_mixing
 from harmony.decomposer.sample_mixing import check_layers
@@ -63,6 +65,9 @@ class CompileOptions:
     clip_grad_norm: float | None = None  # global-norm gradient clipping: every update waits for the norm
     precision: str = "fp32"  # device compute: fp32, or bf16 under autocast (runtime/precision.py)
     keep_state: bool = True  # state a device has room for stays there across iterations (scheduler/keep.py)
+    # the layers' output and gradients compared with eager autograd's before anything else
+    # (decomposer/gradient_check.py): a model whose decomposition loses part of its backward is refused
+    check_gradients: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -140,10 +145,15 @@ def compile_plan(
         on_progress(message)
 
     try:
+        example = get_batch(min(2, options.minibatch), 0)
         if graph is None:  # traced as written: autocast applies when the layers run, not to the graph
             report("decomposing")
-            inputs, _ = get_batch(min(2, options.minibatch), 0)
-            graph = decompose(model, inputs)
+            graph = decompose(model, example[0])
+        inputs = (example[0],) if isinstance(example[0], torch.Tensor) else tuple(example[0])
+        check_forward_state(model, inputs)
+        if options.check_gradients:
+            report("checking the layers' gradients against eager autograd")
+            check_gradients(model, graph, inputs, example[1], loss_fn)
         with precision.autocast(options.device_type, options.precision, cache=False):
             plan, trace = _compile_plan(model, get_batch, build_optimizer, options, model_file, model_sha256, graph,
                                         report, loss_fn)

@@ -136,10 +136,37 @@ def test_model_returning_its_own_parameter_raises_decompose_error():
         harmony.decompose(ReturnsWeight(), (torch.zeros(2, 4),))
 
 
-def test_code_that_torch_export_turns_into_a_subgraph_is_refused_naming_the_module():
-    # spectral_norm's power iteration runs under torch.no_grad(): fx cannot trace its control flow,
-    # and torch.export keeps it as a higher-order op with a subgraph, which layer code cannot hold
+def test_a_forward_that_reads_a_buffer_it_updates_is_refused_naming_the_buffer():
+    # spectral_norm's power iteration updates its vectors under torch.no_grad() and reads them back:
+    # each microbatch's output depends on the ones before it, which no schedule reproduces
+    from harmony.decomposer.forward_state import check_forward_state
+
     torch.manual_seed(0)
     model = nn.Sequential(nn.utils.parametrizations.spectral_norm(nn.Linear(4, 4)), nn.ReLU(), nn.Linear(4, 2))
-    with pytest.raises(harmony.DecomposeError, match=r"made part of Sequential in .* a subgraph .*--opaque"):
-        harmony.decompose(model, (torch.randn(2, 4),))
+    inputs = (torch.randn(2, 4),)
+    harmony.decompose(model, inputs)
+    with pytest.raises(harmony.DecomposeError, match=r"updates and reads buffer '0.parametrizations.weight.0._[uv]'"):
+        check_forward_state(model, inputs)
+
+
+def test_a_forward_that_writes_into_a_parameter_is_refused_naming_it():
+    from harmony.decomposer.forward_state import check_forward_state
+
+    class Clamps(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            with torch.no_grad():
+                self.lin.weight.clamp_(-0.1, 0.1)
+            return self.lin(x)
+
+    with pytest.raises(harmony.DecomposeError, match=r"writes into parameter 'lin.weight'"):
+        check_forward_state(Clamps(), (torch.randn(2, 4),))
+
+
+def test_batchnorm_running_statistics_are_updated_but_not_read_so_they_pass():
+    from harmony.decomposer.forward_state import check_forward_state
+
+    check_forward_state(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), (torch.randn(3, 4),))
