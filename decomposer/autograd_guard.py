@@ -71,8 +71,9 @@ class Guard:
             self.names.setdefault(id(module), name)
         self.stack: list[str] = []
         self.tracer = ""
-        self.needs_eager: NeedsEager | None = None
+        self.needs_eager: list[NeedsEager] = []
         self.refused: DecomposeError | None = None
+        self.fx_module = ""  # the module torch.fx failed in, before torch.export was tried
 
     def where(self) -> str:
         """The innermost module whose forward is running ("" for the root)."""
@@ -83,8 +84,9 @@ class Guard:
         return f"module {path!r}" if path else "the model's own forward()"
 
     def eager(self, what: str) -> NeedsEagerError:
-        """Record that ``what`` needs the current module run eagerly, and the error that stops the trace."""
-        self.needs_eager = NeedsEager(what, self.where())
+        """Record that ``what`` needs the current module run eagerly; returns the error that stops
+        torch.fx (torch.export goes on, inlining it, so that one pass finds every such module)."""
+        self.needs_eager.append(NeedsEager(what, self.where()))
         return NeedsEagerError(f"{what} in {self.describe()}")
 
     def refuse(self, what: str, remedy: str) -> DecomposeError:
@@ -102,7 +104,7 @@ class Guard:
     @contextlib.contextmanager
     def watching(self, tracer: str) -> Iterator[None]:
         """Patches in force while ``tracer`` ("fx" or "export") runs the model's forward."""
-        self.tracer, self.stack, self.needs_eager, self.refused = tracer, [], None, None
+        self.tracer, self.stack, self.needs_eager, self.refused = tracer, [], [], None
         pre = torch.nn.modules.module.register_module_forward_pre_hook(self._push)
         post = torch.nn.modules.module.register_module_forward_hook(self._pop, always_call=True)
         patches = _Patches()
@@ -154,8 +156,8 @@ def _traced_apply(guard: Guard):
         proxy = next((a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, fx.Proxy)), None)
         if proxy is None:
             if guard.tracer == "export" and _has_tensor((args, kwargs)):
-                raise guard.eager(f"the custom autograd Function {cls.__qualname__} (torch.export would inline its "
-                                  "forward and lose its backward)")
+                guard.eager(f"the custom autograd Function {cls.__qualname__} (torch.export would inline its "
+                            "forward and lose its backward)")
             return original_apply(cls, *args, **kwargs)
         if "<locals>" in cls.__qualname__:
             raise guard.eager(f"the custom autograd Function {cls.__qualname__}, defined where generated layer code "
@@ -200,7 +202,10 @@ def _refused_grad(guard: Guard, name: str):
 def _eager_hook(guard: Guard):
     def make(what: str):
         def hook(self: Any, *args: Any, **kwargs: Any) -> Any:
-            raise guard.eager(what)
+            error = guard.eager(what)
+            if isinstance(self, fx.Proxy):
+                raise error
+            return torch.utils.hooks.RemovableHandle({})  # torch.export: noted, and tracing goes on
         return hook
     return make
 
@@ -210,7 +215,7 @@ def _eager_inference(guard: Guard):
 
     def enter(self: Any) -> Any:
         if getattr(self, "mode", True):
-            raise guard.eager("torch.inference_mode (which torch.export ignores)")
+            guard.eager("torch.inference_mode (which torch.export ignores)")
         return original(self)
     return enter
 

@@ -374,27 +374,38 @@ def _trace_keeping_autograd(model: torch.nn.Module, example_inputs: tuple, opaqu
     (``autograd_guard``: a tensor hook registered in forward(), a custom autograd Function that
     torch.export would inline), and tracing again."""
     guard = autograd_guard.Guard(model)
-    for _ in range(_MOST_KEPT_WHOLE):
+    while True:
         try:
             return _trace(model, example_inputs, opaque, method, guard)
         except Exception as exc:
-            found = guard.needs_eager
-            if found is None:
+            if not guard.needs_eager:
                 raise
-            if not found.module:
-                raise DecomposeError(
-                    f"the model's own forward() uses {found.what}, which the traced layers cannot keep and no "
-                    f"module can be kept whole for: move it into a submodule (Harmony then runs that module "
-                    "eagerly), or remove it") from exc
-            if method == "export" or found.module in opaque:
-                raise DecomposeError(
-                    f"module {found.module!r} uses {found.what}, which the traced layers cannot keep; trace with "
-                    f"torch.fx (method='auto') keeping that module whole (opaque_modules=[{found.module!r}], CLI "
-                    f"--opaque {found.module}): {type(exc).__name__}: {exc}") from exc
-            log.warning("keeping module %r whole (it runs eagerly): its forward uses %s", found.module, found.what)
-            opaque = opaque | {found.module}
-    raise DecomposeError(f"more than {_MOST_KEPT_WHOLE} modules would have to be kept whole; mark them with "
-                         "opaque_modules=[...] (CLI --opaque)")
+            opaque = _kept_whole(guard, opaque, method, exc)
+
+
+def _kept_whole(guard: autograd_guard.Guard, opaque: set[str], method: str, exc: Exception) -> set[str]:
+    """The modules to keep whole for what the last trace met that only an eager run keeps, and the
+    one torch.fx could not trace if torch.export met it (export is no option for such a model);
+    a ``DecomposeError`` where that is no way out."""
+    found = guard.needs_eager
+    root = next((f for f in found if not f.module), None)
+    if root is not None:
+        raise DecomposeError(
+            f"the model's own forward() uses {root.what}, which the traced layers cannot keep and no module can be "
+            "kept whole for: move it into a submodule (Harmony then runs that module eagerly), or remove it") from exc
+    wanted = {f.module for f in found} | ({guard.fx_module} if guard.fx_module else set())
+    if method == "export" or wanted <= opaque or len(opaque | wanted) > _MOST_KEPT_WHOLE:
+        first = found[0]
+        raise DecomposeError(
+            f"module {first.module!r} uses {first.what}, which the traced layers cannot keep; trace with torch.fx "
+            f"(method='auto') keeping that module whole (opaque_modules=[{first.module!r}], CLI --opaque "
+            f"{first.module}): {type(exc).__name__}: {exc}") from exc
+    for f in found:
+        log.warning("keeping module %r whole (it runs eagerly): its forward uses %s", f.module, f.what)
+    if guard.fx_module and guard.fx_module not in opaque:
+        log.warning("keeping module %r whole as well: torch.fx cannot trace it, and torch.export would lose the above",
+                    guard.fx_module)
+    return opaque | wanted
 
 
 @contextlib.contextmanager
@@ -429,6 +440,7 @@ def _without_kv_cache(model: torch.nn.Module):
 def _trace(model: torch.nn.Module, example_inputs: tuple, opaque: set[str], method: str,
            guard: autograd_guard.Guard) -> TracedModel:
     fx_error: Exception | None = None
+    guard.fx_module = ""
     if method in ("auto", "fx"):
         try:
             with guard.watching("fx"):
@@ -438,9 +450,10 @@ def _trace(model: torch.nn.Module, example_inputs: tuple, opaque: set[str], meth
         except Exception as exc:
             if guard.refused is not None:
                 raise guard.refused from exc
-            if guard.needs_eager is not None:
+            if guard.needs_eager:
                 raise
             fx_error = exc
+            guard.fx_module = getattr(exc, "harmony_module", ("", None))[0]
             log.info("symbolic tracing failed (%s); trying torch.export", exc)
             if method == "fx":
                 raise _trace_error(model, fx_error, None) from exc
@@ -452,9 +465,11 @@ def _trace(model: torch.nn.Module, example_inputs: tuple, opaque: set[str], meth
     except Exception as exc:
         if guard.refused is not None:
             raise guard.refused from exc
-        if guard.needs_eager is not None:
+        if guard.needs_eager:
             raise
         raise _trace_error(model, fx_error, exc) from exc
+    if guard.needs_eager:
+        raise autograd_guard.NeedsEagerError(f"torch.export met {guard.needs_eager[0].what}")
     return traced  # torch.export keeps no module whole
 
 

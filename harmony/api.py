@@ -29,6 +29,7 @@ def compile(  # noqa: A001 - the API's name (docs/architecture.md, section 7)
     clip_grad_norm: float | None = None,
     precision: str = "fp32",
     keep_state: bool = True,
+    check_gradients: bool = True,
 ) -> Plan:
     """Decompose ``model``, profile it and search a schedule; the plan remembers ``loss_fn`` and
     ``get_batch`` (not saved to disk) for the trainer that runs it. ``clip_grad_norm``: clip the
@@ -37,12 +38,16 @@ def compile(  # noqa: A001 - the API's name (docs/architecture.md, section 7)
     under ``torch.autocast`` (weights, gradients and optimizer state stay float32). ``keep_state``:
     where a device has room, its packs' weights and optimizer state stay there across iterations
     and are stepped there (docs/architecture.md, "Kept state"); False moves them every iteration.
+    ``check_gradients``: before anything else, compare the decomposed layers' output and gradients
+    with eager autograd on the example batch and refuse a model whose tracing lost part of its
+    backward (``decomposer/gradient_check.py``; one forward and backward of a float64 copy).
     The arguments are checked before any work (``harmony.inputs``): ``get_batch`` is called once on
     two samples, and a model not on the meta device runs once on them for ``loss_fn``'s check."""
     options = CompileOptions(
         minibatch=inputs.check_minibatch_size(minibatch_size), devices=inputs.check_devices(devices),
         device_memory=device_memory, mode=mode, device_type=device_type, analytic=analytic, compare=compare,
         probe=probe, clip_grad_norm=clip_grad_norm, precision=precision, keep_state=keep_state,
+        check_gradients=check_gradients,
     )
     options.validate()
     optimizer = build_optimizer or default_optimizer

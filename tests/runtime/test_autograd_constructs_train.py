@@ -1,0 +1,113 @@
+"""Models whose forward uses what a tracer could lose train exactly as eager, end to end.
+
+One model holds a custom autograd Function (a straight-through rounding whose forward has a zero
+gradient), a ``torch.no_grad()`` statistic, and a tensor hook registered in forward() (its module
+kept whole and run eagerly). Compiled on two emulated devices at a third of its training
+footprint, three AdamW steps in float64 equal plain eager PyTorch over the plan's microbatches, in
+pp and in dp; no device passes its capacity.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import harmony
+from harmony.profiling.sweep import training_footprint
+from harmony.runtime.reference import microbatches_of, reference_train
+
+MINIBATCH = 8
+WIDTH = 16
+STEPS = 3
+TOLERANCE = 1e-9
+
+
+class StraightThroughRound(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+class Rounded(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return StraightThroughRound.apply(torch.tanh(self.lin(x)), 0.7)
+
+
+class Centred(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        y = torch.tanh(self.lin(x))
+        with torch.no_grad():
+            centre = y.mean(-1, keepdim=True)
+        return y - centre
+
+
+class Damped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        y = torch.tanh(self.lin(x))
+        if y.requires_grad:
+            y.register_hook(lambda g: g * 0.5)
+        return y
+
+
+def build() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, WIDTH), Rounded(), Centred(), Damped(), nn.Linear(WIDTH, WIDTH), nn.Tanh(),
+                         nn.Linear(WIDTH, 4)).double()
+
+
+def get_batch(batch_size: int, step: int) -> tuple:
+    g = torch.Generator().manual_seed(step)
+    return (torch.randn(batch_size, 8, generator=g, dtype=torch.float64),
+            torch.randn(batch_size, 4, generator=g, dtype=torch.float64))
+
+
+def loss_fn(output, target):
+    return ((output - target) ** 2).mean()
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, eps=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["pp", "dp"])
+def test_function_no_grad_and_forward_hook_train_like_eager(mode):
+    model = build()
+    reference = copy.deepcopy(model)
+    graph = harmony.decompose(copy.deepcopy(model), get_batch(2, 0)[0])
+    capacity = training_footprint(graph, get_batch, MINIBATCH) // 3
+    plan = harmony.compile(model, loss_fn, get_batch, minibatch_size=MINIBATCH, devices=2, mode=mode,
+                           device_memory=capacity, build_optimizer=adamw, probe=False)
+    batches = [get_batch(MINIBATCH, step) for step in range(STEPS)]
+    with harmony.Trainer(plan, optimizer=adamw, timeout=60) as trainer:
+        losses = [trainer.step(inputs, target) for inputs, target in batches]
+        state = trainer.state_dict()
+        history = trainer.history
+    expected = reference_train(reference, loss_fn, adamw, batches, microbatches_of(plan.tasks))
+    for step, (got, want) in enumerate(zip(losses, expected)):
+        assert abs(got - want) <= TOLERANCE * abs(want), f"step {step}: loss {got!r} != eager {want!r}"
+    for name, want in reference.state_dict().items():
+        err = float((state[name] - want).abs().max()) / float(want.abs().max().clamp_min(1e-3))
+        assert err <= TOLERANCE, f"{name}: relative error {err:.3g} after {STEPS} steps"
+    for step in history:
+        for rank, worker in enumerate(step.workers):
+            assert worker.peak <= capacity, f"dev{rank} peaked at {worker.peak:,} of {capacity:,} bytes"
