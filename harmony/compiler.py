@@ -35,6 +35,7 @@ from harmony.runtime.hoststore import Layout
 from harmony.runtime.routes import build_routes
 from harmony.profiling.profiles import PackSample, Profile, TiedWeight
 from harmony.scheduler.comparison import comparing, row
+from harmony.scheduler.refusal import DpRefusal, explain_refusal
 from harmony.scheduler.search import NoFeasibleConfiguration, SearchResult, search
 from harmony.scheduler.taskgraph import MODES
 from harmony.scheduler.tasks import HOST, Kind
@@ -188,7 +189,9 @@ def _compile_plan(model, get_batch, build_optimizer, options: CompileOptions, mo
             result = search(profile, machine, options.mode, options.devices, options.minibatch, capacity=planned,
                             same_u=bool(same_u), **options.search_options())
         except NoFeasibleConfiguration as exc:
-            raise HarmonyError(str(exc) + _memory_that_fits(exc, options.memory_margin)) from exc
+            refusal = explain_refusal(exc, options.mode, profile, machine, options.devices, options.minibatch, planned,
+                                      same_u=bool(same_u), **options.search_options())
+            raise HarmonyError(str(exc) + _memory_that_fits(exc, options.memory_margin, refusal)) from exc
         comparison = [row(options.mode, result)] + compared()
     comparison.sort(key=lambda r: (r["iteration_time"] is None, MODES.index(r["mode"])))
     on_progress("measuring the plan's packs")
@@ -283,7 +286,9 @@ def measured_packs_plan(result: SearchResult, profile: Profile, machine: Machine
             result = search(profile, machine, graph.mode, graph.devices, graph.minibatch, capacity=planned, same_u=same_u,
                             **options.search_options())
         except NoFeasibleConfiguration as exc:
-            raise HarmonyError(str(exc) + _memory_that_fits(exc, options.memory_margin)) from exc
+            refusal = explain_refusal(exc, graph.mode, profile, machine, graph.devices, graph.minibatch, planned,
+                                      same_u=same_u, **options.search_options())
+            raise HarmonyError(str(exc) + _memory_that_fits(exc, options.memory_margin, refusal)) from exc
     return result
 
 
@@ -314,13 +319,18 @@ def pack_measurer(graph: LayerGraph, get_batch, build_optimizer, loss_fn, option
     return measure
 
 
-def _memory_that_fits(exc: NoFeasibleConfiguration, margin: float) -> str:
-    """The device memory at which the search's closest configuration fits, the unplanned margin
-    included: what ``--device-memory`` must at least be for it."""
+def _memory_that_fits(exc: NoFeasibleConfiguration, margin: float, refusal: DpRefusal | None = None) -> str:
+    """What ``--device-memory`` must at least be, the unplanned margin included: the least planned
+    memory at which the refused mode's search fits where ``refusal`` found it (a dp refusal, which
+    also says why dp needs more than pp and whether pp fits), else the closest configuration's need."""
     if exc.shortfall is None:
         return ""
-    memory = math.ceil(exc.shortfall.needed / (1 - margin))
-    return f" (with {margin:.0%} left unplanned: --device-memory {memory:,} bytes or more)"
+    needed = refusal.least if refusal is not None and refusal.least is not None else exc.shortfall.needed
+    memory = math.ceil(needed / (1 - margin))
+    while int(memory * (1 - margin)) < needed:  # the compile plans int(memory * (1 - margin)) bytes
+        memory += 1
+    text = f" (with {margin:.0%} left unplanned: --device-memory {memory:,} bytes or more)"
+    return text + (f". {refusal.describe()}" if refusal is not None else "")
 
 
 def _check_batch_sizes(graph: LayerGraph, minibatch: int) -> None:

@@ -180,6 +180,7 @@ def search(
     coarse: bool = False,
     keep: bool = True,
     timeline: bool = True,
+    explain: bool = True,
     **options,
 ) -> SearchResult:
     """Search configurations for ``mode`` and return the best one with its graph and estimate.
@@ -199,6 +200,9 @@ def search(
 
     ``timeline=False`` returns the winner's estimate without the events of its timeline (a
     comparison row needs its figures only): its candidates' simulations record nothing.
+
+    ``explain=False`` refuses without a ``Shortfall``: a probe that asks only whether anything fits
+    (``refusal.least_capacity``) skips playing the overflowed candidates out again.
 
     Other ``options`` go to the task-graph generator: ``update`` fixes where the update runs, and
     the ablation switches of ``pp`` / ``dp`` (``grouping``, ``jit_update``, ``p2p``; see
@@ -227,7 +231,7 @@ def search(
         result.seconds = time.perf_counter() - start
         return result
     message = f"no {mode} configuration fits {capacity:,} bytes per device"
-    closest = _closest(overflowed, profile, machine, mode, devices, minibatch, capacity)
+    closest = _closest(overflowed, profile, machine, mode, devices, minibatch, capacity) if explain else None
     shortfall = shortfall_of(closest[1], profile, machine, capacity) if closest is not None else None
     if shortfall is not None:
         message += f"; {shortfall.describe(mode)}"
@@ -391,13 +395,13 @@ def shortfall_of(graph: TaskGraph, profile: Profile, machine: Machine, capacity:
     if any(t.id in peaks for t in computing):
         task = max((t for t in computing if t.id in peaks), key=lambda t: peaks[t.id])
     else:  # an estimate without per-task peaks: the task whose own pack is largest
-        task = max(computing, key=lambda t: _own_memory(profile, t))
+        task = max(computing, key=lambda t: task_own_memory(profile, t))
     return Shortfall(config=graph.config, needed=needed, peak=peaks.get(task.id, est.peak_memory[device]),
-                     device=device, task=str(task), own=_own_memory(profile, task),
+                     device=device, task=str(task), own=task_own_memory(profile, task),
                      outgoing=_held_beside(est, device, task))
 
 
-def _own_memory(profile: Profile, task) -> int:
+def task_own_memory(profile: Profile, task) -> int:
     """A FWD or BWD task's own peak: its pack's weights, gradients, activations and inputs."""
     if task.kind == Kind.FWD:
         return profile.pack_fwd_memory(task.first, task.last, task.u)
