@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
+import re
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -314,6 +315,14 @@ class LayerGraph:
         self.modules = self.layer_modules(device, source, origin)
         return self.modules
 
+    def opaque_modules(self) -> dict[str, torch.nn.Module]:
+        """The modules the layers keep whole (no generated code), by path, from the built layers."""
+        found = {}
+        for spec, module in zip(self.layers, self._require_modules()):
+            for path in _OPAQUE_CALL.findall(self.sources[spec.code_file]):
+                found[path] = module.get_submodule(path)
+        return found
+
     def layer_modules(
         self, device: str | torch.device = "cpu", source: torch.nn.Module | None = None, origin: Path | None = None
     ) -> list[torch.nn.Module]:
@@ -343,6 +352,9 @@ class LayerGraph:
                 if name in self.constants:
                     with torch.no_grad():
                         buf.copy_(self.constant_value(name))
+
+
+_OPAQUE_CALL = re.compile(r"attach_opaque\(self, '([^']+)'")  # as codegen writes it
 
 
 def _serialized_types(node: Any) -> set[str]:

@@ -44,15 +44,29 @@ def attach_module(
     parent.add_module(name, module)
 
 
+_PROVIDED: dict[str, torch.nn.Module] = {}
+
+
+def provide_opaque(modules: dict[str, torch.nn.Module]) -> None:
+    """The modules kept whole, for layers built without the live model (a spawned worker receives
+    them, structure only, from the process that has it)."""
+    _PROVIDED.update(modules)
+
+
 def attach_opaque(layer: torch.nn.Module, path: str, source: torch.nn.Module | None) -> None:
-    """Install a module kept whole on request; it can only come from the live model."""
-    if source is None:
+    """Install a module kept whole (asked for, or for what only an eager run keeps): it has no
+    generated code, so it comes from the live model or from ``provide_opaque``."""
+    if source is not None:
+        module = source.get_submodule(path)
+    elif path in _PROVIDED:
+        module = _PROVIDED[path]
+    else:
         raise RuntimeError(
             f"layer {type(layer).__name__} runs module {path!r} as an opaque module; build the layer "
-            "with source=<the model> (opaque modules have no generated code)"
+            "with source=<the model>, or provide it (layer_support.provide_opaque): opaque modules have no generated code"
         )
     parent, name = _parent(layer, path)
-    parent.add_module(name, source.get_submodule(path))
+    parent.add_module(name, module)
 
 
 def attach_parameter(

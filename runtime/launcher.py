@@ -31,6 +31,7 @@ failure, and gloo's operations time out after ``timeout`` seconds as the workers
 from __future__ import annotations
 
 import contextlib
+import copy
 import faulthandler
 import logging
 import multiprocessing.connection
@@ -49,6 +50,7 @@ import cloudpickle
 import torch
 
 from harmony.decomposer.layer_graph import LayerGraph
+from harmony.decomposer.layer_support import provide_opaque
 from harmony.errors import DeviceOutOfMemoryError, HarmonyError
 from harmony.runtime import p2p as p2p_transport
 from harmony.runtime.batches import BatchSlots, received
@@ -184,6 +186,23 @@ def _by_value(fn: Callable, what: str) -> _ByValue:
         ) from exc
 
 
+def _opaque_payload(graph: LayerGraph) -> bytes | None:
+    """The modules the layers keep whole, structure only (on the meta device), pickled for spawned
+    workers: they have no generated code to rebuild them from; the weights come with the pack state."""
+    if graph.modules is None:
+        return None
+    modules = graph.opaque_modules()
+    if not modules:
+        return None
+    try:
+        return cloudpickle.dumps({path: copy.deepcopy(module).to("meta") for path, module in modules.items()})
+    except Exception as exc:  # noqa: BLE001 - whatever pickling raises, named for the user
+        raise HarmonyError(
+            f"cannot send the modules kept whole ({', '.join(sorted(modules))}) to the workers: {type(exc).__name__}: "
+            f"{exc}. They are spawned processes here and receive each such module pickled: it must not hold what "
+            "cannot be (an open file, a lock)") from exc
+
+
 def _make_device(ctx: _WorkerContext) -> Device:
     if ctx.device_type == "cuda":
         return cuda_device(ctx.rank, len(ctx.inboxes), ctx.capacity)
@@ -242,6 +261,8 @@ def _worker_main(ctx: _WorkerContext) -> None:
         if graph is None:
             graph = LayerGraph.from_dict(ctx.graph_data["graph"])
             graph.sources = dict(ctx.graph_data["sources"])
+            if ctx.graph_data.get("opaque"):  # after the context, so the model file's module is loaded
+                provide_opaque(cloudpickle.loads(ctx.graph_data["opaque"]))
             graph.build_modules(device="meta")
         routes = build_routes(ctx.tasks, graph)
         device = _make_device(ctx)
@@ -354,7 +375,7 @@ class Launcher:
         threads = threads or (1 if device_type == "cpu" else max(1, (os.cpu_count() or 1) // self.devices))
         graph_data = None
         if method != "fork":
-            graph_data = {"graph": graph.to_dict(), "sources": dict(graph.sources)}
+            graph_data = {"graph": graph.to_dict(), "sources": dict(graph.sources), "opaque": _opaque_payload(graph)}
         self.processes = []
         for rank in range(self.devices):
             # made just before its worker starts, so that no other worker inherits its ends: a
