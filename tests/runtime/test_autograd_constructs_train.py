@@ -2,7 +2,8 @@
 
 One model holds a custom autograd Function (a straight-through rounding whose forward has a zero
 gradient), a ``torch.no_grad()`` statistic, and a tensor hook registered in forward() (its module
-kept whole and run eagerly). Compiled on two emulated devices at a third of its training
+kept whole and run eagerly); another a Function that draws random numbers in its forward, which a
+recompute must draw again. Compiled on two emulated devices at a third of its training
 footprint, three AdamW steps in float64 equal plain eager PyTorch over the plan's microbatches, in
 pp and in dp; no device passes its capacity.
 """
@@ -36,6 +37,18 @@ class StraightThroughRound(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
+class StochasticRound(torch.autograd.Function):
+    """Rounds up or down at random (per element, so per sample): a recompute must draw the same."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.floor(x * 4 + torch.rand_like(x)) / 4
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
 class Rounded(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -43,6 +56,15 @@ class Rounded(nn.Module):
 
     def forward(self, x):
         return StraightThroughRound.apply(torch.tanh(self.lin(x)), 0.7)
+
+
+class StochasticallyRounded(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return StochasticRound.apply(torch.tanh(self.lin(x)))
 
 
 class Centred(nn.Module):
@@ -69,9 +91,9 @@ class Damped(nn.Module):
         return y
 
 
-def build() -> nn.Module:
+def build(*middle: nn.Module) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, WIDTH), Rounded(), Centred(), Damped(), nn.Linear(WIDTH, WIDTH), nn.Tanh(),
+    return nn.Sequential(nn.Linear(8, WIDTH), *middle, nn.Linear(WIDTH, WIDTH), nn.Tanh(),
                          nn.Linear(WIDTH, 4)).double()
 
 
@@ -91,7 +113,17 @@ def adamw(params):
 
 @pytest.mark.parametrize("mode", ["pp", "dp"])
 def test_function_no_grad_and_forward_hook_train_like_eager(mode):
-    model = build()
+    torch.manual_seed(0)
+    assert_trains_like_eager(build(Rounded(), Centred(), Damped()), mode)
+
+
+def test_function_drawing_random_numbers_repeats_them_in_the_recompute():
+    torch.manual_seed(0)
+    assert_trains_like_eager(build(StochasticallyRounded(), Centred()), "dp")
+
+
+def assert_trains_like_eager(model: nn.Module, mode: str) -> None:
+    """Three steps at a third of the training footprint equal eager over the plan's microbatches."""
     reference = copy.deepcopy(model)
     graph = harmony.decompose(copy.deepcopy(model), get_batch(2, 0)[0])
     capacity = training_footprint(graph, get_batch, MINIBATCH) // 3
