@@ -143,3 +143,50 @@ def assert_trains_like_eager(model: nn.Module, mode: str) -> None:
     for step in history:
         for rank, worker in enumerate(step.workers):
             assert worker.peak <= capacity, f"dev{rank} peaked at {worker.peak:,} of {capacity:,} bytes"
+
+
+class ScaledLinear(torch.autograd.Function):
+    """A matmul inside a Function written for autocast (``custom_fwd``/``custom_bwd``: the backward
+    runs under the forward's autocast state), so autocast applies within it as in eager."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu")
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return x @ weight.t()
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        return 0.5 * grad @ weight, grad.t() @ x
+
+
+class FunctionLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(WIDTH, WIDTH) / WIDTH ** 0.5)
+
+    def forward(self, x):
+        return torch.tanh(ScaledLinear.apply(x, self.weight))
+
+
+def test_function_under_bf16_autocast_trains_as_eager_autocast():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, WIDTH), FunctionLinear(), Centred(), nn.Linear(WIDTH, 4))
+    batches = [tuple(t.float() for t in get_batch(MINIBATCH, step)) for step in range(STEPS)]
+
+    def get_float_batch(batch_size: int, step: int) -> tuple:
+        return tuple(t.float() for t in get_batch(batch_size, step))
+
+    reference = copy.deepcopy(model)
+    plan = harmony.compile(model, loss_fn, get_float_batch, minibatch_size=MINIBATCH, devices=2, mode="pp",
+                           build_optimizer=adamw, probe=False, precision="bf16")
+    with harmony.Trainer(plan, optimizer=adamw, timeout=60) as trainer:
+        losses = [trainer.step(inputs, target) for inputs, target in batches]
+        state = trainer.state_dict()
+    expected = reference_train(reference, loss_fn, adamw, batches, microbatches_of(plan.tasks), precision="bf16")
+    assert losses == pytest.approx(expected, rel=1e-5)
+    for name, want in reference.state_dict().items():
+        err = float((state[name] - want).norm() / want.norm())
+        assert err <= 1e-5, f"{name}: relative error {err:.3g} after {STEPS} steps"
