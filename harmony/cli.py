@@ -61,15 +61,19 @@ def _add_granularity_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--method", choices=("auto", "fx", "export"), default="auto", help="tracer (default: fx, then torch.export)")
 
 
-def _load_and_decompose(ns: argparse.Namespace, meta: bool):
-    """The model file, its model (on the meta device when asked) and its layer graph."""
+def _load_and_decompose(ns: argparse.Namespace, meta: bool, check_loss: bool = True):
+    """The model file, its model (on the meta device when asked) and its layer graph; the file's
+    ``loss_fn`` checked on the model's output first where it is to train (``harmony.inputs``)."""
     from harmony.decomposer.decompose import decompose
+    from harmony.inputs import check_loss_on_model
     from harmony.modelfile import load_model_file, parse_options
 
     mf = load_model_file(ns.model_file, parse_options(ns.args))
     with torch.device("meta") if meta else contextlib.nullcontext():
         model = mf.build_model()
-    inputs, _ = mf.get_batch(ns.batch_size, 0)
+    inputs, target = mf.get_batch(ns.batch_size, 0)
+    if check_loss:
+        check_loss_on_model(model, mf.loss_fn, inputs, target)
     graph = decompose(
         model, inputs, depth=ns.depth, modules=ns.modules.split(",") if ns.modules else None,
         opaque_modules=ns.opaque, method=ns.method,
@@ -98,7 +102,7 @@ def _add_device_args(p: argparse.ArgumentParser, what: str = "number of devices 
 
 def _cmd_decompose(ns: argparse.Namespace) -> int:
     start = time.perf_counter()
-    _, model, graph = _load_and_decompose(ns, meta=ns.meta)
+    _, model, graph = _load_and_decompose(ns, meta=ns.meta, check_loss=False)
     elapsed = time.perf_counter() - start
     if ns.out is not None:
         graph.save(ns.out)

@@ -120,3 +120,32 @@ def test_compile_refuses_bad_arguments_before_any_work(tmp_path, capsys):
     assert "device count must be a positive integer" in capsys.readouterr().out
     assert main(base + ["--device-memory", "lots"]) == 2
     assert "device memory" in capsys.readouterr().out
+
+
+PER_SAMPLE_LOSS = '''
+import torch
+from torch import nn
+
+
+def build_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def loss_fn(output, target):
+    return ((output - target) ** 2).mean(-1)  # one value per sample
+
+
+def get_batch(batch_size, step):
+    return torch.randn(batch_size, 4), torch.randn(batch_size, 2)
+'''
+
+
+def test_compile_refuses_a_model_file_whose_loss_is_per_sample_before_any_work(tmp_path, capsys):
+    model_file = tmp_path / "per_sample.py"
+    model_file.write_text(PER_SAMPLE_LOSS)
+    assert main(["compile", str(model_file), "--minibatch", "4", "--devices", "2", "--no-probe",
+                 "--out", str(tmp_path / "plan")]) == 2
+    out = capsys.readouterr().out
+    assert "loss_fn" in out and "per_sample.py" in out, out
+    assert not (tmp_path / "plan").exists()
