@@ -159,9 +159,10 @@ def _traced_apply(guard: Guard):
                 guard.eager(f"the custom autograd Function {cls.__qualname__} (torch.export would inline its "
                             "forward and lose its backward)")
             return original_apply(cls, *args, **kwargs)
-        if "<locals>" in cls.__qualname__:
+        if "<locals>" in cls.__qualname__ or cls.__module__ == "__main__":
+            # a spawned worker has neither: the module calling it travels to the workers by value instead
             raise guard.eager(f"the custom autograd Function {cls.__qualname__}, defined where generated layer code "
-                              "cannot import it by name")
+                              "cannot import it by name (in a function, or in the script run as __main__)")
         return proxy.tracer.create_proxy("call_function", function_call(cls), args, kwargs)
 
     return apply
