@@ -223,7 +223,9 @@ def _message(graph: LayerGraph, mismatch: Mismatch, dtype: torch.dtype | None) -
     precision = "float64 copies" if dtype is torch.float64 else "a copy in the model's own precision"
     return (f"the decomposed layers do not train as the model does: on the example batch ({precision}), "
             f"{mismatch.what} differs from eager autograd's by {mismatch.error:.3g} (of {mismatch.scale:.3g}).{where} "
-            "The model uses something the traced layers lose (a construct in forward() that torch.fx or "
+            "Either the model uses something the traced layers lose (a construct in forward() that torch.fx or "
             "torch.export cannot see): keep the module doing it whole (opaque_modules=[...], CLI --opaque), and "
-            "please report it. The check can be turned off (check_gradients=False, CLI --no-gradient-check), "
-            "at the risk of training with wrong gradients")
+            "please report it; or its forward does not compute the same twice (state kept between calls, such as "
+            "a counter in a module or a Function, which Harmony's recompute would change): keep such state out of "
+            "forward(). The check can be turned off (check_gradients=False, CLI --no-gradient-check), at the risk "
+            "of training with wrong gradients")

@@ -337,3 +337,30 @@ def test_gradient_check_passes_a_faithful_decomposition_and_skips_meta_models(ca
     meta_graph = harmony.decompose(meta, tuple(x.to("meta") for x in inputs))
     check_gradients(meta, meta_graph, tuple(x.to("meta") for x in inputs), None, None)
     assert "gradient check skipped" in caplog.text and "meta device" in caplog.text
+
+
+class Counted(torch.autograd.Function):
+    """Scales by how often it ran: a second forward (a recompute) computes something else."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        Counted.calls += 1
+        return x * (1 + 0.1 * Counted.calls)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class CountedBlock(Lin):
+    def forward(self, x):
+        return Counted.apply(self.lin(x))
+
+
+def test_gradient_check_refuses_a_forward_that_does_not_compute_the_same_twice():
+    model, inputs = chain(CountedBlock()), example()
+    graph = harmony.decompose(model, inputs)
+    with pytest.raises(harmony.DecomposeError, match="output 0 of the model differs.*does not compute the same twice"):
+        check_gradients(model, graph, inputs, None, None)
