@@ -16,9 +16,11 @@ construct is either kept exactly or refused with its name and a remedy:
   has no graph to differentiate there.
 - **``torch.utils.checkpoint`` with ``use_reentrant=True``**: traced through as the function it
   wraps; Harmony decides itself what to recompute, and the values and gradients are the same.
-- **Hooks on parameters, module backward hooks, uninitialized lazy modules**: refused before
-  tracing (``check_model``): the devices work on copies of the parameters, and a layer's backward
-  is not the module's.
+- **A module backward hook** (``register_full_backward_hook``, its pre-hook): the module is kept
+  whole, so that its backward is the module's own and the hook fires (``check_model``); on the
+  model itself, refused.
+- **Hooks on parameters, uninitialized lazy modules**: refused before tracing (``check_model``):
+  the devices work on copies of the parameters.
 - **Parameters or buffers created or replaced in forward(), Python attributes a forward changes**
   (a step counter): refused after tracing (``check_unchanged``): the layer code fixes them at
   their traced values.
@@ -221,9 +223,10 @@ def _eager_inference(guard: Guard):
     return enter
 
 
-def check_model(model: torch.nn.Module, opaque: set[str]) -> None:
-    """Refuse, before tracing, what no layer code can keep: hooks on parameters, module backward
-    hooks (outside modules kept whole), global backward hooks, lazy modules not yet initialized."""
+def check_model(model: torch.nn.Module, opaque: set[str]) -> set[str]:
+    """Refuse, before tracing, what no layer code can keep: hooks on parameters, global backward
+    hooks, a backward hook on the model itself, lazy modules not yet initialized. Returns the
+    modules with backward hooks, to be kept whole (run eagerly, their hooks fire in the backward)."""
     for name, param in model.named_parameters():
         hooks = [kind for kind, attr in (("register_hook", "_backward_hooks"),
                                          ("register_post_accumulate_grad_hook", "_post_accumulate_grad_hooks"))
@@ -239,19 +242,21 @@ def check_model(model: torch.nn.Module, opaque: set[str]) -> None:
         raise DecomposeError(
             "a global module backward hook is registered (torch.nn.modules.module.register_module_full_backward_hook "
             "or its pre-hook); Harmony's layers run their own backward and would skip it. Remove it before compiling")
+    hooked = set()
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
             raise DecomposeError(
                 f"module {name!r} ({type(module).__name__}) is a lazy module whose parameters are not created yet; "
                 "run the model once on an example batch before compiling, so that its shapes are known")
-        if (module._backward_hooks or module._backward_pre_hooks) and not _inside(name, opaque):
-            raise DecomposeError(
-                f"module {name or type(module).__name__!r} has a backward hook (register_full_backward_hook or "
-                "register_full_backward_pre_hook); the traced layers compute its backward without the module, so "
-                f"the hook would not run. Keep the module whole (opaque_modules=[{name!r}], CLI --opaque {name}) "
-                "so that it runs eagerly, hooks and all, or remove the hook" if name else
-                f"the model ({type(module).__name__}) has a backward hook on itself, which no layer can run; "
-                "remove it")
+        if module._backward_hooks or module._backward_pre_hooks:
+            if not name:
+                raise DecomposeError(
+                    f"the model ({type(module).__name__}) has a backward hook on itself (register_full_backward_hook "
+                    "or its pre-hook), which no layer can run: the model is cut into layers. Register it on the "
+                    "submodule it concerns (that module is then kept whole and its hook runs), or remove it")
+            if not _inside(name, opaque | hooked):
+                hooked.add(name)
+    return hooked
 
 
 def _inside(name: str, opaque: set[str]) -> bool:

@@ -357,7 +357,10 @@ def trace(
     opaque = set(opaque or ())
     if method not in ("auto", "fx", "export"):
         raise DecomposeError(f"unknown tracing method {method!r}; use 'auto', 'fx' or 'export'")
-    autograd_guard.check_model(model, opaque)
+    hooked = autograd_guard.check_model(model, opaque)
+    for path in sorted(hooked):
+        log.warning("keeping module %r whole (it runs eagerly): it has a backward hook", path)
+    opaque |= hooked
     before = autograd_guard.snapshot(model)
     with _without_kv_cache(model):
         traced = _trace_keeping_autograd(model, example_inputs, opaque, method)

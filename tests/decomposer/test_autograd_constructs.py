@@ -263,10 +263,18 @@ def test_parameter_gradient_hook_is_refused_naming_the_parameter():
         harmony.decompose(model, example())
 
 
-def test_module_full_backward_hook_is_refused_unless_kept_whole():
-    model = chain(NoGradBlock())
-    model[2].register_full_backward_hook(lambda m, gin, gout: None)
-    with pytest.raises(harmony.DecomposeError, match=r"module '2' has a backward hook.*opaque"):
+def test_module_full_backward_hooks_are_honoured_by_keeping_the_module_whole():
+    block = TanhBlock()
+    block.register_full_backward_hook(lambda m, grad_in, grad_out: (grad_in[0] * 0.5,))
+    block.lin.register_full_backward_pre_hook(lambda m, grad_out: (grad_out[0] * 3,))
+    graph = assert_kept(block)
+    assert any("attach_opaque(self, '2'" in source for source in graph.sources.values())
+
+
+def test_a_backward_hook_on_the_model_itself_is_refused():
+    model = chain(TanhBlock())
+    model.register_full_backward_hook(lambda m, grad_in, grad_out: None)
+    with pytest.raises(harmony.DecomposeError, match="backward hook on itself"):
         harmony.decompose(model, example())
 
 

@@ -1,8 +1,8 @@
 """Models whose forward uses what a tracer could lose train exactly as eager, end to end.
 
 One model holds a custom autograd Function (a straight-through rounding whose forward has a zero
-gradient), a ``torch.no_grad()`` statistic, and a tensor hook registered in forward() (its module
-kept whole and run eagerly); another a Function that draws random numbers in its forward, which a
+gradient), a ``torch.no_grad()`` statistic, a tensor hook registered in forward() and a module
+backward hook (their modules kept whole and run eagerly); another a Function that draws random numbers in its forward, which a
 recompute must draw again. Compiled on two emulated devices at a third of its training
 footprint, three AdamW steps in float64 equal plain eager PyTorch over the plan's microbatches, in
 pp and in dp; no device passes its capacity.
@@ -91,6 +91,11 @@ class Damped(nn.Module):
         return y
 
 
+def halved_in_backward(module: nn.Module) -> nn.Module:
+    module.register_full_backward_hook(lambda m, grad_in, grad_out: (grad_in[0] * 0.5,))
+    return module
+
+
 def build(*middle: nn.Module) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, WIDTH), *middle, nn.Linear(WIDTH, WIDTH), nn.Tanh(),
@@ -112,9 +117,9 @@ def adamw(params):
 
 
 @pytest.mark.parametrize("mode", ["pp", "dp"])
-def test_function_no_grad_and_forward_hook_train_like_eager(mode):
+def test_function_no_grad_tensor_hook_and_module_backward_hook_train_like_eager(mode):
     torch.manual_seed(0)
-    assert_trains_like_eager(build(Rounded(), Centred(), Damped()), mode)
+    assert_trains_like_eager(build(Rounded(), Centred(), Damped(), halved_in_backward(nn.Linear(WIDTH, WIDTH))), mode)
 
 
 def test_function_drawing_random_numbers_repeats_them_in_the_recompute():
