@@ -135,6 +135,8 @@ def _compare(model: torch.nn.Module, graph: LayerGraph, inputs: tuple, target: A
     try:
         layer_out, layer_grads = _run(layered, params, target, loss_fn)
     except Exception as exc:  # noqa: BLE001
+        if dtype is not None:  # the trace fixed a dtype (torch.export bakes a cast's target in): not in float64
+            raise _CannotRun(f"the layers: {type(exc).__name__}: {exc}") from exc
         raise DecomposeError(f"the decomposed layers fail on the example batch where the model runs: "
                              f"{type(exc).__name__}: {exc}") from exc
     precision = next((p.dtype for p in params.values() if p.is_floating_point()), torch.float32)
