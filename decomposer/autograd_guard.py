@@ -161,10 +161,9 @@ def _traced_apply(guard: Guard):
                 guard.eager(f"the custom autograd Function {cls.__qualname__} (torch.export would inline its "
                             "forward and lose its backward)")
             return original_apply(cls, *args, **kwargs)
-        if "<locals>" in cls.__qualname__ or cls.__module__ == "__main__":
-            # a spawned worker has neither: the module calling it travels to the workers by value instead
-            raise guard.eager(f"the custom autograd Function {cls.__qualname__}, defined where generated layer code "
-                              "cannot import it by name (in a function, or in the script run as __main__)")
+        if "<locals>" in cls.__qualname__:  # no name to find it by: the module calling it is kept whole
+            raise guard.eager(f"the custom autograd Function {cls.__qualname__}, defined in a function, where "
+                              "generated layer code cannot find it by name")
         return proxy.tracer.create_proxy("call_function", function_call(cls), args, kwargs)
 
     return apply

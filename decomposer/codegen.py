@@ -85,7 +85,7 @@ def _import_line(name: str, value) -> str | None:
         return f"{name} = type(None)"
     cls = getattr(value, "autograd_function", None)
     if isinstance(cls, type) and issubclass(cls, torch.autograd.Function):  # kept whole (autograd_guard)
-        return f"import {cls.__module__} as _{name}_module\n{name} = _{name}_module.{cls.__qualname__}.apply"
+        return f"{name} = function_apply({cls.__module__!r}, {cls.__qualname__!r})"
     if isinstance(value, types.ModuleType):
         return f"import {value.__name__}" if name == value.__name__ else f"import {value.__name__} as {name}"
     module, qualname = getattr(value, "__module__", None), getattr(value, "__qualname__", None)
@@ -183,7 +183,8 @@ def generate(
     """Python source of one layer module."""
     class_name = f"Layer{index:03d}"
     code = graph.python_code(root_module="self")
-    imports = ["import torch", "from harmony.decomposer.layer_support import attach_buffer, attach_module, attach_opaque, attach_parameter"]
+    imports = ["import torch", "from harmony.decomposer.layer_support import attach_buffer, attach_module, attach_opaque, "
+               "attach_parameter, function_apply"]
     for gname, value in sorted(code.globals.items()):
         if gname == "torch":
             continue

@@ -22,6 +22,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from harmony import serialization
+from harmony.decomposer.layer_support import function_class
 from harmony.errors import DecomposeError, FormatError
 
 log = logging.getLogger(__name__)
@@ -323,6 +324,11 @@ class LayerGraph:
                 found[path] = module.get_submodule(path)
         return found
 
+    def functions(self) -> dict[tuple[str, str], type]:
+        """The custom autograd Function classes the layers call, by (module, qualified name)."""
+        return {(module, qualname): function_class(module, qualname)
+                for source in self.sources.values() for module, qualname in _FUNCTION_CALL.findall(source)}
+
     def layer_modules(
         self, device: str | torch.device = "cpu", source: torch.nn.Module | None = None, origin: Path | None = None
     ) -> list[torch.nn.Module]:
@@ -354,7 +360,8 @@ class LayerGraph:
                         buf.copy_(self.constant_value(name))
 
 
-_OPAQUE_CALL = re.compile(r"attach_opaque\(self, '([^']+)'")  # as codegen writes it
+_OPAQUE_CALL = re.compile(r"attach_opaque\(self, '([^']+)'")  # as codegen writes them
+_FUNCTION_CALL = re.compile(r"function_apply\('([^']+)', '([^']+)'\)")
 
 
 def _serialized_types(node: Any) -> set[str]:

@@ -9,6 +9,7 @@ keep the original model's qualified names, so a layer's ``state_dict`` keys are 
 from __future__ import annotations
 
 import functools
+import importlib
 from typing import Any, Callable
 
 import torch
@@ -51,6 +52,28 @@ def provide_opaque(modules: dict[str, torch.nn.Module]) -> None:
     """The modules kept whole, for layers built without the live model (a spawned worker receives
     them, structure only, from the process that has it)."""
     _PROVIDED.update(modules)
+
+
+_FUNCTIONS: dict[tuple[str, str], type] = {}
+
+
+def provide_functions(functions: dict[tuple[str, str], type]) -> None:
+    """Custom autograd Functions the layer code calls, by (module, qualified name), for a process
+    that cannot import them by name (a spawned worker, for a class of the script run as __main__)."""
+    _FUNCTIONS.update(functions)
+
+
+def function_class(module: str, qualname: str) -> type:
+    """The custom autograd Function class the layer code names: provided, or imported."""
+    cls = _FUNCTIONS.get((module, qualname))
+    if cls is None:
+        cls = functools.reduce(getattr, qualname.split("."), importlib.import_module(module))
+    return cls
+
+
+def function_apply(module: str, qualname: str) -> Callable[..., Any]:
+    """``apply`` of the custom autograd Function a layer calls as one op (``autograd_guard``)."""
+    return function_class(module, qualname).apply
 
 
 def attach_opaque(layer: torch.nn.Module, path: str, source: torch.nn.Module | None) -> None:

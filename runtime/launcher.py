@@ -50,7 +50,7 @@ import cloudpickle
 import torch
 
 from harmony.decomposer.layer_graph import LayerGraph
-from harmony.decomposer.layer_support import provide_opaque
+from harmony.decomposer.layer_support import provide_functions, provide_opaque
 from harmony.errors import DeviceOutOfMemoryError, HarmonyError
 from harmony.runtime import p2p as p2p_transport
 from harmony.runtime.batches import BatchSlots, received
@@ -186,21 +186,25 @@ def _by_value(fn: Callable, what: str) -> _ByValue:
         ) from exc
 
 
-def _opaque_payload(graph: LayerGraph) -> bytes | None:
-    """The modules the layers keep whole, structure only (on the meta device), pickled for spawned
-    workers: they have no generated code to rebuild them from; the weights come with the pack state."""
+def _layer_extras(graph: LayerGraph) -> bytes | None:
+    """What the layers use and spawned workers cannot rebuild from generated code, pickled: the
+    modules kept whole (structure only, on the meta device: the weights come with the pack state)
+    and the custom autograd Functions they call (by value where they cannot be imported by name,
+    as a class of the script run as __main__)."""
     if graph.modules is None:
         return None
-    modules = graph.opaque_modules()
-    if not modules:
+    modules, functions = graph.opaque_modules(), graph.functions()
+    if not modules and not functions:
         return None
     try:
-        return cloudpickle.dumps({path: copy.deepcopy(module).to("meta") for path, module in modules.items()})
+        return cloudpickle.dumps({"modules": {path: copy.deepcopy(m).to("meta") for path, m in modules.items()},
+                                  "functions": functions})
     except Exception as exc:  # noqa: BLE001 - whatever pickling raises, named for the user
+        names = sorted(modules) + [qualname for _, qualname in functions]
         raise HarmonyError(
-            f"cannot send the modules kept whole ({', '.join(sorted(modules))}) to the workers: {type(exc).__name__}: "
-            f"{exc}. They are spawned processes here and receive each such module pickled: it must not hold what "
-            "cannot be (an open file, a lock)") from exc
+            f"cannot send {', '.join(names)} (kept whole, or a custom autograd Function) to the workers: "
+            f"{type(exc).__name__}: {exc}. They are spawned processes here and receive these pickled: they must not "
+            "hold what cannot be (an open file, a lock)") from exc
 
 
 def _make_device(ctx: _WorkerContext) -> Device:
@@ -261,8 +265,10 @@ def _worker_main(ctx: _WorkerContext) -> None:
         if graph is None:
             graph = LayerGraph.from_dict(ctx.graph_data["graph"])
             graph.sources = dict(ctx.graph_data["sources"])
-            if ctx.graph_data.get("opaque"):  # after the context, so the model file's module is loaded
-                provide_opaque(cloudpickle.loads(ctx.graph_data["opaque"]))
+            if ctx.graph_data.get("by_value"):  # after the context, so the model file's module is loaded
+                by_value = cloudpickle.loads(ctx.graph_data["by_value"])
+                provide_opaque(by_value["modules"])
+                provide_functions(by_value["functions"])
             graph.build_modules(device="meta")
         routes = build_routes(ctx.tasks, graph)
         device = _make_device(ctx)
@@ -375,7 +381,7 @@ class Launcher:
         threads = threads or (1 if device_type == "cpu" else max(1, (os.cpu_count() or 1) // self.devices))
         graph_data = None
         if method != "fork":
-            graph_data = {"graph": graph.to_dict(), "sources": dict(graph.sources), "opaque": _opaque_payload(graph)}
+            graph_data = {"graph": graph.to_dict(), "sources": dict(graph.sources), "by_value": _layer_extras(graph)}
         self.processes = []
         for rank in range(self.devices):
             # made just before its worker starts, so that no other worker inherits its ends: a

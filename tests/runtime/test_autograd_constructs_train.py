@@ -195,3 +195,34 @@ def test_function_under_bf16_autocast_trains_as_eager_autocast():
     for name, want in reference.state_dict().items():
         err = float((state[name] - want).norm() / want.norm())
         assert err <= 1e-5, f"{name}: relative error {err:.3g} after {STEPS} steps"
+
+
+def test_function_of_the_script_run_as_main_reaches_spawned_workers(monkeypatch):
+    """A class of ``__main__`` cannot be imported by name in a spawned worker (the launcher starts
+    it without the user's script): the Functions the layers call travel to it by value."""
+    import sys
+
+    class GradientReversal(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return -0.3 * grad
+
+    GradientReversal.__module__ = "__main__"
+    GradientReversal.__qualname__ = "GradientReversal"
+    monkeypatch.setattr(sys.modules["__main__"], "GradientReversal", GradientReversal, raising=False)
+
+    class Reversed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(WIDTH, WIDTH)
+
+        def forward(self, x):
+            return GradientReversal.apply(torch.tanh(self.lin(x)))
+
+    monkeypatch.setenv("HARMONY_START_METHOD", "spawn")
+    torch.manual_seed(0)
+    assert_trains_like_eager(build(Reversed()), "pp")
