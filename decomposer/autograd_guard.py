@@ -7,6 +7,10 @@ construct is either kept exactly or refused with its name and a remedy:
 - **A custom ``torch.autograd.Function``**: under torch.fx its ``apply`` becomes one call in the
   generated layer code, so its own forward and backward run (``traced_apply``); torch.export would
   inline the forward and lose the backward, so there the module calling it is kept whole instead.
+  Where that cannot be (torch.fx fails on the model whatever is kept whole: Hugging Face models),
+  torch.export inlines it, and the decomposition is accepted only if its gradients equal eager
+  autograd's (``gradient_check``): a Function whose backward is its forward's derivative (Bloom's
+  GeLU) passes, one whose backward is not (a straight-through estimator) is refused.
 - **A tensor hook registered in forward()** (``register_hook``, ``register_post_accumulate_grad_hook``)
   and **``torch.inference_mode`` under torch.export** (which ignores it): the module doing it is
   kept whole (an opaque module, run eagerly, hooks and all). In the model's own forward there is no
@@ -58,6 +62,7 @@ class NeedsEager:
 
     what: str
     module: str
+    function: str = ""  # the custom autograd Function's name, where that is what was met
 
 
 class NeedsEagerError(RuntimeError):
@@ -76,6 +81,12 @@ class Guard:
         self.needs_eager: list[NeedsEager] = []
         self.refused: DecomposeError | None = None
         self.fx_module = ""  # the module torch.fx failed in, before torch.export was tried
+        self.fx_failed = False
+        self.reasons: dict[str, str] = {}  # why each module was kept whole
+        # torch.export may inline custom Functions (no module kept whole lets torch.fx trace the
+        # model): their names, for the decomposition's check against eager autograd
+        self.inline_functions = False
+        self.inlined: list[str] = []
 
     def where(self) -> str:
         """The innermost module whose forward is running ("" for the root)."""
@@ -85,10 +96,10 @@ class Guard:
         path = self.where()
         return f"module {path!r}" if path else "the model's own forward()"
 
-    def eager(self, what: str) -> NeedsEagerError:
+    def eager(self, what: str, function: str = "") -> NeedsEagerError:
         """Record that ``what`` needs the current module run eagerly; returns the error that stops
         torch.fx (torch.export goes on, inlining it, so that one pass finds every such module)."""
-        self.needs_eager.append(NeedsEager(what, self.where()))
+        self.needs_eager.append(NeedsEager(what, self.where(), function))
         return NeedsEagerError(f"{what} in {self.describe()}")
 
     def refuse(self, what: str, remedy: str) -> DecomposeError:
@@ -106,7 +117,7 @@ class Guard:
     @contextlib.contextmanager
     def watching(self, tracer: str) -> Iterator[None]:
         """Patches in force while ``tracer`` ("fx" or "export") runs the model's forward."""
-        self.tracer, self.stack, self.needs_eager, self.refused = tracer, [], [], None
+        self.tracer, self.stack, self.needs_eager, self.refused, self.inlined = tracer, [], [], None, []
         pre = torch.nn.modules.module.register_module_forward_pre_hook(self._push)
         post = torch.nn.modules.module.register_module_forward_hook(self._pop, always_call=True)
         patches = _Patches()
@@ -158,8 +169,11 @@ def _traced_apply(guard: Guard):
         proxy = next((a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, fx.Proxy)), None)
         if proxy is None:
             if guard.tracer == "export" and _has_tensor((args, kwargs)):
-                guard.eager(f"the custom autograd Function {cls.__qualname__} (torch.export would inline its "
-                            "forward and lose its backward)")
+                if guard.inline_functions:
+                    guard.inlined.append(cls.__qualname__)
+                else:
+                    guard.eager(f"the custom autograd Function {cls.__qualname__} (torch.export would inline its "
+                                "forward and lose its backward)", cls.__qualname__)
             return original_apply(cls, *args, **kwargs)
         if "<locals>" in cls.__qualname__:  # no name to find it by: the module calling it is kept whole
             raise guard.eager(f"the custom autograd Function {cls.__qualname__}, defined in a function, where "

@@ -14,6 +14,7 @@ from torch.utils import _pytree as pytree
 
 from harmony.decomposer import batching, codegen, grad_mode, partition, tracing
 from harmony.decomposer.layer_graph import LayerGraph, LayerSpec, StateSpec, ValueSpec
+from harmony.decomposer.gradient_check import check_gradients
 from harmony.decomposer.metamemo import MetaMemo
 from harmony.errors import DecomposeError
 
@@ -182,7 +183,31 @@ def decompose(
     with _without_autocast():  # the model as written: mixed precision applies when its layers run
         traced = tracing.trace(model, inputs, opaque=opaque, method=method)
     with tracing.lifted_on(model, traced.lifted):
-        return _decompose_traced(model, traced, inputs, gran, traced.opaque)
+        graph = _decompose_traced(model, traced, inputs, gran, traced.opaque)
+    if traced.inlined_functions:
+        _check_inlined(model, graph, inputs, traced.inlined_functions)
+    return graph
+
+
+def _check_inlined(model: torch.nn.Module, graph: LayerGraph, inputs: tuple, functions: list[str]) -> None:
+    """Accept custom autograd Functions torch.export inlined only where the layers' gradients equal
+    eager autograd's on the example inputs (their backward is then their forward's derivative);
+    refuse, naming them, where they differ or cannot be compared."""
+    names = ", ".join(functions)
+    if any(t.is_meta for t in list(model.parameters()) + list(inputs)):
+        raise DecomposeError(
+            f"torch.export inlined the custom autograd Function(s) {names} (torch.fx cannot trace this model), which "
+            "is exact only where their backward is their forward's derivative, and a model on the meta device "
+            "cannot be run to check it: decompose the model with its weights")
+    try:
+        check_gradients(model, graph, inputs, None, None)
+    except DecomposeError as exc:
+        raise DecomposeError(
+            f"torch.export inlined the custom autograd Function(s) {names}, since torch.fx cannot trace this model "
+            f"even with their modules kept whole, and the layers' gradients then differ from eager autograd's: "
+            f"their own backward is not their forward's derivative. Make the model traceable by torch.fx (the "
+            f"modules calling them are then kept whole and run eagerly). {exc}") from exc
+    log.info("torch.export inlined %s; the layers' gradients equal eager autograd's", names)
 
 
 def _decompose_traced(model: torch.nn.Module, traced: tracing.TracedModel, inputs: tuple,

@@ -46,6 +46,8 @@ class TracedModel:
     # the modules kept whole: those asked for, and those whose forward does what only an eager run
     # keeps (``autograd_guard``)
     opaque: set[str] = field(default_factory=set)
+    # custom autograd Functions torch.export inlined: the decomposition must be checked against eager
+    inlined_functions: list[str] = field(default_factory=list)
 
 
 def _plain_attrs(module: torch.nn.Module) -> dict[str, Any]:
@@ -379,11 +381,23 @@ def _trace_keeping_autograd(model: torch.nn.Module, example_inputs: tuple, opaqu
     guard = autograd_guard.Guard(model)
     while True:
         try:
-            return _trace(model, example_inputs, opaque, method, guard)
+            traced = _trace(model, example_inputs, opaque, method, guard)
+            traced.inlined_functions = sorted(set(guard.inlined))
+            for path in sorted(traced.opaque & set(guard.reasons)):
+                log.warning("keeping module %r whole (it runs eagerly): %s", path, guard.reasons[path])
+            return traced
         except Exception as exc:
             if not guard.needs_eager:
                 raise
-            opaque = _kept_whole(guard, opaque, method, exc)
+            try:
+                opaque = _kept_whole(guard, opaque, method, exc)
+            except DecomposeError:
+                if guard.inline_functions or not all(found.function for found in guard.needs_eager):
+                    raise
+                log.info("no module kept whole lets torch.fx trace %s; torch.export inlines %s, and the layers' "
+                         "gradients are checked against eager", type(model).__name__,
+                         ", ".join(sorted({found.function for found in guard.needs_eager})))
+                guard.inline_functions = True
 
 
 def _kept_whole(guard: autograd_guard.Guard, opaque: set[str], method: str, exc: Exception) -> set[str]:
@@ -397,17 +411,22 @@ def _kept_whole(guard: autograd_guard.Guard, opaque: set[str], method: str, exc:
             f"the model's own forward() uses {root.what}, which the traced layers cannot keep and no module can be "
             "kept whole for: move it into a submodule (Harmony then runs that module eagerly), or remove it") from exc
     wanted = {f.module for f in found} | ({guard.fx_module} if guard.fx_module else set())
+    first = found[0]
+    if guard.fx_failed and not guard.fx_module:
+        raise DecomposeError(
+            f"module {first.module!r} uses {first.what}, which the traced layers cannot keep: torch.fx would keep "
+            "it by running that module whole, but torch.fx cannot trace this model at all, and torch.export loses "
+            "it") from exc
     if method == "export" or wanted <= opaque or len(opaque | wanted) > _MOST_KEPT_WHOLE:
-        first = found[0]
         raise DecomposeError(
             f"module {first.module!r} uses {first.what}, which the traced layers cannot keep; trace with torch.fx "
             f"(method='auto') keeping that module whole (opaque_modules=[{first.module!r}], CLI --opaque "
             f"{first.module}): {type(exc).__name__}: {exc}") from exc
     for f in found:
-        log.warning("keeping module %r whole (it runs eagerly): its forward uses %s", f.module, f.what)
-    if guard.fx_module and guard.fx_module not in opaque:
-        log.warning("keeping module %r whole as well: torch.fx cannot trace it, and torch.export would lose the above",
-                    guard.fx_module)
+        guard.reasons.setdefault(f.module, f"its forward uses {f.what}")
+    if guard.fx_module:
+        guard.reasons.setdefault(guard.fx_module, "torch.fx cannot trace it, and torch.export would lose what "
+                                                  "another module kept whole uses")
     return opaque | wanted
 
 
@@ -443,7 +462,7 @@ def _without_kv_cache(model: torch.nn.Module):
 def _trace(model: torch.nn.Module, example_inputs: tuple, opaque: set[str], method: str,
            guard: autograd_guard.Guard) -> TracedModel:
     fx_error: Exception | None = None
-    guard.fx_module = ""
+    guard.fx_module, guard.fx_failed = "", False
     if method in ("auto", "fx"):
         try:
             with guard.watching("fx"):
@@ -456,7 +475,7 @@ def _trace(model: torch.nn.Module, example_inputs: tuple, opaque: set[str], meth
             if guard.needs_eager:
                 raise
             fx_error = exc
-            guard.fx_module = getattr(exc, "harmony_module", ("", None))[0]
+            guard.fx_module, guard.fx_failed = getattr(exc, "harmony_module", ("", None))[0], True
             log.info("symbolic tracing failed (%s); trying torch.export", exc)
             if method == "fx":
                 raise _trace_error(model, fx_error, None) from exc

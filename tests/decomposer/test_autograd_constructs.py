@@ -181,20 +181,49 @@ def test_custom_function_under_torch_export_keeps_its_module_whole():
     assert any("attach_opaque(self, '2'" in source for source in graph.sources.values())
 
 
-def test_custom_function_in_the_model_own_forward_under_export_is_refused_naming_it():
-    class Root(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(WIDTH, WIDTH)
+class ExactGelu(torch.autograd.Function):
+    """A hand-written backward that is the forward's derivative (Bloom's GeLU is one)."""
 
-        def forward(self, x):
-            y = self.lin(x)
-            if y.shape[-1] > 2:
-                y = StraightThroughRound.apply(y, 0.5)
-            return y
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * torch.sigmoid(1.702 * x)
 
-    with pytest.raises(harmony.DecomposeError, match="StraightThroughRound.*own forward|own forward.*StraightThroughRound"):
-        harmony.decompose(Root().double(), example())
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(1.702 * x)
+        return grad * (s + 1.702 * x * s * (1 - s))
+
+
+class RootCalls(nn.Module):
+    """Calls a Function in its own forward, with control flow on a shape there: torch.fx fails on
+    the model itself, so no module kept whole helps, and torch.export must inline the Function."""
+
+    def __init__(self, function: type) -> None:
+        super().__init__()
+        self.function = function
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        self.out = nn.Linear(WIDTH, 3)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if y.shape[-1] > 2:
+            y = self.function.apply(y) if self.function is ExactGelu else self.function.apply(y, 0.5)
+        return self.out(y)
+
+
+def test_custom_function_export_inlines_is_kept_where_its_backward_is_the_derivative():
+    torch.manual_seed(0)
+    graph = assert_layers_match_model(RootCalls(ExactGelu).double(), example(), RTOL[torch.float64])
+    assert graph.tracer == "export"
+
+
+def test_custom_function_export_inlines_is_refused_naming_it_where_its_backward_is_not_the_derivative():
+    torch.manual_seed(0)
+    with pytest.raises(harmony.DecomposeError, match=r"inlined the custom autograd Function\(s\) StraightThroughRound"
+                                                     r".*not their forward's derivative"):
+        harmony.decompose(RootCalls(StraightThroughRound).double(), example())
 
 
 def test_tensor_hook_registered_in_forward_is_honoured():
