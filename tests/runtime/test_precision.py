@@ -76,11 +76,12 @@ def test_a_bf16_run_equals_eager_autocast_training(mode, clip):
     autocast, plain = copy.deepcopy(model), copy.deepcopy(model)
     expected = reference_train(autocast, gpt2.loss_fn, adam, batches, microbatches, precision="bf16",
                                clip_grad_norm=clip)
-    in_fp32 = reference_train(plain, gpt2.loss_fn, adam, batches, microbatches, clip_grad_norm=clip)
+    reference_train(plain, gpt2.loss_fn, adam, batches, microbatches, clip_grad_norm=clip)
     assert losses == pytest.approx(expected, rel=LOSS_TOLERANCE)
     assert relative_distance(state, autocast.state_dict()) <= TOLERANCE
-    assert relative_distance(state, plain.state_dict()) > 10 * TOLERANCE  # bf16 was used: float32 trains otherwise
-    assert losses != pytest.approx(in_fp32, rel=LOSS_TOLERANCE)
+    # bf16 was used: float32 trains otherwise. The weights show it; the losses need not (with clipping
+    # the four losses of some plans' microbatches lie within 1e-5 of float32's)
+    assert relative_distance(state, plain.state_dict()) > 10 * TOLERANCE
     assert history[-1].bytes_by_channel() == {k: v for k, v in plan.tasks.bytes_by_channel().items() if v}
     for step in history:
         assert max(w.peak for w in step.workers) <= plan.options["device_memory"]
