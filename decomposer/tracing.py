@@ -206,11 +206,9 @@ def _subgraph_error(model: torch.nn.Module, node: fx.Node) -> str:
     stack = next((u.meta.get("nn_module_stack") for u in users if u.meta.get("nn_module_stack")), None) or {}
     where = list(stack.values())[-1][0] if stack else ""
     inside = f" in {where!r}" if where else ""
-    return (f"torch.export made part of {type(model).__name__}{inside} a subgraph ({op}: "
-            "a parametrization such as spectral_norm, or a control-flow op), which Harmony's generated layer code "
-            "cannot hold. Keep the module computing it whole (--opaque MODULE, opaque_modules=[...]) so that it runs "
-            "eagerly; a module that reads a buffer it also updates in its forward (spectral_norm's power iteration) "
-            "would then train differently from eager, since Harmony's backward recomputes the forward")
+    return (f"torch.export made part of {type(model).__name__}{inside} a subgraph ({op}: a control-flow op such as "
+            "torch.cond), which Harmony's generated layer code cannot hold. Keep the module computing it whole "
+            "(--opaque MODULE, opaque_modules=[...]) so that it runs eagerly")
 
 
 def _export(model: torch.nn.Module, example_inputs: tuple) -> TracedModel:
