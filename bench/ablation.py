@@ -1,4 +1,4 @@
-"""Optimization breakdown (the paper's Fig. 14, issue 7 item 7): turn off one optimization at a time.
+"""Optimization breakdown (the paper's Fig. 14): turn off one optimization at a time.
 
 A GPT-2 of 4 blocks (width 128) on 2 emulated CPU devices, each with a quarter of the training
 footprint, minibatch 16. For ``pp`` and ``dp``: all optimizations on (the searched plan), then one

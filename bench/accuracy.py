@@ -1,4 +1,4 @@
-"""Estimator accuracy over configurations sampled from the search (the paper's Fig. 15, issue 7 item 5).
+"""Estimator accuracy over configurations sampled from the search (the paper's Fig. 15).
 
 A thin adapter over ``bench.estimate_accuracy`` (its cases, its compile with probed links, its
 training loop): where that module runs the configuration the search picks per mode, this one takes

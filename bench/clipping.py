@@ -1,5 +1,5 @@
-"""What global-norm gradient clipping costs (issue 17), estimated on modelled GPUs and measured on
-emulated devices.
+"""What global-norm gradient clipping costs, estimated on modelled GPUs and measured on emulated
+devices.
 
 Harmony clips exactly by waiting: a NORM task on the host takes the global norm once the last
 gradient is in, and every update waits for it, so no update is fused into the backward

@@ -1,11 +1,11 @@
 """What slows a layer's call on an emulated device beyond its profile: the call timed back to back (as
 the profiler times it) against the same call after a pause in which something else ran.
 
-Inside the runtime's workers a layer's first call of a microbatch takes 1.1-2x what an immediate
-repeat of it takes (bench/results/estimate_accuracy.md, twenty-fourth and twenty-fifth sessions),
-and the profile, read back to back, has the repeat's speed. This benchmark reproduces the pause
-outside the runtime, on ResNet tiny's first three layers (a convolutional stem and two residual
-stages, u = 3), one process pinned to core 0, per condition:
+Inside the runtime's workers a layer's first call of a microbatch takes longer than an immediate
+repeat of it (bench/results/estimate_accuracy.md), and the profile, read back to back, has the
+repeat's speed. This benchmark reproduces the pause outside the runtime, on ResNet tiny's first
+three layers (a convolutional stem and two residual stages, u = 3), one process pinned to core 0,
+per condition:
 
 - ``back to back``: the profiler's way;
 - ``after a 1 ms sleep``: the thread leaves the core and comes back;
@@ -13,13 +13,13 @@ stages, u = 3), one process pinned to core 0, per condition:
   process pinned to the same core runs pure Python, large tensor copies, or GPT-2 tiny's forward
   (another model's torch code), so that it runs in the pause.
 
-Each figure is the median thread CPU time of the call (``time.thread_time``: what the thread
-itself spent, not its wait for the core). On the 2-core development VM (2026-11-27) a sleep alone
-cost 10-20%, a Python or copying neighbour little more, and a neighbour running another model's
-torch code 20-90% (the stem 1.9x): code and data of the other model replace the layer's in the
-core's caches and predictors. In the runtime's workers the first-call cost stays with the compute
-thread alone on its core (every other thread and process on the other one), so there the cause is
-the worker's own code between calls (see the results file), not co-scheduling.
+Each figure is the median thread CPU time of the call (``time.thread_time``: what the thread itself
+spent, not its wait for the core). A sleep alone costs the call a little, a Python or copying
+neighbour little more, and a neighbour running another model's torch code much more: code and data
+of the other model replace the layer's in the core's caches and predictors. In the runtime's workers
+the first-call cost stays with the compute thread alone on its core (every other thread and process
+on the other one), so there the cause is the worker's own code between calls (see the results file),
+not co-scheduling.
 
     python -m bench.cold_calls [--calls N]
 """

@@ -5,11 +5,11 @@
 # logs go to $OUT (./out when run elsewhere). Usage:
 # bash bench/cuda_check.sh [quick|tests|estimate|gpu ARGS]
 # (quick: no CPU suite; tests: no CLI runs; estimate: only `bench.estimate_accuracy --full` on the
-# machine's CPUs with the GPU hidden and nothing else running, about 3 minutes: issue 15's accuracy
-# on a machine without this VM's interpreter spells; gpu: only `python -m bench.gpu ARGS`, e.g.
-# `gpu --cases gpt2-large --systems eager,harmony`, one case per call of a machine whose commands end
-# in ten minutes, with DeepSpeed installed from the wheels in .whl/ (bench/gpu_wheels.sh) when they
-# travelled; its results folder, bench/results/gpu-<device>, is copied to $OUT)
+# machine's CPUs with the GPU hidden and nothing else running, about 3 minutes: the estimator's
+# accuracy on a machine without a shared VM's interpreter spells; gpu: only `python -m bench.gpu
+# ARGS`, e.g. `gpu --cases gpt2-large --systems eager,harmony`, one case per call of a machine whose
+# commands end in ten minutes, with DeepSpeed installed from the wheels in .whl/
+# (bench/gpu_wheels.sh) when they travelled; its results folder, bench/results/gpu-<device>, is copied to $OUT)
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -52,7 +52,7 @@ run() {  # name, timeout, harmony run arguments (the whole log, with a traceback
 if [ "${1:-}" != tests ]; then
 run tiny 120 --arg preset=tiny --minibatch 16
 run tiny-shared-pp 120 --arg preset=tiny --minibatch 16 --devices 2 --mode pp
-V=-vv run medium-6g 420 --arg preset=medium --minibatch 16 --device-memory 6GiB  # ran 3.5 min before failing on an H200
+V=-vv run medium-6g 420 --arg preset=medium --minibatch 16 --device-memory 6GiB  # the longest: minutes, verbose
 fi
 [ "${1:-}" = quick ] && exit 0
 log cpu suite under this torch

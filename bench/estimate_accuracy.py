@@ -13,23 +13,19 @@ each run (process and allocator warm-up) is left out and the median of the rest 
 measured iteration time, compared with the scheduler's estimate (the event-driven simulation) as a
 ratio taken within the run. The runs' own disagreement, (max - min) / median of their medians, is
 printed beside each row: how far one run of the plan can be from another, the error an exact
-estimate would still show against a single run (the same plan read 23.6-28.2 ms over eight runs of
-ten iterations in a row, ResNet tiny pp). Fresh workers land differently each run: one compiled
-plan trained twenty times over two minutes (11 iterations a run, 2026-11-27) read 25.0-33.9 ms on
-ResNet tiny dp, 7.9-11.6 ms on GPT-2 tiny dp and 10.1-14.2 ms on VGG tiny dp (two levels, 10.5 and
-13.5, run by run). Any one of those runs, taken as the plan's time, was 8-22% off the others on
-average, while the median of the twenty lay within 3.7-6.6% of each estimate. So the default is
-twelve runs: with sixteen, the two interleaved halves of a plan's runs agreed within 1.7% on
-average (5.4% at most; ``repeat_error``), against 7.3% (52.8%) with four. Beside it, the same estimate with the
-runtime's costs switched off (overheads zero, no shared cores: what the estimator modelled before
-they were measured), on the same measured run. The spread of the measured iterations,
-(max - min) / median, is printed beside each row as the machine's noise, and so is its CPU
-contention: a fixed single-threaded matmul loop run in two forked processes at once around the
-training, over the same loop run in one process just before the profile was taken (the profile
-times one device computing alone; the run has both devices computing at once on the same cores,
-with whatever else the machine runs). On a machine with a free core per device it is about 1.
+estimate would still show against a single run. Fresh workers land differently each run, so any
+one run, taken as the plan's time, can be well off the others, while the median of many runs lies
+much closer to the estimate. So the default is twelve runs, enough for the two interleaved halves of
+a plan's runs to agree closely (``repeat_error`` prints how closely), where four are not. Beside it,
+the same estimate with the runtime's costs switched off (overheads zero, no shared cores: the
+estimator without the runtime's measured costs), on the same measured run. The spread of the
+measured iterations, (max - min) / median, is printed beside each row as the machine's noise, and so
+is its CPU contention: a fixed single-threaded matmul loop run in two forked processes at once
+around the training, over the same loop run in one process just before the profile was taken (the
+profile times one device computing alone; the run has both devices computing at once on the same
+cores, with whatever else the machine runs). On a machine with a free core per device it is about 1.
 A matrix product does not see the state that moves a tiny model's runs most here: interpreter-bound
-work running 1.5-2x slower in spells of seconds (``bench.machine_drift``). So the same is done
+work running markedly slower in spells of seconds (``bench.machine_drift``). So the same is done
 with a pure Python loop (``interpreter``: in two processes around each run, over its fastest of
 five readings in one process before the profile), printed per run: a run beside a reading well
 over 1 was likely made in such a spell.
@@ -124,7 +120,7 @@ class CpuReading(NamedTuple):
 def _cpu_loop(out=None) -> CpuReading:
     torch.set_num_threads(1)
     a = torch.randn(192, 192, generator=torch.Generator().manual_seed(0))
-    a @ a  # untimed: a fresh process's first product (its kernels' set-up) read the first model's contention as 0.44x
+    a @ a  # untimed: a fresh process's first product (its kernels' set-up) would read the contention low
     t0 = time.perf_counter()
     for _ in range(150):
         a @ a
@@ -198,7 +194,7 @@ def p2p_seconds(sizes: tuple[int, ...], repeats: int = 15) -> dict[int, float]:
 
 
 def without_runtime_costs(machine: Machine) -> Machine:
-    """``machine`` as the estimator saw it before the runtime's own costs were measured."""
+    """``machine`` as the estimator sees it without the runtime's own costs measured."""
     return dataclasses.replace(machine.without_overheads(), cpu_cores=None, compute_scale=1.0, compute_interference=0.0)
 
 
@@ -477,7 +473,7 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=6, help="iterations per configuration, the first discarded")
     parser.add_argument("--runs", type=int, default=12,
                         help="fresh runs per configuration, interleaved over the model's configurations "
-                             "(default 12: one run of fresh workers is 8-22%% off a plan's typical time here)")
+                             "(default 12: one run of fresh workers can be well off a plan's typical time)")
     parser.add_argument("--breakdown", action="store_true", help="per-task estimated vs measured seconds")
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--models", nargs="+", choices=sorted(CASES), metavar="MODEL",

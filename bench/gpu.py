@@ -1,4 +1,4 @@
-"""Harmony on one real GPU against the hardware bound and against DeepSpeed ZeRO-Offload (issue 18).
+"""Harmony on one real GPU against the hardware bound and against DeepSpeed ZeRO-Offload.
 
 For each model (GPT-2 large, 774 M parameters; Llama 3.2 1B, 1.24 B) in bf16, minibatch 16 of
 1024 tokens, three systems train the same model file one after another, each in its own process:

@@ -23,7 +23,7 @@
 # does not build, bench/deepspeed_peer.py falls back to torch.optim.Adam and records why.
 set -euo pipefail
 
-DEEPSPEED_VERSION=0.19.8  # supports torch >= 2.0; checked with torch 2.13 (CPU) here
+DEEPSPEED_VERSION=0.19.8  # supports torch >= 2.0
 # name==version of each dependency carried (pydantic 2.14.4 pins pydantic-core 2.50.5)
 DEPS=(hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
       typing-extensions==4.16.0)

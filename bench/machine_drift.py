@@ -1,5 +1,5 @@
 """How steady this machine's cores are, by the kind of work: the ceiling on how close any estimate
-made before a run can come to it (issue 15's 5%).
+made before a run can come to it.
 
 An emulated device on a tiny model is interpreter-bound: its layers are tens of small ops, each a
 Python call into the dispatcher. This benchmark pins itself to each core in turn and times, back to
@@ -9,12 +9,11 @@ and sum (memory-bound), a few repetitions each (their median is one sample), the
 and goes again, for ``--seconds``. Per kind and core it prints the median, the share of samples
 more than ``SLOW`` times the median and how much slower those are.
 
-On the 2-core development VM (2026-11-27, three runs of 1.5-4 minutes) the Python and small-op
-loops ran 1.5-2.0x slower in 6-15% of the samples, on both cores, in spells of one to several
-seconds, while the matrix product moved by 7% at most (a GPT-2 tiny forward and backward at u=4,
-timed the same way: 1.7 ms, and 2.5-3.3 ms in 25% of the samples): a state of the host (another tenant on the core's sibling thread, most likely; no steal
-time shows) that slows interpreter-bound work alone. A plan's ten iterations on GPT-2 tiny take
-0.15 s and fall in one state or the other, so its measured time moves by that much from one run to
+On a shared VM the Python and small-op loops can run markedly slower in a share of the samples,
+on every core, in spells of one to several seconds, while the matrix product barely moves: a state
+of the host (another tenant on the core's sibling thread, most likely, with no steal time showing)
+that slows interpreter-bound work alone. A plan's few iterations on GPT-2 tiny take a fraction of a
+second and fall in one state or the other, so its measured time moves by that much from one run to
 the next, and so does the model's calibration at compile time; GPT-2 small, whose ops are larger,
 moves far less (bench/results/estimate_accuracy.md).
 

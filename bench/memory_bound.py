@@ -1,4 +1,4 @@
-"""Planned vs measured peak device memory on models we did not write (issue 14, part 2).
+"""Planned vs measured peak device memory on models we did not write.
 
 A plan is a promise: the estimate of each device's peak must bound what the run measures (the
 emulated device counts every live tensor storage), and be tight (within 10%). This diagnostic builds
@@ -36,7 +36,7 @@ from harmony.runtime.reference import microbatches_of, reference_train
 
 # ------------------------------------------------------------------------------------ the models
 class SiluBlock(nn.Module):
-    """LayerNorm -> Linear(w -> 2w) -> SiLU -> Linear(2w -> w), residual (issue 14's first MLP)."""
+    """LayerNorm -> Linear(w -> 2w) -> SiLU -> Linear(2w -> w), residual."""
 
     def __init__(self, width: int) -> None:
         super().__init__()
@@ -50,7 +50,7 @@ class SiluBlock(nn.Module):
 
 
 class GeluBlock(nn.Module):
-    """Linear -> GELU -> LayerNorm, residual (issue 14's second MLP)."""
+    """Linear -> GELU -> LayerNorm, residual."""
 
     def __init__(self, width: int) -> None:
         super().__init__()

@@ -1,10 +1,10 @@
 """Runtime overhead: Harmony on one emulated CPU device with ample memory vs a plain eager PyTorch
-training loop on the same model and minibatch (issue 7, item 1).
+training loop on the same model and minibatch.
 
 Both compute on one thread (an emulated device is a single-threaded worker process). Steps are
 interleaved, one Harmony step then one eager step, so both see the same machine load; the wall time
 of ``trainer.step`` (what a user waits for) is compared with the wall time of the eager step. The
-first step of each is left out. Goal (issue 16): Harmony's throughput at least 95% of eager, on
+first step of each is left out. Goal: Harmony's throughput at least 95% of eager, on
 gpt2-small and on models of other shapes (a wide, shallow GPT; a small BERT).
 
 Harmony runs as a user's run does, without checking its memory op by op (``check_memory=False``:
@@ -64,7 +64,7 @@ def measure(minibatch: int = 16, steps: int = 8, model: Model = SMALL) -> dict[s
     """Interleaved step times of Harmony (1 device, ample memory; memory unchecked and checked) and
     eager PyTorch."""
     # probed, as a user's compile is: unprobed, the search knows nothing of the runtime's cost per
-    # microbatch and chose bert-small's U = 8 (81 ms a step) over U = 16 (74 ms) on its profile's noise
+    # microbatch and may choose more, smaller microbatches on its profile's noise
     plan = compiled(model, minibatch, devices=1, device_memory=AMPLE, probe=True)
     torch.manual_seed(0)  # the weights ``compiled`` started from
     eager_model = model.build().train()

@@ -1,4 +1,4 @@
-"""Harmony ``pp`` vs ``torch.distributed.pipelining`` on 2 CPU processes (issue 7, item 2; issue 16).
+"""Harmony ``pp`` vs ``torch.distributed.pipelining`` on 2 CPU processes.
 
 The model is a GPT-2 whose LM head is not tied to the embedding (a tied weight cannot be split
 across pipelining's stages) and without dropout, written as a list of layers (embedding, blocks,
@@ -8,7 +8,7 @@ process), ``ScheduleLoopedBFS``, ``ScheduleInterleaved1F1B``, ``ScheduleInterlea
 (two stages per process, looped) and ``ScheduleZBVZeroBubble`` (two per process, V-shaped) over
 gloo, with 4 microbatches; Harmony runs its searched configuration, and a second time with the
 same 4 microbatches. The plain eager loop on one thread gives the two cores' limit (twice its
-rate). Goals (issue 16): Harmony's pp at least 1.2 times the best schedule's, and at least 0.9 of
+rate). Goals: Harmony's pp at least 1.2 times the best schedule's, and at least 0.9 of
 the two cores' limit. How much of that limit this machine gives any two processes at all is
 measured beside: two eager loops at once, each on its half of the minibatch, exchanging nothing.
 
@@ -292,10 +292,9 @@ def run_pipelining(jobs: list[Job], timeout: float = 900, rss_between_jobs: bool
 
     ``rss_between_jobs``: every allocation of 64 KiB or more gets its own mapping (glibc's
     ``MALLOC_MMAP_THRESHOLD_``), so that a freed tensor leaves the resident set before the next job
-    on the same processes and each job's peak RSS growth is its own. That slows training: these
-    models trained 1.6-1.75x slower with it (a mapping and its page faults for every activation),
-    and until 2026-11-27 every peer's throughput here was measured so. Jobs timed for throughput
-    run without it, each in processes of their own."""
+    on the same processes and each job's peak RSS growth is its own. That slows training (a mapping
+    and its page faults for every activation), so jobs timed for throughput run without it, each in
+    processes of their own."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
@@ -385,7 +384,7 @@ def harmony_fits(depth: int, budget: int) -> tuple[bool, str]:
 def compare(depth: int, steps: int, rounds: int, budget: int, depths: tuple[int, ...],
             harmony_deadline_s: float) -> dict[str, Any]:
     """Throughput and memory per process of every system at ``depth`` (rounds interleave Harmony's
-    runs with a pipelining session), then the deepest model each trains under ``budget``."""
+    runs with pipelining's), then the deepest model each trains under ``budget``."""
     model = peer_model(depth)
     base = compiled(model, MINIBATCH, devices=2, device_memory=AMPLE, probe=True)  # as a user compiles: the machine probed
     same_mb, _ = searched(base, "pp", 2, MINIBATCH, sizes=lambda limit: [MINIBATCH // MICROBATCHES])

@@ -1,5 +1,5 @@
-"""bf16 against fp32 (issue 17): estimated throughput on modelled GPUs, and the swap volume planned
-and counted.
+"""bf16 against fp32: estimated throughput on modelled GPUs, and the swap volume planned and
+counted.
 
 Harmony's bf16 runs every layer under ``torch.autocast`` with float32 masters, gradients and
 optimizer state (``runtime/precision.py``): the matmuls run at the bf16 peak. Weights that autocast

@@ -1,4 +1,4 @@
-"""How well a profile predicts what it did not measure (issue 3's acceptance figures).
+"""How well a profile predicts what it did not measure.
 
 For each tiny reference model: profile on an emulated CPU device, then, for every layer, measure
 fresh at microbatch sizes that were not sampled and compare with the profile's interpolation.

@@ -180,7 +180,7 @@ def _section_peers(r: dict[str, Any]) -> list[str]:
         "## 2. Harmony pp vs torch.distributed.pipelining (2 CPU processes)", "",
         f"Goal: 1.2 times the best torch.distributed.pipelining schedule — **{verdict}** (Harmony's best pp / best "
         f"peer = {ratio:.2f}).{limit}{beside} Model {r['model']} (untied head, no dropout), minibatch {r['minibatch']}, "
-        "Adam; rounds interleave Harmony runs with a pipelining session.", "",
+        "Adam; rounds interleave Harmony's runs with pipelining's.", "",
         "| system | samples/s | peak per process (MiB) | what the memory figure is | configuration |",
         "|---|---:|---|---|---|",
     ]
@@ -322,7 +322,7 @@ def precision_speedups(rows: list[dict]) -> dict[str, float]:
 
 
 def _section_precision(r: dict[str, Any]) -> list[str]:
-    lines = ["## 8. bf16 against fp32 (issue 17)", "",
+    lines = ["## 8. bf16 against fp32", "",
              "bf16 runs every layer under torch.autocast with float32 masters, gradients and optimizer state, so the "
              "matmuls run at the bf16 peak. Weights that autocast only casts move as bf16 copies (half their bytes): "
              "frozen ones always, trainable ones where the host steps them (the updates column: where the searched "
@@ -344,7 +344,7 @@ def _section_precision(r: dict[str, Any]) -> list[str]:
 
 
 def _section_clipping(r: dict[str, Any]) -> list[str]:
-    lines = ["## 9. What gradient clipping costs (issue 17)", "",
+    lines = ["## 9. What gradient clipping costs", "",
              "Estimated on 4 modelled 1080 Ti, minibatch 64. Speculation (step, then undo) would cost at least the "
              "unclipped iteration plus the NORM task.", "",
              "| model | mode | unclipped s | clipped s | ratio | NORM ms | speculation ≥ s |", "|---|---|---:|---:|---:|---:|---:|"]

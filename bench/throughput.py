@@ -1,4 +1,4 @@
-"""Throughput of every mode over minibatch sizes (the paper's Fig. 10, issue 7 item 4).
+"""Throughput of every mode over minibatch sizes (the paper's Fig. 10).
 
 Estimated: BERT96, GPT-2 1.5B, VGG416 and ResNet1K on 4 modelled GTX 1080 Ti (analytic profiles),
 every mode searched per minibatch; throughput (samples/s of the estimated iteration) is normalized

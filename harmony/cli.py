@@ -790,7 +790,7 @@ def main(argv: list[str] | None = None) -> int:
             ns.signal_guard = guard
             code = ns.func(ns)
         # the interpreter's last collections would walk every object the command leaves (torch, the
-        # model, the plan): 0.3-0.8 s at the end of a GPT-2 1.5B compile; everything is closed by now
+        # model, the plan), a noticeable wait at the end of a large compile; everything is closed by now
         gc.freeze()
         return code
     except HarmonyError as exc:

@@ -1,4 +1,4 @@
-"""Which weights may travel in low precision: those autocast only ever casts (issue 17).
+"""Which weights may travel in low precision: those autocast only ever casts.
 
 Under ``torch.autocast`` an op on autocast's lower-precision list (a linear layer, a matmul, a
 convolution) casts its float32 weight to bf16/fp16 before it runs. If every use of a weight is such

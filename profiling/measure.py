@@ -5,9 +5,9 @@ its input swapped in, forward without autograd (a FWD task stashes only its inpu
 backward task (recompute with autograd from the stashed input, then backward with an output
 gradient). Memory is the device's peak over each task, from the untimed warm-up trial, which an
 emulated device watches op by op; times are medians of the later trials, run unwatched
-(``_unwatched``), as a run computes unless it checks memory. Timed watched, a GPT-2 tiny block's
-forward took 3.5x its unwatched time, by a factor that differed per layer, per pass and per
-microbatch size (the tracker's cost is per op), which no one compute scale could undo. The model's
+(``_unwatched``), as a run computes unless it checks memory. Timed watched, a layer's forward takes
+several times its unwatched time, by a factor that differs per layer, per pass and per microbatch
+size (the tracker's cost is per op), which no one compute scale could undo. The model's
 own tensors are never touched (work happens on device copies) and the RNG is restored afterwards,
 so profiling does not change training.
 """
@@ -379,8 +379,8 @@ def update_scratch(
 
 def host_device() -> Device:
     """Where a host update is measured: host memory that nothing watches, as the runtime steps the
-    host store (a watched device's per-op tracking made an Adam step of GPT-2 tiny's layers 3-4x
-    its run's time, which put a dp plan's last host update 3.7 ms late)."""
+    host store (a watched device's per-op tracking makes an Adam step several times its run's
+    time, which would put a plan's last host update late)."""
     return UncheckedCpuDevice("host")
 
 

@@ -17,16 +17,15 @@ probe's layers alternate between 2 state tensors and 12 (``_ManyTensors``) and s
 state tensors a parameter): the updates of the two kinds differ by the runtime's cost per state
 tensor moved (``tensor_overhead``, ``_tensor_cost``), which the fits above then take as modelled.
 A GPT-2 block's update moves about a hundred tensors (each a copy and a ledger entry, though under
-one admission): with the plain linear layers' update cost alone, gpt2-tiny's device updates ran
-1.7-2.0x their estimate. (Lower
-quartiles: on a shared machine other processes delay some tasks by whole scheduler slices, which
-is the machine's load at that moment, not the runtime's cost; a busy machine made the medians
-vary threefold from one probe to the next.) Last, a
-wrap-around pipeline on the same layers sends every microbatch from device to device through the
-runtime's p2p path (a stream thread, a queue, the receiver's mailbox thread, its p2p-in stream, the
-compute thread waiting): the per-message cost is the ``p2p_latency`` at which the estimator, with the
-overheads above, gives that pipeline's measured iteration time (found by bisection; the estimate
-grows with it). The probe's own half round trip between two processes sees none of those threads.
+one admission): with the plain linear layers' update cost alone, a transformer's device updates
+would run well over their estimate. (Lower quartiles: on a shared machine other processes delay some
+tasks by whole scheduler slices, which is the machine's load at that moment, not the runtime's cost;
+on a busy machine the medians vary widely from one probe to the next.) Last, a wrap-around pipeline
+on the same layers sends every microbatch from device to device through the runtime's p2p path (a
+stream thread, a queue, the receiver's mailbox thread, its p2p-in stream, the compute thread
+waiting): the per-message cost is the ``p2p_latency`` at which the estimator, with the overheads
+above, gives that pipeline's measured iteration time (found by bisection; the estimate grows with
+it). The probe's own half round trip between two processes sees none of those threads.
 
 ``measure_compute_scaling`` runs data parallelism over transformer MLP blocks (matrix products and
 the memory-bound element-wise ops around them, as in the models trained here) on the real launcher,
@@ -38,19 +37,19 @@ on all devices at once is ``compute_interference`` (the memory bus and caches th
 Both depend on the workload; the blocks are one point, chosen to look like the models in ``models/``.
 ``measure_model_scale`` measures both again on the model being compiled, which a probed compile on
 emulated devices uses instead (``compiler._scaled_to_the_model``): its own layers in a few packs on
-one device and on all, at the square root of the largest microbatch its profile measured (plans under
-memory pressure run small microbatches, and the ratio moves with the microbatch). On ``bench.estimate_accuracy
---full`` the blocks' scale left GPT-2 small, VGG and ResNet 24-35% under their runs; the model's
-own brought them within -20..+13% (one run each, bench/results/estimate_accuracy.md). The model's
-calibration also reads what each of its tasks costs beside the scale (``_task_cost``, the
-machine's ``compute_task_overhead``): its tasks hold two microbatches, a plan's up to eight, and a
-cost per task read as a scale grows with every microbatch of a long task.
+one device and on all, at the square root of the largest microbatch its profile measured (plans
+under memory pressure run small microbatches, and the ratio moves with the microbatch). The blocks'
+scale can leave a model's estimate well under its runs, and the model's own brings it closer
+(``bench.estimate_accuracy --full``, bench/results/estimate_accuracy.md). The model's calibration
+also reads what each of its tasks costs beside the scale (``_task_cost``, the machine's
+``compute_task_overhead``): its tasks hold two microbatches, a plan's up to eight, and a cost per
+task read as a scale grows with every microbatch of a long task.
 
 ``measure_cores`` runs a fixed single-threaded loop for a fixed window in one forked process, then in
 ``devices + 1`` processes released together by a barrier: ``k`` processes on ``c`` free cores do ``c``
 times the work of one (at most ``k``). Counting work in one window, rather than timing a fixed amount
-of work, keeps every process running for the whole measurement: timed runs that fork started one
-after another overlapped only in part, and a 2-core machine read as 2.8-3 cores.
+of work, keeps every process running for the whole measurement: timed runs that fork starts one
+after another overlap only in part, and would read a machine as having more cores than it has.
 """
 
 from __future__ import annotations
@@ -285,10 +284,9 @@ def _estimated_spans(tasks: TaskGraph, profile: Profile, machine: Machine) -> di
 def measure_overheads(machine: Machine, iterations: int = 12, timeout: float = 60.0) -> Overheads:
     """Run the real launcher on near-zero compute and fit the runtime's own costs (module docs).
     ``machine`` gives the probed links (its overheads are ignored); at least two devices are used.
-    ``iterations``: 12 per run (a few milliseconds each): with 4, the per-microbatch cost and the
-    message cost of five probes in a row spread 0.16-0.49 ms and 1.1-1.5 ms, and the README's
-    first command's estimate 18.8-21.9 ms between compiles (20.1-21.1 ms with 12 and five rounds
-    of the model's calibration, ``measure_model_scale``)."""
+    ``iterations``: 12 per run (a few milliseconds each): with fewer, the per-microbatch and
+    message costs spread widely from one probe to the next, and so does a plan's estimate from one
+    compile to the next (with the model's calibration, ``measure_model_scale``, as it is)."""
     devices = max(2, machine.devices)
     base = dataclasses.replace(machine.without_overheads(), devices=devices, cpu_cores=None)
     graph, profile = _profiled(_model(), (WIDTH,))
@@ -513,12 +511,10 @@ def _task_cost(tasks: TaskGraph, measured: dict[int, float], modelled: dict[int,
     intercept of the least-squares line ``measured - (span - compute) = scale x compute + cost`` over
     the run's FWD and BWD tasks (a few packs, forward and backward: computes that differ severalfold).
     A task starts on layers another pack's task has pushed out of the caches, at a cost the
-    overheads probe's near-zero layers do not have; read into the scale instead, it came out as a
-    scale of 1.4-1.6 on tasks of two microbatches (VGG and ResNet tiny) where tasks of six or eight
-    ran at 1.0-1.2, and replayed on three compiles of ``bench.estimate_accuracy --full``'s sample
-    (the same calibration runs and measured plans) the mean error went from 10.9, 13.4 and 11.9%
-    to 5.9, 13.0 and 11.4%. 0 where the tasks' computes are too alike to tell a cost from a scale,
-    or where the line says no cost (or no compute)."""
+    overheads probe's near-zero layers do not have; read into the scale instead, it would make the
+    calibration's tasks of two microbatches read a much higher scale than a plan's tasks of six or
+    eight run at, and the plan's estimate would come out high. 0 where the tasks' computes are too
+    alike to tell a cost from a scale, or where the line says no cost (or no compute)."""
     points = [(modelled[t.id][1], _beyond_rest(t, measured, modelled)) for t in tasks.tasks
               if t.kind in (Kind.FWD, Kind.BWD) and t.id in measured and modelled.get(t.id, (0.0, 0.0))[1] > 0]
     computes = [x for x, _ in points]

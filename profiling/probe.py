@@ -13,9 +13,8 @@ split evenly between the device workers (``cpu_count // devices`` torch threads 
   already, on the device a run uses by default (``UncheckedCpuDevice``, no ``--check-memory``): a
   swap-out writes into the host store, and a swap in clones into blocks the allocator reuses (a
   state tensor is far smaller than ``size``). Timed as fresh clones on the memory tracker's
-  ``CpuDevice``, 16 MiB went at 0.3-2.9 GB/s (each clone mapped and faulted in new pages) where
-  the runtime's copies ran at 8-15, and GPT-2 small's per-device-swap updates, each waiting on
-  three swaps, were estimated at 12-17 ms against 3-4.5 measured (bench/results/estimate_accuracy.md);
+  ``CpuDevice``, each clone would map and fault in new pages and run several times slower than the
+  runtime's copies, and every update waiting on swaps would be estimated far above its run;
 - ``h2d_all`` / ``d2h_all``: all ``devices`` workers released together by a barrier, each copying
   ``size`` bytes; aggregate = ``devices * size`` over the overlap window, from the earliest start to
   the latest end. Start and end stamps are ``time.perf_counter``, which is the system-wide monotonic

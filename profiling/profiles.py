@@ -30,8 +30,8 @@ TIME_FIELDS = ("fwd_time", "bwd_time", "recompute_time")
 MEMORY_FIELDS = ("fwd_peak", "bwd_peak", "bwd_first_peak", "act_bytes", "x_bytes", "y_bytes", "dx_bytes")
 BWD_FIELDS = ("bwd_time", "recompute_time", "bwd_peak", "bwd_first_peak", "act_bytes", "dx_bytes")
 SAMPLE_FIELDS = TIME_FIELDS + MEMORY_FIELDS
-# the quantity a loss task's forward takes: it records for autograd, as a recompute does (7-40%
-# dearer than the no-grad forward of a FWD task on the benchmark's models)
+# the quantity a loss task's forward takes: it records for autograd, as a recompute does (dearer
+# than the no-grad forward of a FWD task)
 LOSS_FORWARD = "recompute_time"
 
 
@@ -109,8 +109,7 @@ class Fit:
 def _line(us: list[int], ys: list[float]) -> tuple[float, float]:
     """(intercept, slope) of the least-squares line through the samples, its slope at least 0:
     nothing profiled shrinks as the microbatch grows, and a falling line between two noisy timings of
-    a small layer (a VGG classifier layer's backward: 0.38 ms at u=2, 0.27 ms at u=3) extrapolated to
-    u=8 gave it no time at all."""
+    a small layer, extrapolated to a larger microbatch, would give it no time at all."""
     if len(set(us)) < 2:
         return 0.0, (ys[0] / us[0] if us and us[0] else 0.0)
     from sklearn.linear_model import LinearRegression  # here: a second to import, and workers never fit
@@ -476,8 +475,8 @@ class Profile:
         host when that layer starts and counted while the next layer runs: a copy out takes far
         less than a layer's compute, and where one is late the runtime waits for it before going
         past the plan's peak (``admission._let_outputs_leave``), as for every output leaving the
-        device. Counted until the pack's end, four stashes made a 12-layer forward's plan 1.3x
-        what it held.
+        device. Counted until the pack's end, the stashes would make a long forward's plan well
+        above what it holds.
         """
         layers = self.layers[first:last + 1]
         x = self.column("x_bytes", u)

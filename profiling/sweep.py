@@ -221,12 +221,11 @@ class Profiler:
         """``Profile.backward_call_time`` on this device: a chain of ``CALL_CHAIN`` small linear
         layers, each measured alone and then all as one pack; the backward's share the layers count
         once each and the pack once in all, ``(sum of the layers' bwd_time - the pack's) / (layers -
-        1)``, at least 0. A pack's backward composed from its layers was 14-20% longer than the
-        pack measured whole (VGG, ResNet and GPT-2 tiny at u = 1 and 3), and a plan of one long
-        task came out that much high. The model's own layers read the same, 15.3 and 15.5 us on
-        VGG and ResNet tiny, but a large model's layers hide it in their noise (GPT-2 small: -37
-        us), and a whole model need not fit the device at once; the autograd engine's set-up does
-        not depend on the layers."""
+        1)``, at least 0. Without it a pack's backward composed from its layers comes out longer
+        than the pack measured whole, and a plan of one long task that much high. The model's own
+        layers would read the same, but a large model's layers hide it in their noise, and a whole
+        model need not fit the device at once; the autograd engine's set-up does not depend on the
+        layers."""
         with torch.random.fork_rng(devices=[]):  # the user's generator is left where it was
             torch.manual_seed(0)
             chain = [_Link() for _ in range(CALL_CHAIN)]

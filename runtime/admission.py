@@ -85,10 +85,10 @@ class Admission:
                         channel: str = "SWAP") -> list[torch.Tensor]:
         """``_to_device`` of several tensors at once, such as a whole pack state: one admission and
         one entry into the ledger for all of it, as the plan reserves a state whole. Tensor by
-        tensor, each paid the admission's and the ledger's Python, 12-18 us a tensor on the emulated
-        device, on a stream thread that shares the interpreter lock with the compute thread.
-        ``counted``: the kind of tensor (W, dW, K) the bytes are counted as on ``channel``; None
-        for a caller that counts them itself (a pack state, once all of it is in)."""
+        tensor, each would pay the admission's and the ledger's Python, on a stream thread that
+        shares the interpreter lock with the compute thread. ``counted``: the kind of tensor (W, dW,
+        K) the bytes are counted as on ``channel``; None for a caller that counts them itself (a
+        pack state, once all of it is in)."""
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         urgent = self._compute_blocked if wait else on_compute_thread
         owner = (self._task, STATE) if owner is None else owner

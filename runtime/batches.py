@@ -2,8 +2,8 @@
 
 A tensor put on a ``torch.multiprocessing`` queue moves to a new shared-memory segment, and every
 worker that unpickles it fetches the segment's file descriptor from the sender over a socket and
-maps it. Done afresh for every minibatch that cost 2-2.7 ms between ``step`` and a worker's first
-task on GPT-2 tiny (17-23 ms iterations, measured), the largest part of the launcher's overhead.
+maps it. Done afresh for every minibatch, that is the largest part of the launcher's overhead
+between ``step`` and a worker's first task on a small model.
 
 ``BatchSlots`` (the launcher's side) keeps the last minibatch it sent in shared memory. A new one of
 the same structure (tensor shapes and dtypes, the other values, size and seed) is copied into those

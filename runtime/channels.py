@@ -100,8 +100,8 @@ class Inbox:
 
     Not a ``multiprocessing.Queue``: its ``put`` hands the message to a feeder thread that pickles
     and writes it, one more thread hand-off on a message's way from the sender's stream to the
-    receiver's compute thread. On two cores, with both workers computing, each hand-off waited
-    0.3 ms (median) to 1.8 ms (90th percentile) for a core and the interpreter lock. Messages are
+    receiver's compute thread. On two cores, with both workers computing, each hand-off waits for a
+    core and the interpreter lock. Messages are
     small (a slab's offsets, shared-memory handles): a writer never waits long on the pipe. They
     are pickled as ``multiprocessing`` pickles them, so tensors travel as shared memory
     (``torch.multiprocessing``'s reductions)."""

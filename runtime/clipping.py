@@ -1,5 +1,5 @@
 """The whole gradient before any step: global-norm clipping, as ``torch.nn.utils.clip_grad_norm_``
-clips, and fp16's overflow check (issue 17).
+clips, and fp16's overflow check.
 
 The norm of the whole model's gradient is known only once its last gradient is: a plan that clips
 has a NORM task on the host (``scheduler/taskgraph.with_norm``) after every backward that leaves a

@@ -55,8 +55,8 @@ class Compute:
 
         ``tie_weights=False``: a layer's state names every name of a tied tensor (the decomposer
         records them with ``remove_duplicate=False``) and the pack state gives each the same copy,
-        so there is nothing for ``functional_call`` to tie; its search for ties cost GPT-2 tiny's
-        layers 15% of their forward."""
+        so there is nothing for ``functional_call`` to tie, and its search for ties would cost small
+        layers a good part of their forward."""
         names = self.layers.layers[index].state
         with autocast(self.device.torch_device.type, self.routes.graph.precision):
             return list(functional_call(self.modules[index], {n: state[n] for n in names}, tuple(values),
@@ -208,7 +208,7 @@ def _leaves(values: Values, layer: int) -> Values:
     """Inputs of a recompute or a loss task from ``layer`` on: floating tensors become leaves that
     collect their gradient (what flows back to the previous pack). The model's own inputs (layer
     0) stay as they are, as in eager training: nobody reads their gradient, and computing it cost
-    a convolutional stem's backward as much again (VGG tiny's first layer 0.62 ms against 0.33)."""
+    a convolutional stem's backward as much again."""
     if layer == 0:
         return list(values)
     out = []

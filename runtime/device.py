@@ -347,9 +347,8 @@ class CudaDevice(Device):
     total is enforced by the caching allocator for this process.
 
     cuBLAS keeps workspaces, allocated through the caching allocator at the first matrix products
-    (forward on the calling thread, backward on autograd's) and kept for the process's life: 65 MiB
-    in all on an H100 with torch 2.11 (measured; by PyTorch's defaults, 32 MiB per thread and
-    stream on Hopper, not split out here).
+    (forward on the calling thread, backward on autograd's) and kept for the process's life: by
+    PyTorch's defaults, 32 MiB per thread and stream on Hopper, not split out here.
     ``warm_up`` has them allocated up front and measures them; ``allocated`` and ``peak`` leave them
     out, so that a plan's bytes are compared with the bytes its tensors take. See ``warm_up`` for
     whether they come out of ``capacity`` or on top of it."""

@@ -250,8 +250,8 @@ class Executor(Admission, PackState, Transport, Compute, Updates):
                 self._drain()
         # a stream's job that failed (a send whose transport broke) raised the abort flag, not an
         # exception here; nor does a drain that finds its markers done check it: without this a
-        # worker whose last send failed reported its iteration done, and the launcher heard only
-        # that another worker had stopped (test_p2p_dist, once in CI)
+        # worker whose last send failed would report its iteration done, and the launcher would hear
+        # only that another worker had stopped (test_p2p_dist)
         if self.shared.aborted():
             raise Aborted("the run was aborted while this device finished its iteration")
         self.device.synchronize()
@@ -324,7 +324,7 @@ class Executor(Admission, PackState, Transport, Compute, Updates):
         """Wait until every job queued on the four streams has finished: a marker on each stream
         still busy, waited for together. Only the compute thread, which is here, queues real jobs,
         so none can join a stream behind its marker, and an idle stream stays idle. Markers on all
-        four, one after another, took 0.6 ms of a one-device step (thread wake-ups)."""
+        four, one after another, would cost a thread wake-up each."""
         streams = (self.swap_out, self.p2p_out, self.swap_in, self.p2p_in)
         markers = [stream.submit(lambda: None) for stream in streams if stream.busy()]
         for marker in markers:

@@ -139,9 +139,9 @@ class Layout:
 
 def state_layout(param: torch.Tensor, build_optimizer: Callable) -> dict[str, tuple[list[int], torch.dtype]]:
     """The optimizer state one parameter will have: found by one step on a throwaway copy, on the
-    meta device where the optimizer allows it (no memory, no arithmetic: GPT-2 1.5B's tied
-    embedding took 2 s on the CPU), else on the CPU (an optimizer that reads a value, such as ASGD
-    or Adafactor calling ``.item()``, cannot step on meta)."""
+    meta device where the optimizer allows it (no memory, no arithmetic: a large embedding takes
+    seconds on the CPU), else on the CPU (an optimizer that reads a value, such as ASGD or Adafactor
+    calling ``.item()``, cannot step on meta)."""
     try:
         return _stepped_state(param, build_optimizer, "meta")
     except (RuntimeError, NotImplementedError):

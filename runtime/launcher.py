@@ -372,8 +372,8 @@ class Launcher:
         self._slots = BatchSlots()
         mpctx = processes.context(method)
         self.inboxes = [Inbox(mpctx) for _ in range(self.devices)]
-        # a pipe each way per worker, not a multiprocessing.Queue: a queue's feeder thread added a
-        # thread hand-off to every command and every result (0.1-0.3 ms of a one-device step)
+        # a pipe each way per worker, not a multiprocessing.Queue: a queue's feeder thread adds a
+        # thread hand-off to every command and every result
         self.commands: list[Any] = []  # our ends
         self.results: list[Any] = []
         # a forked worker must not enter an OpenMP parallel region if this process ever did (it
@@ -405,10 +405,9 @@ class Launcher:
             result_out.close()
         # this process's own torch work while the workers compute runs on one thread until ``close``:
         # emulated devices' workers have the cores. The minibatch's copy into their slots at the
-        # default threads left an idle OpenMP team spin-waiting, about 8 ms of a core per 200 KB
-        # minibatch (VGG tiny's runs 1.46-1.57x slower); and the host's updates run on the one
-        # thread the profiler timed them with (at every core a BERT's Adam took 7-11 ms instead of
-        # 5-7 on two cores, contending with the workers, and the estimate did not know it)
+        # default threads would leave an idle OpenMP team spin-waiting on a core the workers need;
+        # and the host's updates run on the one thread the profiler timed them with (on every core
+        # they would contend with the workers and take longer than the estimate knows)
         if device_type == "cpu":
             self._threads_before = torch.get_num_threads()
             torch.set_num_threads(1)

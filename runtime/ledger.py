@@ -26,7 +26,8 @@ its memory), the executor compares the real count with ``occupied`` at every uni
 records by how much it exceeded it (``shortfall``), which the tests hold at zero. There the ledger
 lets a freed buffer go only once the tracker has (``tracker``): both learn of a free from a weak
 reference to the same storage, and Python calls the later-registered one, the ledger's, first, so a
-comparison between the two callbacks saw the tracker still counting what the ledger had let go.
+comparison between the two callbacks would see the tracker still counting what the ledger had let
+go.
 """
 
 from __future__ import annotations
@@ -184,7 +185,7 @@ class Ledger:
         """Record by how much the bytes in use (``real()``) exceed what the ledger knows is on the
         device (nothing if they do not). ``real`` is read under the ledger's lock: a buffer freed
         on another thread between the two readings would otherwise leave the ledger after the real
-        count was taken and show as a shortfall that never was (2 KB to 35 KB on a loaded machine)."""
+        count was taken and show as a shortfall that never was."""
         with self._lock:
             self.shortfall = max(self.shortfall, real() - self._occupied())
 

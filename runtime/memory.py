@@ -93,7 +93,7 @@ class _OverBudget(Exception):
 
 class _Entry:
     """One counted storage: its size as last seen, and the weak reference whose callback uncounts
-    it when freed (a plain ``weakref.ref``: ``weakref.finalize`` costs 15x more per
+    it when freed (a plain ``weakref.ref``: ``weakref.finalize`` costs far more per
     allocation, and an entry that is no longer counted needs no detaching: ``_release`` checks)."""
 
     __slots__ = ("nbytes", "ref")

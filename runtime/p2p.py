@@ -68,8 +68,8 @@ def resolve(p2p: str, device_type: str, devices: int = 1) -> str:
     """The transport for ``p2p`` ("auto", "shm" or "dist") on ``devices`` devices of
     ``device_type``: "auto" is torch.distributed on GPUs (NCCL; shared memory would bounce through
     the host) and shared memory on emulated CPU devices (a copy between two regions of host memory,
-    no sockets: gloo over loopback took 4-40% longer per iteration of the tiny models, measured on
-    2 cores), and on workers sharing GPUs (NCCL refuses two ranks on one GPU)."""
+    no sockets: gloo over loopback makes each iteration of small models longer), and on workers
+    sharing GPUs (NCCL refuses two ranks on one GPU)."""
     if p2p not in CHOICES:
         raise HarmonyError(f"unknown p2p transport {p2p!r}; choose one of {', '.join(CHOICES)}")
     shared = device_type == "cuda" and gpus_shared(devices)

@@ -1,4 +1,4 @@
-"""Mixed precision: the device computes under ``torch.autocast`` (issue 17).
+"""Mixed precision: the device computes under ``torch.autocast``.
 
 ``precision`` is "fp32" (no autocast), "bf16" or "fp16": every layer's forward (and recompute) and
 the loss run under ``torch.autocast(device_type, dtype)``, so the ops eager autocast runs in low

@@ -8,12 +8,12 @@ engine (``torch/csrc/autograd/engine.cpp``) starts one thread per accelerator de
 backward pass of a process (``Engine::start_device_threads``, once), and when it does it registers
 a ``pthread_atfork`` handler that marks every later fork as bad; a backward in such a child raises
 "Unable to handle autograd's threading in combination with fork-based multiprocessing". Whether it
-starts any thread depends on every device type the build registered, not on the GPUs visible: the
-registry's CUDA build of torch 2.14 on a machine without a GPU starts eight once ``torch.export``
-has run (the decomposer's fallback), while the CPU wheel starts none. A flag that no Python API
-shows, set by a backward of the user's, the profiler's or a reference run's. So rather than guess
-from the build, ``autograd_survives_fork`` asks: it forks a child that runs a one-element backward
-and reads its exit code (a few milliseconds), and the answer decides (``start_method``).
+starts any thread depends on every device type the build registered, not on the GPUs visible: a CUDA
+build of torch on a machine without a GPU may start several once ``torch.export`` has run (the
+decomposer's fallback), while the CPU wheel starts none. A flag that no Python API shows, set by a
+backward of the user's, the profiler's or a reference run's. So rather than guess from the build,
+``autograd_survives_fork`` asks: it forks a child that runs a one-element backward and reads its
+exit code (a few milliseconds), and the answer decides (``start_method``).
 
 **Spawning fast.** Where a fork would break autograd, emulated workers come from a fork server
 (``multiprocessing``'s forkserver: a fresh interpreter, started once per process, that has imported
@@ -58,7 +58,7 @@ __all__ = ["START_METHOD", "autograd_survives_fork", "context", "start_method", 
 START_METHOD = "HARMONY_START_METHOD"
 _PROBE_TIMEOUT = 30.0  # seconds for the forked child's backward; it takes milliseconds
 _main_swap = threading.Lock()
-# torch._dynamo: the first optimizer step imports it (1.4 s of a worker's start, measured on torch 2.14)
+# torch._dynamo: the first optimizer step imports it (a large part of a worker's start otherwise)
 _PRELOAD = ["torch", "torch._dynamo", "harmony.runtime.launcher"]
 _fork_broken = False  # once autograd's threads run in this process, every later fork is bad
 

@@ -1,4 +1,4 @@
-"""Random numbers that do not depend on how the work is scheduled (issue 5, "Exactness").
+"""Random numbers that do not depend on how the work is scheduled.
 
 Each microbatch has its own random stream, seeded from (run seed, iteration, first sample of the
 microbatch). Layers draw from it in model order wherever they run: a pack's forward starts from the

@@ -55,7 +55,7 @@ class Stream:
         """Run ``fn()`` on the calling thread, timed as this stream's job, where nothing is queued
         on the stream (else queued behind it, in order). For work too small to pay a thread
         hand-off: a shared-memory send on an emulated device is a copy of a few kilobytes and a
-        pipe write, and waking the stream's thread for it took 0.3-1.8 ms on two busy cores."""
+        pipe write, and waking the stream's thread for it costs more than that on busy cores."""
         if self.busy():
             self.submit(fn, label=label, task=task)
             return

@@ -239,7 +239,7 @@ class Transport:
             stream = self.p2p_in if channel == Channel.P2P else self.swap_in
             if mb == 0 and not stream.busy():
                 # the task's first inputs: the compute thread waits for them at once, so an idle
-                # stream would only add a thread hand-off each way (0.2-0.3 ms a task); ``_inputs``
+                # stream would only add a thread hand-off each way; ``_inputs``
                 # fetches them itself, and nothing else can be queued on the stream meanwhile
                 continue
             out[name] = stream.submit(self._fetch, task, name, mb, label=f"{name} in (mb {mb})", task=task.id)

@@ -2,8 +2,8 @@
 beside the chosen plan (``harmony compile`` without ``--no-compare``).
 
 The searches are independent, and those of the per-GPU-swap baselines are nearly all of a
-compile's time (GPT-2 1.5B on four modelled 1080 Ti: 0.07 s for pp, 8-12 s for each baseline
-searched as its own compile would, whose task graphs hold hundreds of tasks). So the table searches
+compile's time (searched as their own compile would, their task graphs hold hundreds of tasks
+where pp's hold a few). So the table searches
 them over fewer pack counts (``coarse``, measured in ``search.pack_doublings``; the table says which
 rows), and in worker processes, one per core. Each worker
 answers the table's row, not the search's task graph and estimate. Workers are forked (Linux):
@@ -65,8 +65,7 @@ def _start_worker() -> None:
     """A forked worker logs nothing: a handler writing to a console (rich's) may have been locked
     by another thread of the parent at the fork, and would stay locked in the child for good.
     And its collector leaves the parent's heap alone (``search.freeze_heap``): the search's task graphs
-    trigger collections, which would otherwise walk torch's and the model's objects each time
-    (a tenth of the comparison's time for GPT-2 1.5B)."""
+    trigger collections, which would otherwise walk torch's and the model's objects each time."""
     logging.disable(logging.CRITICAL)
     freeze_heap()
 

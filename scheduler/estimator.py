@@ -329,7 +329,7 @@ def _task_costs(task: Task, profile: Profile, cache: dict) -> list[float]:
             else:
                 durs.append(pack("recompute_time", size) + pack("bwd_time", size))
         if memory.fused_update(task):  # not dp's backwards, which a UPD task steps: counted, their
-            # step took dp's estimate 3% over the host-stepped one where it ran 6% faster
+            # step would put dp's estimate above the host-stepped one's where it runs faster
             durs.append(float(sum(layer.upd_time_device for layer in layers)))
         if not durs:
             durs = [0.0]
@@ -896,8 +896,8 @@ class _Simulation:
     # ------------------------------------------------------------------------------ the event loop
     def release(self) -> None:
         """Cut the references from units and transfers to what they wait for and what waits for them:
-        they form cycles, which the cyclic collector otherwise had to find (7% of a search, in the
-        first allocations after each estimate); without them the simulation goes by reference
+        they form cycles, which the cyclic collector would otherwise have to find (in the first
+        allocations after each estimate); without them the simulation goes by reference
         counting as soon as it is done. A recorded timeline keeps what it labels (a unit's task and
         microbatch, a transfer's consumer)."""
         for x in self.xfers:

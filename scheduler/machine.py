@@ -40,21 +40,20 @@ on layers of near-zero compute, ``harmony.profiling.overheads``; zero when nobod
   on the host) beyond its optimizer step, fixed and per parameter it steps: the gradient slots the
   devices wrote summed into one, each weight wrapped as a leaf holding it, an optimizer built for
   the task and handed the state in shared memory, the state written back (measured on the
-  launcher's host updates of layers of 2 and of 12 tensors: about 0.27 ms and 20 us here, beside
-  0.12-0.38 ms steps; ``update_overhead``, fitted on the devices' updates, left them out);
+  launcher's host updates of layers of few and of many tensors; ``update_overhead``, fitted on the
+  devices' updates, leaves them out);
 - ``p2p_send_overhead``: seconds of a device's compute thread per P2P message it sends: an emulated
   device's compute thread sends through shared memory itself when its p2p-out stream is idle
   (``runtime/transport``), so the message's hand-off delays its next unit (measured: the p2p-out
-  spans of the overheads probe's pipeline, 0.15-0.25 ms here). Zero on GPUs, whose sends are
-  issued to a stream;
+  spans of the overheads probe's pipeline). Zero on GPUs, whose sends are issued to a stream;
 - ``compute_task_overhead``: on the emulated ``cpu`` backend, seconds each FWD or BWD task of the
   model takes beyond its scaled compute and the costs above: the intercept of the model's own
   calibration, read beside ``compute_scale`` on the same tasks (``profiling/overheads._scaling``).
   A task starts on layers whose weights and code another pack's task has just pushed out of the
   caches; the near-zero layers the overheads above are read on have nothing to push out. Folded
-  into one scale instead, it made the calibration's tasks of two microbatches read VGG and ResNet
-  tiny 1.4-1.6x the profile, where their plans' tasks of six to eight ran at 1.0-1.2x, and those
-  plans came out 20-45% over their runs. Not charged to UPD tasks, which the calibration does not
+  into one scale instead, it would make the calibration's short tasks (two microbatches) read a
+  model well above the profile where its plans' longer tasks run close to it, and those plans
+  would come out over their runs. Not charged to UPD tasks, which the calibration does not
   run on a device.
 - ``cpu_cores``: on the emulated ``cpu`` backend every device computes on the host's cores, and so
   do the host's offloaded updates: the number of cores they get between them (measured: a fixed

@@ -18,7 +18,7 @@ steps its pack on the device, one more for that update; a UPD task is one unit. 
 
 Nothing here simulates: each function answers for one task, so that the estimator's simulation, the
 runtime's reservation before a prefetch (``reserve``) and a per-device program with static
-reservations (issue 15) count the same bytes.
+reservations count the same bytes.
 """
 
 from __future__ import annotations

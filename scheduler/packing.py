@@ -299,8 +299,8 @@ def _optimal_bound(t: _Tables, n: int, packs: int) -> float | None:
     most calls: the band between the lower bound and it plus the slowest layer), they are listed
     and bisected (``_least_feasible``). Listing also ends the selection where rounding makes its
     median equal a bound: a pack time computed as a difference of prefix sums can round onto
-    ``hi`` while the comparisons that count it put it below. The selection used to stop there with
-    ``hi``, a layer's time above the optimum (47 of 3,405 calls over Table 1's four models)."""
+    ``hi`` while the comparisons that count it put it below; stopping there would answer ``hi``, a
+    layer's time above the optimum."""
     prefix = t.prefix[:n + 1]
     if not _feasible(t, n, np.inf, packs):
         return None

@@ -143,8 +143,8 @@ _frozen_for_good = False  # ``freeze_heap`` ran in this process
 
 def freeze_heap() -> None:
     """``gc.freeze()`` for the rest of the process (a comparison worker's), which the searches then
-    leave as it is without asking ``gc.get_freeze_count()``: that walks every frozen object (0.14 s
-    per search in a worker forked from a compile of GPT-2 1.5B, half a second of each worker's 4 s)."""
+    leave as it is without asking ``gc.get_freeze_count()``: that walks every frozen object, a
+    large part of a search in a worker forked from a compile of a large model."""
     global _frozen_for_good
     gc.freeze()
     _frozen_for_good = True
@@ -153,8 +153,8 @@ def freeze_heap() -> None:
 @contextlib.contextmanager
 def _collecting_own() -> Iterator[None]:
     """The cyclic collector's passes during a search walk only what the search made: the objects of
-    the process before it (torch's, the model's: hundreds of thousands) are frozen meanwhile. A
-    full pass over them took 0.1 s of BERT96's 0.13 s search in a process that had just built it.
+    the process before it (torch's, the model's: hundreds of thousands) are frozen meanwhile: a
+    full pass over them can take most of a search's time in a process that has just built it.
     Where something else froze the heap already (``freeze_heap``, or a caller's own), it stays so."""
     if not gc.isenabled() or _frozen_for_good or gc.get_freeze_count():
         yield
@@ -245,11 +245,9 @@ def pack_doublings(mode: str, coarse: bool = False) -> tuple[int, int]:
     The per-GPU-swap baselines do best with fine packs (swapping per layer is their nature): they
     get the whole ladder of pack counts, so that a comparison with them is fair to them. ``coarse``
     (a compile's comparison table) keeps their backward packs to the fewest that fit and one more, as
-    pp's, and their forward pack counts to three doublings (and one layer per pack). Measured
-    against the whole ladder on four modelled 1080 Ti, minibatch 64 (``python -m bench.search_time
-    --comparison``, bench/results/speed.md): GPT-2 1.5B's six baselines searched in 17.1 s instead of
-    58.6 s, BERT96's in 20.8 s instead of 100.2 s; of the twelve estimates found, eight were the same
-    and four 0.3-2.9% slower (the 2.9%: gpipe-swap-r on GPT-2 1.5B).
+    pp's, and their forward pack counts to three doublings (and one layer per pack): several times
+    faster than the whole ladder, and the estimates found are the same or a few percent slower
+    (``python -m bench.search_time --comparison`` compares the two).
     """
     if mode in ("pp", "dp"):
         return 0, 0

@@ -90,7 +90,7 @@ class Task:
         """A backward that steps its own pack right after its last microbatch (it brings the
         optimizer state in); a BWD stepped by a separate UPD task only leaves its gradient. Read
         from the end, where the generator appends the K input: the estimator asks once per input,
-        and a backward of many microbatches has hundreds (7-14% of Table 1's search time)."""
+        and a backward of many microbatches has hundreds."""
         return self.kind == Kind.BWD and self.update == "device" and any(t.tensor == "K" for t in reversed(self.inputs))
 
     def deps(self) -> set[int]:

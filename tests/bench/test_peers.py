@@ -9,7 +9,7 @@ from bench.peers import MMAP_THRESHOLD, spawn_environment
 
 @pytest.mark.parametrize("parent", [None, "1048576"])
 def test_throughput_jobs_start_without_the_mmap_threshold_and_limit_jobs_with_it(monkeypatch, parent):
-    """The threshold made every activation a fresh mapping and slowed the peers 1.6-1.75x; only the
+    """The threshold makes every activation a fresh mapping and slows the peers; only the
     memory-limit jobs, which read each job's RSS growth on shared processes, need it."""
     if parent is None:
         monkeypatch.delenv(MMAP_THRESHOLD, raising=False)

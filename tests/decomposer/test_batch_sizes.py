@@ -50,7 +50,7 @@ class Block(nn.Module):
 
 class GPTLike(nn.Module):
     """Token embedding, a learned position parameter of shape (1, T, W), blocks of LayerNorm +
-    nn.MultiheadAttention + GELU MLP, a linear head (the model of issue 14). With
+    nn.MultiheadAttention + GELU MLP, a linear head. With
     ``batch_first=False`` the blocks pass (T, B, W) between them."""
 
     def __init__(self, vocab: int = 32, seq: int = 8, width: int = 16, blocks: int = 2, heads: int = 4,

@@ -31,8 +31,8 @@ def test_compile_a_live_model_saves_and_loads(tmp_path):
 
 
 def test_an_out_of_memory_the_compile_did_not_catch_names_its_stage_and_asks_for_a_report(monkeypatch):
-    """As one did on an H200 (bench/results/cuda-h200): the bare device error told the user to
-    shrink the microbatch, though no stage of the compile should let one through."""
+    """The bare device error would tell the user to shrink the microbatch, though no stage of the
+    compile should let one through."""
 
     def measurer(*args, **kwargs):
         def measure(packs):

@@ -1,4 +1,4 @@
-"""Bad arguments (issue 6, item 5): `harmony compile`, `harmony run` and `harmony.compile` refuse
+"""Bad arguments: `harmony compile`, `harmony run` and `harmony.compile` refuse
 them with one clear message, exit status 2, and no worker process started."""
 
 from __future__ import annotations

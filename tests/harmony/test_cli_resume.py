@@ -1,4 +1,4 @@
-"""`harmony run --checkpoint-every K --checkpoint-dir DIR` and `--resume` (issue 6, item 3): a run
+"""`harmony run --checkpoint-every K --checkpoint-dir DIR` and `--resume`: a run
 stopped at a checkpoint and resumed reproduces the uninterrupted run's losses exactly (float64,
 dropout on, a get_batch drawing from the global generators of torch, numpy and Python), and a
 checkpoint's "model" loads into the user's own model.

@@ -1,4 +1,4 @@
-"""`harmony run` stopped by a signal (issue 6, item 1, the CLI side): SIGINT and SIGTERM end a run
+"""`harmony run` stopped by a signal (the CLI side): SIGINT and SIGTERM end a run
 mid-training within 30 s, with exit status 130 / 143, the cause and the last checkpoint printed, no
 worker process left and no shared-memory segment left behind.
 

@@ -1,4 +1,4 @@
-"""Files from outside (issue 6, item 4): a plan directory's files and checkpoints that are truncated,
+"""Files from outside: a plan directory's files and checkpoints that are truncated,
 bit-flipped, of another schema version or kind, made for another model, or well-sealed but of the
 wrong shape are refused with a HarmonyError naming the file and the reason, never another exception.
 

@@ -1,5 +1,5 @@
 """A user's plain script, run as ``python script.py`` the way a user runs it: its own model, no
-``if __name__ == "__main__":`` guard, compiling and training in one process (issue 14, part 1).
+``if __name__ == "__main__":`` guard, compiling and training in one process.
 
 This is where the start method bites: the compiler's backward passes (profiling, and on some
 builds ``torch.export``) can leave autograd unable to run in a forked child, the runtime-overheads

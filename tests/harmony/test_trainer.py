@@ -182,7 +182,7 @@ def test_leaving_the_with_block_stops_every_worker_and_step_after_close_raises(c
 
 def test_the_trainers_process_computes_on_one_thread_while_emulated_devices_run_and_gets_its_threads_back(compiled):
     """The workers have the cores: a parallel op in this process (the minibatch copied into their
-    slots) left an OpenMP team spin-waiting, about 8 ms of a core per step."""
+    slots) would leave an OpenMP team spin-waiting on a core they need."""
     initial, _, plan = compiled
     before = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -63,8 +63,8 @@ def test_a_loss_microbatch_is_estimated_with_the_losss_own_time_and_a_plain_back
 
 
 def test_a_loss_microbatchs_forward_is_timed_as_one_recording_for_autograd_not_the_no_grad_forward():
-    """A loss task runs its pack's forward with autograd on, as a recompute does (7-30% dearer than
-    the FWD task's no-grad forward on the benchmark's models); the estimate takes that time."""
+    """A loss task runs its pack's forward with autograd on, as a recompute does (dearer than
+    the FWD task's no-grad forward); the estimate takes that time."""
     machine = _machine()
     profile = _profile([LossSample(u=1, nbytes=0), LossSample(u=8, nbytes=0)], recompute=3e-3)
     loss_task = Task(id=0, device=0, kind=Kind.BWD, first=0, last=0, microbatches=[4, 4], loss=True)

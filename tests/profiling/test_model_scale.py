@@ -52,7 +52,7 @@ def test_the_model_scale_is_its_own_layers_on_the_runtime_over_their_estimate():
     assert scaling.low <= scale <= scaling.high  # the spread of its tasks' readings
     # a ratio of spans, both of the same work: the runtime not free, and finite. These layers compute
     # for microseconds, profiled unwatched, so the runtime's unmodelled costs per task weigh on the
-    # scale: 24.7 was read once in CI on torch 2.14 (1.5-2.3 on GPT-2 tiny)
+    # scale, which can then read far above 1 on a loaded machine
     assert 0.05 < scale < 100 and 0 <= interference < 20
     assert multiprocessing.active_children() == []
 

@@ -1,8 +1,8 @@
 """The profiler on a device whose own out-of-memory error surfaces inside the memory scope, as CUDA's
 does: the allocator raises ``torch.OutOfMemoryError`` from within an op, and the device turns it
 into ``DeviceOutOfMemoryError`` only where it converts (``Device.oom_converted``, the scope's exit).
-The emulated device raises ours from the op itself, so the CPU suite alone never saw the difference:
-on a GPU a backward that did not fit passed as the forward's failure and escaped the plan's pack
+The emulated device raises ours from the op itself, so the CPU suite alone cannot see the difference:
+on a GPU a backward that did not fit could pass as the forward's failure and escape the plan's pack
 measurement. Here both contracts give the same figures, and a failed attempt leaves nothing behind.
 """
 

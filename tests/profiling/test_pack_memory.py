@@ -14,7 +14,7 @@ from harmony.profiling.measure import measure_layer, measure_pack
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
 U = 4
-# The target is 10% above the measured peak; convolution packs reach 14% (the per-layer backward
+# The target is 10% above the measured peak; convolution packs go beyond it (the per-layer backward
 # working memory includes an input gradient that a pack frees earlier), so the bound allows 15%.
 SLACK = 1.15
 
@@ -66,8 +66,8 @@ def test_a_pack_measured_whole_records_the_forwards_peak_during_each_layer():
 
 def test_a_cycle_collection_inside_the_measured_recompute_takes_nothing_off_its_activations():
     """An earlier measurement's cyclic garbage on the device, given back by an automatic collection
-    that falls inside the recompute (forced here from the layer's own forward), used to be taken
-    off the activations read as the difference of two readings: they read negative."""
+    that falls inside the recompute (forced here from the layer's own forward), must not be taken
+    off the activations read as the difference of two readings: they would read negative."""
     torch.manual_seed(0)
     layer = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).double()
     x = (torch.randn(8, 64, dtype=torch.float64),)

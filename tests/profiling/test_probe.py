@@ -53,8 +53,8 @@ def test_cpu_probe_measures_the_runtime_costs_on_its_own_path(cpu_machine):
     assert m.cpu_cores is not None and 0 < m.cpu_cores <= m.devices + 1
     assert m.p2p_latency < 0.05
     assert "overheads" in m.notes and "cpu_cores" in m.notes
-    # the runtime computes no faster than the profile (noise aside: 0.74 was seen with two test
-    # suites sharing the two cores) and not wildly slower
+    # the runtime computes no faster than the profile (noise aside: other work sharing the cores
+    # can push it below 1) and not wildly slower
     assert 0.6 < m.compute_scale < 5 and 0 <= m.compute_interference < 2
     assert "compute_scale" in m.notes and "compute_interference" in m.notes
 

@@ -171,7 +171,7 @@ def test_interpolated_time_matches_a_fresh_measurement_within_noise():
 
 
 def test_the_profile_measures_the_loss_task_the_optimizers_temporaries_and_a_groups_first_microbatch():
-    """What a plan needs beyond each layer's forward and backward (issue 14, part 2): the last
+    """What a plan needs beyond each layer's forward and backward: the last
     layer's loss task with the loss function, Adam's temporaries, and a group's first microbatch,
     which makes the gradient buffers instead of adding a fresh gradient to them."""
     graph = harmony.decompose(_mlp(), _get_batch(2, 0)[0])
@@ -189,8 +189,8 @@ def test_the_profile_measures_the_loss_task_the_optimizers_temporaries_and_a_gro
 
 def test_a_packs_update_memory_counts_every_parameters_step_counter():
     """Adam keeps a scalar step per parameter, held through every step and never moved as K: a
-    pack's update holds all of its layers' (found as a 30-byte overrun of a fused update, issue
-    14), not the largest layer's alone."""
+    pack's update holds all of its layers' (a fused update would otherwise overrun its plan), not
+    the largest layer's alone."""
     from harmony.profiling.measure import update_scratch
 
     graph = harmony.decompose(_mlp(), _get_batch(2, 0)[0])
@@ -205,8 +205,8 @@ def test_a_packs_update_memory_counts_every_parameters_step_counter():
 
 def test_a_layer_whose_update_does_not_fit_the_device_still_has_its_update_temporaries_measured():
     """Its update must go to the host (time inf on the device), but a per-GPU baseline steps it on
-    the device anyway: with its temporaries counted as 0 such a plan promised 1.6 MB and asked for
-    1.8 MB (issue 14's long run, HF GPT-2 in dp-swap); measured, the plan is refused instead."""
+    the device anyway: with its temporaries counted as 0 such a plan would promise less than it asks
+    for; measured, the plan is refused instead."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(WIDTH, 256), torch.nn.Linear(256, 256), torch.nn.Linear(256, 10))
     graph = harmony.decompose(model, _get_batch(2, 0)[0])
@@ -220,8 +220,8 @@ def test_a_layer_whose_update_does_not_fit_the_device_still_has_its_update_tempo
 
 def test_a_packs_optimizer_step_is_measured_whole_for_a_plan_and_replaces_the_composition():
     """A pack's update temporaries composed from its layers (the largest layer's, the others' by a
-    growth factor) fell 77 bytes short of a run (issue 14's long run, seed 5, gpipe-swap); a plan
-    measures the steps it makes on the device whole (PackSample u = 0)."""
+    growth factor) can fall a few bytes short of a run; a plan measures the steps it makes on the
+    device whole (PackSample u = 0)."""
     from harmony.profiling.measure import update_scratch
 
     graph = harmony.decompose(_mlp(), _get_batch(2, 0)[0])
@@ -246,7 +246,7 @@ def test_a_fit_extrapolates_noisy_falling_timings_flat_rather_than_to_zero():
 
 def test_host_updates_are_timed_on_host_memory_nobody_watches(monkeypatch):
     """The runtime steps the host store without tracking its ops; a watched device's per-op
-    dispatch made a GPT-2 tiny layer's Adam step 3-4x its run's time."""
+    dispatch makes an Adam step several times its run's time."""
     import harmony.profiling.sweep as sweep
 
     devices = []

@@ -3,8 +3,7 @@
 Workers are spawned (CUDA cannot be forked), streams are CUDA streams, and the results must
 match eager training on one GPU (gpt2's dropout draws from the CUDA generator), with P2P
 messages through shared host memory and over NCCL (``runtime/p2p.py``; the same code runs over
-gloo in ``test_p2p_dist.py``). First run on one H100 (``bench/results/cuda-h100``); the NCCL
-cases need two GPUs and have not run.
+gloo in ``test_p2p_dist.py``). The NCCL cases need two GPUs.
 """
 
 from __future__ import annotations

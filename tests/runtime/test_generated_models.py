@@ -1,4 +1,4 @@
-"""Plans for models nobody wrote by hand keep their promise (issue 14, parts 2 and 3).
+"""Plans for models nobody wrote by hand keep their promise.
 
 Each case (``generated_models.py``) draws a model family, its sizes and dtype from a seed,
 compiles it on two emulated devices at a fraction of its training footprint, and trains two steps

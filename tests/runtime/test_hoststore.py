@@ -3,8 +3,8 @@ stream threads, looking a slot up must not touch the device.
 
 A swap-out thread runs inside its device's memory tracker. Anything it allocates while finding a
 host slot is counted as device memory, and lands on top of whatever the compute thread holds at
-that moment: a long run saw device peaks 4 bytes over their plan, from a ``torch.empty(())`` made
-only to read a dtype's element size.
+that moment: even a ``torch.empty(())`` made there only to read a dtype's element size would take
+the device a few bytes over its plan.
 """
 
 import torch

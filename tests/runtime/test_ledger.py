@@ -145,8 +145,8 @@ def test_a_freed_buffer_leaves_the_ledger_only_after_the_tracker_stops_counting_
 
 def test_a_buffer_freed_on_another_thread_while_the_ledger_compares_is_no_shortfall():
     """The real count and the ledger's are read as one: a buffer freed between the two readings
-    showed as a shortfall of that buffer (35,072 bytes in CI on a loaded machine) though the device
-    never held more than the ledger knew."""
+    would show as a shortfall of that buffer though the device never held more than the ledger
+    knew."""
     import threading
 
     ledger = Ledger()

@@ -1,20 +1,20 @@
-"""Issue 14, part 3, end to end: outside models train exactly when the microbatch sizes change,
+"""End to end: outside models train exactly when the microbatch sizes change,
 and dp either plans where pp does or says what it needs.
 
 * Hugging Face ``BertForSequenceClassification`` in dp at a third of its training footprint, with
   U_F != U_B (the forward's microbatches cut and joined into the backward's): the task
   ``dev1 BWD+loss L4-6 u=2x4`` failed with ``The size of tensor a (8) must match the size of
   tensor b (2)``, a batch size relayed between layers as a number.
-* The GPT-like model of the issue (nn.MultiheadAttention, batch_first=True) in pp with
+* A GPT-like model (nn.MultiheadAttention, batch_first=True) in pp with
   U_F != U_B: ``shape '[128, 16, 64]' is invalid``, ``B * heads`` of another microbatch.
 * Hugging Face causal LMs with their key/value cache on (Qwen2, as Mistral, GPT-NeoX, OPT and Phi
   were): ``cannot trace Qwen2ForCausalLM``, torch.export refusing the ``DynamicCache`` output.
 * Hugging Face Falcon, whose attention writes a tensor in forward(): ``'FalconAttention' object has
   no attribute 'lifted_tensor_0'``.
 * Hugging Face ``GPT2LMHeadModel`` in dp, float64: at a third of its training footprint it trains
-  exactly; at a third of its weights, gradients and Adam moments (the issue's 2,018,917 planned
-  bytes) it either plans and trains exactly, or the refusal names the device memory that fits,
-  and a plan compiled there trains exactly.
+  exactly; at a third of its weights, gradients and Adam moments it either plans and trains
+  exactly, or the refusal names the device memory that fits, and a plan compiled there trains
+  exactly.
 
 Each run: two steps on two emulated devices, losses and every parameter equal the eager
 reference over the plan's microbatches, no device above its capacity.
@@ -126,7 +126,7 @@ class Block(nn.Module):
 
 
 class GPTLike(nn.Module):
-    """The issue's own model, smaller: embedding, position parameter (1, T, W), MHA blocks, head."""
+    """A GPT-like model: embedding, position parameter (1, T, W), MHA blocks, head."""
 
     def __init__(self, vocab: int = 64, seq: int = 32, width: int = 64, blocks: int = 4, heads: int = 4):
         super().__init__()
@@ -271,9 +271,9 @@ def test_hf_gpt2_in_dp_at_a_third_of_its_footprint_trains_like_eager():
 
 @pytest.mark.slow
 def test_hf_gpt2_in_dp_at_a_third_of_its_weights_and_adam_state_plans_or_names_what_fits():
-    """The issue's capacity: a third of weights + gradients + two Adam moments (2,243,242 bytes,
-    2,018,917 planned). Whatever the measured profile makes of it, dp either plans, or the refusal
-    states the closest configuration and a device memory at which compiling succeeds."""
+    """A third of weights + gradients + two Adam moments (2,243,242 bytes). Whatever the measured
+    profile makes of it, dp either plans, or the refusal states the closest configuration and a
+    device memory at which compiling succeeds."""
     model = gpt2_model()
     capacity = 4 * sum(p.numel() * p.element_size() for p in model.parameters()) // 3
     try:

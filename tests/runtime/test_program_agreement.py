@@ -1,5 +1,5 @@
-"""The executor moves exactly what the lowered program says (issue 15): per device and stream, the
-same edges (by key), the same bytes, in the same order; and the same pack-state loads.
+"""The executor moves exactly what the lowered program says: per device and stream, the same
+edges (by key), the same bytes, in the same order; and the same pack-state loads.
 
 Plans come from the search and from a configuration with U_F != U_B and different packs in the two
 passes (pieces cross microbatch boundaries); each runs under its memory promise (the Trainer

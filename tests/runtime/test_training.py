@@ -1,4 +1,4 @@
-"""Training through the runtime equals eager training on one process (issue 5, "Checked by").
+"""Training through the runtime equals eager training on one process.
 
 Every model of ``models/`` (tiny presets, dropout on), every mode, 1, 2 and 4 emulated devices
 whose capacity is below a third of the model's training footprint: the losses of 5 iterations

@@ -1,10 +1,10 @@
 """Joining a microbatch's pieces on the device (``runtime/transport.py``, ``Transport._joined``).
 
 A consumer microbatch made of several producers' pieces holds the pieces and their join at once
-while the join is made. Prefetched on an inbound stream, that moment fell on the running unit's
-peak and took the device past its planned peak (issue 14, seed 27 of the generated models: 8,768
-bytes over in 2 runs of 8). The join is a copy made ahead of need and waits for room like one,
-by the ledger's count (``runtime/ledger.py``): the running unit's planned bytes and the pieces.
+while the join is made. Prefetched on an inbound stream with nothing to hold it back, that moment
+can fall on the running unit's peak and take the device past its planned peak. The join is a copy
+made ahead of need and waits for room like one, by the ledger's count (``runtime/ledger.py``): the
+running unit's planned bytes and the pieces.
 """
 
 from __future__ import annotations

@@ -122,7 +122,7 @@ def test_every_stream_is_named_and_p2p_moves_only_between_devices(uniform):
 @pytest.mark.parametrize("mode", MODES)
 def test_every_state_input_with_a_producer_reads_one_named_output_of_its_tensor(uniform, mode):
     """The program, not each player, says which output a pack state, optimizer state or gradient
-    input reads (issue 15: no matching in the estimator); an output naming its reader is read once."""
+    input reads (no matching in the estimator); an output naming its reader is read once."""
     graph = promised(uniform, mode)
     program = lower(graph, uniform(layers=4))
     by_id = {t.id: t for t in graph.tasks}

@@ -282,8 +282,8 @@ def test_a_pack_count_that_only_a_measured_pack_makes_possible_is_refused_not_a_
 def test_equal_layers_whose_pack_times_round_onto_the_bound_still_get_the_optimum():
     """Forty equal blocks after a cheap embedding (a transformer's shape): a pack time taken as a
     difference of prefix sums rounds onto the selection's upper bound while its comparisons count
-    it below, and the selection stopped there, one block above the optimum (GPT-2 1.5B's forward
-    at u=8 in Table 1's search). The packing is rebuilt under that bound, so the bound itself is
+    it below, and a selection stopping there would answer one block above the optimum (GPT-2
+    1.5B's forward at u=8, as below). The packing is rebuilt under that bound, so the bound itself is
     what is held to the optimum here."""
     from harmony.scheduler.packing import _optimal_bound, _tables
 

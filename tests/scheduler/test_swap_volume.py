@@ -19,7 +19,7 @@ def test_gpt2_1_5b_on_four_1080ti_pp_swaps_100x_less_than_dp_swap_at_one_sample_
     """The paper's baselines run one sample per microbatch (per-GPU virtualization of a model this
     size leaves room for no more, §3); at that setting dp-swap moves >=100x pp's bytes. Searched
     over microbatch sizes too, our dp-swap (which stashes activations to the host and so fits u=8)
-    moves about 23x: bench/swap_volume.py prints both."""
+    moves less: bench/swap_volume.py prints both."""
     mf = load_model_file(MODELS / "gpt2.py", {"preset": "1.5b"})
     with torch.device("meta"):
         model = mf.build_model()

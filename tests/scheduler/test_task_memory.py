@@ -1,5 +1,5 @@
 """What a task holds and when (scheduler/memory.py), and how the estimator adds it up: each cause of a
-plan falling below a run's peak (issue 14, part 2) as one small case on a synthetic profile."""
+plan falling below a run's peak as one small case on a synthetic profile."""
 
 from __future__ import annotations
 
@@ -150,7 +150,7 @@ def test_the_estimate_says_which_states_load_during_which_unit_of_the_task_befor
 
 def test_a_task_wide_stream_input_counts_from_the_task_start_not_from_the_lookahead(profile):
     """One microbatch's stash (microbatch None) is copied in as its task starts, like any first
-    microbatch's input, not beside the task before (a dp-swap plan promised 43% too much)."""
+    microbatch's input, not beside the task before (which would make a plan promise too much)."""
     big = 100 * W
     first = bwd(0, 0, 0, mbs=(U,), inputs=[Transfer("W", Channel.SWAP, W)])
     second = bwd(1, 1, 1, mbs=(U,), inputs=[Transfer("W", Channel.SWAP, W), Transfer("Xs", Channel.SWAP, big)])
