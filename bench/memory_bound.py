@@ -11,7 +11,7 @@ worker measured while it ran).
     HARMONY_START_METHOD=spawn python -m bench.memory_bound [--models a,b] [--fractions 1/3,1/6]
         [--modes pp,dp] [--tasks]
 
-The models and ``run_case`` serve ``tests/runtime/test_memory_bound.py`` too.
+The models and ``run_case`` serve ``tests/runtime/test_planned_memory_bounds_the_run.py`` too.
 """
 
 from __future__ import annotations
