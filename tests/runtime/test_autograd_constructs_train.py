@@ -127,11 +127,11 @@ def test_function_drawing_random_numbers_repeats_them_in_the_recompute():
     assert_trains_like_eager(build(StochasticallyRounded(), Centred()), "dp")
 
 
-def assert_trains_like_eager(model: nn.Module, mode: str) -> None:
-    """Three steps at a third of the training footprint equal eager over the plan's microbatches."""
+def assert_trains_like_eager(model: nn.Module, mode: str, share: int = 3) -> None:
+    """Three steps at 1/``share`` of the training footprint equal eager over the plan's microbatches."""
     reference = copy.deepcopy(model)
     graph = harmony.decompose(copy.deepcopy(model), get_batch(2, 0)[0])
-    capacity = training_footprint(graph, get_batch, MINIBATCH) // 3
+    capacity = training_footprint(graph, get_batch, MINIBATCH) // share
     plan = harmony.compile(model, loss_fn, get_batch, minibatch_size=MINIBATCH, devices=2, mode=mode,
                            device_memory=capacity, build_optimizer=adamw, probe=False)
     batches = [get_batch(MINIBATCH, step) for step in range(STEPS)]
@@ -225,4 +225,4 @@ def test_function_of_the_script_run_as_main_reaches_spawned_workers(monkeypatch)
 
     monkeypatch.setenv("HARMONY_START_METHOD", "spawn")
     torch.manual_seed(0)
-    assert_trains_like_eager(build(Reversed()), "pp")
+    assert_trains_like_eager(build(Reversed()), "pp", share=2)  # a smaller model: a third leaves no room to plan
