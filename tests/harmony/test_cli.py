@@ -57,6 +57,7 @@ def test_profile_measures_and_writes_a_profile(tmp_path, capsys):
     assert len(profile.layers) == len(graph.layers)
 
 
+@pytest.mark.slow  # probing takes seconds; tests/profiling/test_probe.py probes in the default run
 def test_probe_writes_a_machine_description(tmp_path, capsys):
     out = tmp_path / "machine.msgpack"
     assert main(["probe", "--device", "cpu", "--devices", "2", "--size", "1MiB", "--repeats", "1", "--out", str(out)]) == 0

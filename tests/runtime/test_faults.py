@@ -203,7 +203,7 @@ LAUNCHER_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("signum", [pytest.param(signal.SIGINT, marks=pytest.mark.slow), signal.SIGTERM])
 def test_signal_to_the_launcher_stops_every_worker(signum, tmp_path):
     """SIGINT (as Ctrl-C would, to the whole process group) or SIGTERM to the launcher's process."""
     script = tmp_path / "launch.py"

@@ -62,7 +62,7 @@ def plan_for(mode: str):
                            mode=mode, build_optimizer=adamw, probe=False)
 
 
-@pytest.mark.parametrize("mode", ["pp", "dp"])
+@pytest.mark.parametrize("mode", ["pp", pytest.param("dp", marks=pytest.mark.slow)])
 def test_lora_fine_tuning_of_a_hf_llama_trains_as_eagerly_and_changes_only_the_adapters(mode):
     model, plan = lora_model(), plan_for(mode)
     reference = copy.deepcopy(model)
@@ -90,6 +90,7 @@ def test_only_the_adapters_gradients_and_state_move():
     assert not [t for t in plan.tasks.tasks if t.kind == Kind.BWD and t.last < 2]
 
 
+@pytest.mark.slow
 def test_lora_in_bf16_with_clipping_and_a_schedule_trains_within_bf16_rounding_of_eager():
     """The usual fine-tuning recipe at once. peft's wrapper is traced by torch.export, which bakes
     the dtypes it saw into explicit casts (peft's ``result.to(torch_result_dtype)``, HF's

@@ -30,6 +30,8 @@ from harmony.runtime.routes import build_routes
 from harmony.scheduler.search import search
 from harmony.trainer import Trainer
 
+pytestmark = pytest.mark.slow  # several processes launched per test
+
 MODEL = Path(__file__).resolve().parents[2] / "models" / "gpt2.py"
 ARGS = ["--arg", "preset=tiny", "--arg", "dtype=float64"]
 MINIBATCH = 8

@@ -173,6 +173,7 @@ def test_run_cli_takes_the_transport(capsys):
     assert "--p2p {auto,shm,dist}" in out and "gloo" in out and "NCCL" in out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path(TORCHRUN).exists(), reason="torchrun is not installed")
 def test_run_over_gloo_forked_and_under_torchrun_trains_alike(tmp_path):
     """``harmony run --p2p dist``: forked workers, then torchrun's processes (the pair groups on

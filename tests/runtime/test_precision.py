@@ -63,7 +63,7 @@ def relative_distance(a: dict, b: dict) -> float:
                  / sum((b[k].double() ** 2).sum() for k in keys) ** 0.5)
 
 
-@pytest.mark.parametrize("mode, clip", [("pp", None), ("dp", None), ("pp", 0.5)])
+@pytest.mark.parametrize("mode, clip", [("pp", None), ("dp", None), pytest.param("pp", 0.5, marks=pytest.mark.slow)])
 def test_a_bf16_run_equals_eager_autocast_training(mode, clip):
     model, get_batch, _ = model_and_capacity()
     plan = plan_at("bf16", mode, clip)
@@ -105,7 +105,8 @@ def test_an_unknown_precision_is_refused_before_compiling():
 FIRST_SCALE = 2.0 ** 20  # high enough that some fp16 gradients overflow: those steps are skipped
 
 
-@pytest.mark.parametrize("mode, clip", [("pp", None), ("dp", None), ("pp", 0.5)])
+@pytest.mark.parametrize("mode, clip", [("pp", None), pytest.param("dp", None, marks=pytest.mark.slow),
+                                        pytest.param("pp", 0.5, marks=pytest.mark.slow)])
 def test_an_fp16_run_scales_the_loss_and_skips_the_steps_eager_grad_scaler_skips(mode, clip):
     model, get_batch, _ = model_and_capacity()
     plan = plan_at("fp16", mode, clip)

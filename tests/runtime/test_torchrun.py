@@ -14,6 +14,8 @@ import pytest
 
 from harmony.cli import main
 
+pytestmark = pytest.mark.slow  # several processes launched per test
+
 MODEL = Path(__file__).resolve().parents[2] / "models" / "gpt2.py"
 
 

@@ -45,7 +45,7 @@ def brute_force(profile, machine, mode, devices, minibatch, sizes):
     return best
 
 
-@pytest.mark.parametrize("mode", ["pp", "dp"])
+@pytest.mark.parametrize("mode", ["pp", pytest.param("dp", marks=pytest.mark.slow)])
 def test_search_is_within_5_percent_of_brute_force(mode):
     profile = skewed_profile()
     machine = Machine.from_spec("1080ti", 2)
