@@ -15,7 +15,7 @@ of the host (another tenant on the core's sibling thread, most likely, with no s
 that slows interpreter-bound work alone. A plan's few iterations on GPT-2 tiny take a fraction of a
 second and fall in one state or the other, so its measured time moves by that much from one run to
 the next, and so does the model's calibration at compile time; GPT-2 small, whose ops are larger,
-moves far less (bench/results/estimate_accuracy.md).
+moves far less.
 
     python -m bench.machine_drift [--seconds S]
 """

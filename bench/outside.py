@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import datetime
 import importlib
 import json
 import time
@@ -136,7 +137,8 @@ class Collection:
 
     def header(self) -> str:
         library = "" if self.library == "torch" else f", {self.library} {importlib.import_module(self.library).__version__}"
-        return (f"torch {torch.__version__}{library}: `python -m {self.command}` ({STEPS} steps, "
+        date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+        return (f"Measured {date} on torch {torch.__version__}{library}: `python -m {self.command}` ({STEPS} steps, "
                 f"float64, {DEVICES} emulated devices at a third of the training footprint{self._others()}; errors relative to eager "
                 "on the same microbatches)")
 

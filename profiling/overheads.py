@@ -40,7 +40,7 @@ emulated devices uses instead (``compiler._scaled_to_the_model``): its own layer
 one device and on all, at the square root of the largest microbatch its profile measured (plans
 under memory pressure run small microbatches, and the ratio moves with the microbatch). The blocks'
 scale can leave a model's estimate well under its runs, and the model's own brings it closer
-(``bench.estimate_accuracy --full``, bench/results/estimate_accuracy.md). The model's calibration
+(``python -m bench.estimate_accuracy --full`` compares the two). The model's calibration
 also reads what each of its tasks costs beside the scale (``_task_cost``, the machine's
 ``compute_task_overhead``): its tasks hold two microbatches, a plan's up to eight, and a cost per
 task read as a scale grows with every microbatch of a long task.

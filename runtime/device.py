@@ -278,8 +278,8 @@ class UncheckedCpuDevice(CpuDevice):
     """An emulated device that does not watch its ops: what a run of a plan needs when its memory is
     not being checked (``check_memory=False``, the default outside tests). The plan's reservations
     (the executor's ledger, ``ledger.py``) then say what is on it; nothing counts allocations or
-    refuses one, so the tracker's Python dispatch on every op (about a fifth of a small model's
-    time, ``bench/tracker.py``) is gone. It measures no peak."""
+    refuses one, so the tracker's Python dispatch on every op (the overhead benchmark's
+    ``--check-memory`` column shows its cost) is gone. It measures no peak."""
 
     measures_memory = False
 

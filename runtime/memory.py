@@ -229,8 +229,7 @@ class MemoryTracker:
         the tracker is entered. They skip Python dispatch altogether (``_DisableTorchDispatch``, a
         C++ guard): a copy then holds the GIL only for its call, not for the Python of a dispatch
         mode around it. A stream thread copying back to back slows a dispatch-bound compute thread
-        of its process less that way, though the hand-overs of the lock remain
-        (``python -m bench.stream_gil``)."""
+        of its process less that way, though the hand-overs of the lock remain."""
         self._local.paused = getattr(self._local, "paused", 0) + 1
         try:
             with torch._C._DisableTorchDispatch():
