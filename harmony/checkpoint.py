@@ -137,7 +137,7 @@ def snapshot(plan, store, iteration: int, seed: int, schedule=None, loss_scale=N
     """The body of a checkpoint of a run of ``plan`` whose host store ``store`` holds the state
     after ``iteration`` steps: weights and buffers under the model's names, optimizer state, the
     step, the seed, this process's global generators and, for a scheduled run, the learning-rate
-    schedule (``runtime/schedule.Schedule``; the key is absent otherwise), for an fp16 run the loss
+    schedule (``runtime/lr_schedule.Schedule``; the key is absent otherwise), for an fp16 run the loss
     scale (``runtime/lossscale.LossScale``, as GradScaler's state_dict, key "grad_scaler")."""
     body = {
         "version": VERSION, "graph": plan.graph.fingerprint(), "model_sha256": plan.model_sha256 or "",

@@ -26,7 +26,7 @@ small models, and reports the ledger's peak. GPUs always measure: their allocato
 ``lr_scheduler`` takes a builder of any ``torch.optim.lr_scheduler`` scheduler from an optimizer
 (``lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)``): the scheduler is
 stepped once per minibatch, after it, and every update of the minibatch, on a device or on the
-host, runs at the rate it gives (``runtime/schedule.py``); checkpoints save and restore it.
+host, runs at the rate it gives (``runtime/lr_schedule.py``); checkpoints save and restore it.
 
 A plan may keep packs' weights, buffers and optimizer state on their devices across iterations
 (``scheduler/keep.py``): ``state_dict``, ``save_checkpoint`` and ``close`` write them back to the host
@@ -58,7 +58,7 @@ from harmony.runtime.hoststore import HostStore
 from harmony.modelfile import default_optimizer
 from harmony.runtime.launcher import Launcher, StepResult
 from harmony.runtime.routes import build_routes
-from harmony.runtime.schedule import Schedule
+from harmony.runtime.lr_schedule import Schedule
 
 log = logging.getLogger(__name__)
 

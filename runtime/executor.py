@@ -56,7 +56,7 @@ from harmony.runtime.ledger import Ledger
 from harmony.runtime.p2p import DistTransport
 from harmony.runtime.packstate import PackState
 from harmony.runtime.routes import Routes
-from harmony.runtime.schedule import Rates
+from harmony.runtime.lr_schedule import Rates
 from harmony.runtime.streams import Stream
 from harmony.runtime.transport import Transport
 from harmony.runtime.updates import Updates

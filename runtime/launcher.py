@@ -62,7 +62,7 @@ from harmony.runtime.flags import Shared
 from harmony.runtime.hoststore import HostStore
 from harmony.scheduler.memory import kept_on
 from harmony.runtime.routes import Routes, build_routes
-from harmony.runtime.schedule import Rates
+from harmony.runtime.lr_schedule import Rates
 from harmony.runtime.streams import SWITCH_INTERVAL
 from harmony.runtime.clipping import Verdict, check_clipping, host_norm
 from harmony.runtime.lossscale import LossScale

@@ -63,7 +63,7 @@ from harmony.runtime.p2p import DistTransport, backend_for, p2p_pairs, pair_grou
 from harmony.runtime.precision import needs_loss_scaling
 from harmony.runtime.replication import PeerWatch, ReplicatedShared, Replicator, kept_writes, task_writes
 from harmony.runtime.routes import build_routes
-from harmony.runtime.schedule import Schedule
+from harmony.runtime.lr_schedule import Schedule
 from harmony.runtime.updates import host_update
 from harmony.scheduler.memory import kept_on
 from harmony.scheduler.tasks import HOST, Kind

@@ -17,9 +17,10 @@ from concurrent.futures import Future
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable
 
+from harmony.scheduler.lower import STREAMS  # the program's streams, named once (re-exported here)
+
 log = logging.getLogger(__name__)
 
-STREAMS = ("compute", "swap-in", "swap-out", "p2p-in", "p2p-out")
 
 # seconds between forced GIL hand-overs in a process with stream threads: the default 5 ms would
 # hold a stream thread that long behind a compute thread running Python (set by every worker)

@@ -28,8 +28,8 @@ from harmony.runtime.device import Device
 from harmony.runtime.hoststore import HostStore
 from harmony.runtime.ledger import KEPT, STATE, Ledger
 from harmony.runtime.routes import Routes
-from harmony.runtime.schedule import Rates
-from harmony.runtime.schedule import apply as apply_rates
+from harmony.runtime.lr_schedule import Rates
+from harmony.runtime.lr_schedule import apply as apply_rates
 from harmony.runtime.streams import Stream
 from harmony.scheduler import memory
 from harmony.scheduler.tasks import Channel, Task

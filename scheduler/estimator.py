@@ -108,7 +108,7 @@ from typing import NamedTuple
 from . import memory
 from .memory import cached_task_memory as _task_memory
 from .memory import profile_cache as _profile_cache
-from .lower import Program, lower
+from .lower import STREAMS, Program, lower
 from .machine import Machine
 from harmony.profiling.profiles import LOSS_FORWARD, Profile
 from .tasks import HOST, Channel, Kind, MemoryPlan, Task, TaskGraph, Transfer
@@ -116,7 +116,6 @@ from .tasks import HOST, Channel, Kind, MemoryPlan, Task, TaskGraph, Transfer
 __all__ = ["Estimate", "StreamEvent", "STREAMS", "estimate", "chrome_trace", "promise", "task_compute_seconds",
            "task_seconds", "unit_overheads"]
 
-STREAMS = ("compute", "swap-in", "swap-out", "p2p-in", "p2p-out")
 _COMPUTE, _SWAP_IN, _SWAP_OUT, _P2P_IN, _P2P_OUT = range(5)
 
 # transfer kinds

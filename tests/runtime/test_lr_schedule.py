@@ -13,7 +13,7 @@ from test_training import MINIBATCH, assert_same_training, plan_for
 import harmony
 from harmony.errors import HarmonyError
 from harmony.runtime.reference import microbatches_of, reference_train
-from harmony.runtime.schedule import Schedule, apply
+from harmony.runtime.lr_schedule import Schedule, apply
 
 
 def two_groups(params):
