@@ -27,7 +27,7 @@ from bench.overhead import SMALL
 from harmony.errors import HarmonyError
 from harmony.scheduler.estimator import estimate
 from harmony.scheduler.search import NoFeasibleConfiguration
-from harmony.scheduler.taskgraph import generate
+from harmony.scheduler.modes import generate
 from harmony.scheduler.tasks import Configuration
 
 MINIBATCH = 16

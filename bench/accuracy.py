@@ -24,7 +24,7 @@ from bench.common import with_tasks
 from harmony.errors import HarmonyError
 from harmony.scheduler.estimator import estimate
 from harmony.scheduler.search import NoFeasibleConfiguration, search
-from harmony.scheduler.taskgraph import generate
+from harmony.scheduler.modes import generate
 
 # (case, mode, how many configurations): 15 in all
 SAMPLE = (("gpt2-tiny", "pp", 4), ("gpt2-tiny", "dp", 3), ("gpt2-tiny", "dp-swap", 2),

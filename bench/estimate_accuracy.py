@@ -73,7 +73,7 @@ from harmony.plan import Plan
 from harmony.scheduler.estimator import Estimate, estimate, task_compute_seconds
 from harmony.scheduler.machine import Machine
 from harmony.scheduler.search import NoFeasibleConfiguration, search
-from harmony.scheduler.taskgraph import generate
+from harmony.scheduler.modes import generate
 from harmony.scheduler.tasks import HOST, Configuration
 
 console = Console(width=160)

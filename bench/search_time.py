@@ -28,7 +28,7 @@ from harmony.modelfile import ModelFile, load_model_file
 from harmony.profiling.analytic import analytic_profile
 from harmony.scheduler.machine import Machine
 from harmony.scheduler.search import NoFeasibleConfiguration, search
-from harmony.scheduler.taskgraph import MODES
+from harmony.scheduler.modes import MODES
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 PAPER_SECONDS = {"BERT96": 1.4, "GPT-2 1.5B": 0.7, "VGG416": 17.7, "ResNet1K": 31.6}

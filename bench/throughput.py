@@ -36,7 +36,7 @@ from harmony.modelfile import load_model_file
 from harmony.profiling.analytic import analytic_profile
 from harmony.scheduler.machine import Machine
 from harmony.scheduler.search import NoFeasibleConfiguration, search
-from harmony.scheduler.taskgraph import MODES
+from harmony.scheduler.modes import MODES
 
 MODELS_DIR = Path(__file__).resolve().parents[1] / "models"
 BIG = {"BERT96": ("bert", "96"), "GPT-2 1.5B": ("gpt2", "1.5b"), "VGG416": ("vgg", "vgg416"),

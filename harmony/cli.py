@@ -27,7 +27,7 @@ from rich.table import Table
 
 from harmony import checkpoint
 from harmony.errors import HarmonyError
-from harmony.scheduler.taskgraph import MODES
+from harmony.scheduler.modes import MODES
 from harmony.runtime.device import SHARE_GPUS, visible_gpus
 
 console = Console(width=None if sys.stdout.isatty() else 160)

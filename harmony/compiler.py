@@ -37,7 +37,7 @@ from harmony.profiling.profiles import PackSample, Profile, TiedWeight
 from harmony.scheduler.comparison import comparing, row
 from harmony.scheduler.refusal import DpRefusal, explain_refusal
 from harmony.scheduler.search import NoFeasibleConfiguration, SearchResult, search
-from harmony.scheduler.taskgraph import MODES
+from harmony.scheduler.modes import MODES
 from harmony.scheduler.tasks import HOST, Kind
 from harmony.runtime import precision
 from harmony.runtime.clipping import check_threshold

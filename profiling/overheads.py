@@ -71,7 +71,7 @@ from harmony.decomposer.layer_graph import LayerGraph
 from harmony.scheduler.estimator import estimate, promise, task_compute_seconds
 from harmony.scheduler.machine import Machine
 from harmony.profiling.profiles import LayerProfile, LayerSample, Profile
-from harmony.scheduler.taskgraph import generate
+from harmony.scheduler.modes import generate
 from harmony.scheduler.tasks import HOST, Configuration, Kind, TaskGraph
 
 from harmony.runtime.device import CpuDevice

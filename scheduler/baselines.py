@@ -51,7 +51,8 @@ import bisect
 from typing import Callable
 
 from harmony.profiling.profiles import LOSS_FORWARD, Profile
-from harmony.scheduler.taskgraph import _buffer_out, _check, _connect, _Sizes, _state_inputs, _update_inputs, _update_outputs, dp_swap
+from harmony.scheduler.taskgraph import (Sizes, buffer_out, check_packing, connect, dp_swap, state_inputs,
+                                         update_inputs, update_outputs)
 from harmony.scheduler.tasks import Channel, Configuration, Kind, Task, TaskGraph, Transfer, microbatch_sizes
 
 __all__ = ["BASELINES", "gpipe_swap", "one_f_one_b_swap", "stages", "schedule"]
@@ -140,10 +141,10 @@ def _pipeline_swap(kind: str, mode: str, profile: Profile, config: Configuration
     Built in three passes, because every route names task ids: the tasks in each device's order,
     then the activations, stashes and gradients between them, then the closing updates.
     """
-    _check(config, len(profile.layers))
+    check_packing(config, len(profile.layers))
     if devices < 1 or minibatch < 1:
         raise ValueError(f"need at least one device and one sample, got {devices} devices and minibatch {minibatch}")
-    sz = _Sizes(profile)
+    sz = Sizes(profile)
     groups = stages(profile, config, devices, recompute)
     sizes = microbatch_sizes(minibatch, config.u_f)
     tasks, fwd, bwd = _stage_tasks(kind, groups, devices, sizes, config)
@@ -188,7 +189,7 @@ def _channel(src: Task, dst: Task) -> Channel:
     return Channel.LOCAL if src.device == dst.device else Channel.P2P
 
 
-def _route_microbatches(packs_f: list[tuple[int, int]], fwd: _PackTasks, bwd: _PackTasks, sz: _Sizes,
+def _route_microbatches(packs_f: list[tuple[int, int]], fwd: _PackTasks, bwd: _PackTasks, sz: Sizes,
                         sizes: list[int], recompute: bool) -> None:
     """Every FWD and BWD task's state swaps, activations, stash and running gradient.
 
@@ -202,7 +203,7 @@ def _route_microbatches(packs_f: list[tuple[int, int]], fwd: _PackTasks, bwd: _P
             if pack != packs_f[-1]:
                 _route_forward(fwd[(pack, j)], fwd[(prev_pack, j)] if prev_pack else None, sz)
             task = bwd[(pack, j)]
-            task.inputs += _state_inputs(sz, *pack)
+            task.inputs += state_inputs(sz, *pack)
             if task.loss:
                 _route_loss(task, fwd[(prev_pack, j)] if prev_pack else None, sz)
             else:
@@ -213,24 +214,24 @@ def _route_microbatches(packs_f: list[tuple[int, int]], fwd: _PackTasks, bwd: _P
             task.outputs.append(Transfer("dW", Channel.SWAP, sz.dw(*pack)))
 
 
-def _route_forward(task: Task, src: Task | None, sz: _Sizes) -> None:
+def _route_forward(task: Task, src: Task | None, sz: Sizes) -> None:
     """A FWD: its state swapped in, X from the previous pack (the minibatch in host memory for the
     first), and its weights evicted afterwards, since per-GPU swap cannot keep the stage resident."""
     first, last = task.first, task.last
-    task.inputs += _state_inputs(sz, first, last)
-    _connect(src, task, "Y", "X", _channel(src, task) if src else Channel.SWAP, lambda n: sz.x(first, n))
+    task.inputs += state_inputs(sz, first, last)
+    connect(src, task, "Y", "X", _channel(src, task) if src else Channel.SWAP, lambda n: sz.x(first, n))
     task.outputs.append(Transfer("W", Channel.SWAP, sz.w(first, last)))  # evicted
-    task.outputs += _buffer_out(sz, first, last)
+    task.outputs += buffer_out(sz, first, last)
 
 
-def _route_loss(task: Task, src: Task | None, sz: _Sizes) -> None:
+def _route_loss(task: Task, src: Task | None, sz: Sizes) -> None:
     """The loss task runs its pack's forward itself, so it takes X as a FWD would and stashes nothing."""
     first, last = task.first, task.last
-    _connect(src, task, "Y", "X", _channel(src, task) if src else Channel.SWAP, lambda n: sz.x(first, n))
-    task.outputs += _buffer_out(sz, first, last)
+    connect(src, task, "Y", "X", _channel(src, task) if src else Channel.SWAP, lambda n: sz.x(first, n))
+    task.outputs += buffer_out(sz, first, last)
 
 
-def _route_backward(task: Task, producer: Task, src: Task, sz: _Sizes, size: int, recompute: bool) -> None:
+def _route_backward(task: Task, producer: Task, src: Task, sz: Sizes, size: int, recompute: bool) -> None:
     """A non-loss BWD: the stash its FWD ``producer`` left in host memory (only the pack's input
     when recomputing, every layer's input otherwise; layer 0's is the minibatch itself) and dY
     from the next pack's BWD ``src``."""
@@ -242,10 +243,10 @@ def _route_backward(task: Task, producer: Task, src: Task, sz: _Sizes, size: int
         else:
             producer.outputs.append(Transfer("Xs", Channel.SWAP, n, task=task.id, microbatch=0))
             task.inputs.append(Transfer("Xs", Channel.SWAP, n, task=producer.id, microbatch=0))
-    _connect(src, task, "dX", "dY", _channel(src, task), lambda n: sz.y(last, n))
+    connect(src, task, "dX", "dY", _channel(src, task), lambda n: sz.y(last, n))
 
 
-def _route_updates(tasks: list[Task], groups: list[list[tuple[int, int]]], sz: _Sizes, bwd: _PackTasks,
+def _route_updates(tasks: list[Task], groups: list[list[tuple[int, int]]], sz: Sizes, bwd: _PackTasks,
                    m: int) -> None:
     """Each UPD steps its pack's owned state with the gradient summed over all m microbatches, so
     it waits for the pack's last BWD; it runs on the device of the pack's stage."""
@@ -254,8 +255,8 @@ def _route_updates(tasks: list[Task], groups: list[list[tuple[int, int]]], sz: _
         if task.kind == Kind.UPD:
             pack = (task.first, task.last)
             assert stage_of[pack] == task.device
-            task.inputs = _update_inputs(sz, *pack, bwd[(pack, m - 1)].id)
-            task.outputs = _update_outputs(sz, *pack)
+            task.inputs = update_inputs(sz, *pack, bwd[(pack, m - 1)].id)
+            task.outputs = update_outputs(sz, *pack)
 
 
 def _interleave(tasks: list[Task], devices: int) -> list[Task]:

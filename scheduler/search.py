@@ -27,7 +27,8 @@ from harmony.scheduler.keep import KEEP_MODES, keep_state
 from harmony.scheduler.memory import kept_on, least_peaks
 from harmony.scheduler.machine import Machine
 from harmony.profiling.profiles import Profile
-from harmony.scheduler.taskgraph import DATA_PARALLEL, generate, split_samples
+from harmony.scheduler.taskgraph import DATA_PARALLEL, split_samples
+from harmony.scheduler.modes import generate
 from harmony.scheduler.tasks import Configuration, Kind, TaskGraph, microbatch_sizes
 
 log = logging.getLogger(__name__)

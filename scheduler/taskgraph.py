@@ -27,14 +27,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from harmony.profiling.profiles import Profile
-from harmony.scheduler.keep import keep_state
 from harmony.scheduler.tasks import HOST, Channel, Configuration, Kind, Task, TaskGraph, Transfer, microbatch_sizes
-
-MODES = ("pp", "dp", "dp-swap", "dp-swap-r", "gpipe-swap", "gpipe-swap-r", "1f1b-swap", "1f1b-swap-r")
 
 
 @dataclass
-class _Sizes:
+class Sizes:
     """Byte sizes of a pack's tensors, from the profile.
 
     A tied weight held by several layers of one pack moves once (``w``, ``dw``, ``k``). Its update
@@ -138,18 +135,18 @@ class _Builder:
         return task
 
 
-def _state_inputs(sz: _Sizes, first: int, last: int) -> list[Transfer]:
+def state_inputs(sz: Sizes, first: int, last: int) -> list[Transfer]:
     inputs = [Transfer("W", Channel.SWAP, sz.w(first, last))]
     if sz.b(first, last):
         inputs.append(Transfer("B", Channel.SWAP, sz.b(first, last)))
     return inputs
 
 
-def _buffer_out(sz: _Sizes, first: int, last: int) -> list[Transfer]:
+def buffer_out(sz: Sizes, first: int, last: int) -> list[Transfer]:
     return [Transfer("B", Channel.SWAP, sz.b(first, last))] if sz.b(first, last) else []
 
 
-def _device_update(sz: _Sizes, task: Task, earlier: list[Task] = ()) -> None:
+def _device_update(sz: Sizes, task: Task, earlier: list[Task] = ()) -> None:
     """jit-update on the device right after the pack's last backward: state in, new state out.
     A tied weight is stepped by the pack of its lowest layer, which runs last in the backward:
     the other packs hand their gradient of it over through host memory (``earlier``: the tasks
@@ -162,12 +159,12 @@ def _device_update(sz: _Sizes, task: Task, earlier: list[Task] = ()) -> None:
                 task.inputs.append(Transfer("dW", Channel.SWAP, nbytes, task=other.id))
                 break
     task.inputs.append(Transfer("K", Channel.SWAP, sz.owned_k(first, last)))
-    task.outputs += _update_outputs(sz, first, last)
+    task.outputs += update_outputs(sz, first, last)
     if sz.handed_dw(first, last):
         task.outputs.append(Transfer("dW", Channel.SWAP, sz.handed_dw(first, last)))
 
 
-def _check(config: Configuration, layers: int) -> None:
+def check_packing(config: Configuration, layers: int) -> None:
     for name, packs in (("P_F", config.packs_f), ("P_B", config.packs_b)):
         expected = 0
         for first, last in packs:
@@ -199,7 +196,7 @@ def _share(total: int, parts: int, index: int) -> tuple[int, int]:
     return offset, size
 
 
-def _connect(producer: Task | None, consumer: Task, out_name: str, in_name: str, channel: Channel,
+def connect(producer: Task | None, consumer: Task, out_name: str, in_name: str, channel: Channel,
              nbytes, out_channel: Channel | None = None) -> None:
     """Route a per-microbatch activation or gradient from ``producer`` to ``consumer``.
 
@@ -231,7 +228,7 @@ def _connect(producer: Task | None, consumer: Task, out_name: str, in_name: str,
         consumer.inputs.append(Transfer(in_name, channel, n, peer=peer_in, task=producer.id, microbatch=j))
 
 
-def _after_buffers(writers: dict[tuple[int, int], Task], sz: _Sizes, task: Task) -> None:
+def _after_buffers(writers: dict[tuple[int, int], Task], sz: Sizes, task: Task) -> None:
     """Buffers (BatchNorm statistics) change in every forward over them, and the reference changes
     them microbatch after microbatch in minibatch order: a task that updates a pack's buffers on
     another device than the last one to do so waits for it (a pure dependency, no bytes)."""
@@ -276,9 +273,9 @@ def wrap_around_pipeline(profile: Profile, config: Configuration, devices: int, 
                          grouping: bool = True, jit_update: bool = True, p2p: bool = True) -> TaskGraph:
     """Harmony PP: FWD packs, the jit-compute pack, BWD packs in reverse; task i on device i mod N
     (each of its tasks, one per microbatch, when ``grouping`` is off; see the module docs)."""
-    _check(config, len(profile.layers))
+    check_packing(config, len(profile.layers))
     _check_switches(config, update, grouping, jit_update)
-    sz = _Sizes(profile)
+    sz = Sizes(profile)
     b = _Builder()
     f_groups = _groups(minibatch, config.u_f, grouping)
     b_groups = _groups(minibatch, config.u_b, grouping)
@@ -292,10 +289,10 @@ def wrap_around_pipeline(profile: Profile, config: Configuration, devices: int, 
         tasks = []
         for g, (offset, sizes) in enumerate(f_groups):
             task = b.add(device=i % devices, kind=Kind.FWD, first=first, last=last, microbatches=list(sizes), offset=offset)
-            task.inputs += _state_inputs(sz, first, last)
+            task.inputs += state_inputs(sz, first, last)
             src = prev[g] if prev else None
-            _connect(src, task, "Y", "X", between(src, task) if src else Channel.SWAP, lambda n, f=first: sz.x(f, n))
-            task.outputs += _buffer_out(sz, first, last)
+            connect(src, task, "Y", "X", between(src, task) if src else Channel.SWAP, lambda n, f=first: sz.x(f, n))
+            task.outputs += buffer_out(sz, first, last)
             tasks.append(task)
         for layer in range(first, last + 1):
             fwd_of_layer[layer] = tasks
@@ -312,16 +309,16 @@ def wrap_around_pipeline(profile: Profile, config: Configuration, devices: int, 
         for g, (offset, sizes) in enumerate(b_groups):
             task = b.add(device=i % devices, kind=Kind.BWD, first=first, last=last, microbatches=list(sizes),
                          offset=offset, loss=loss)
-            task.inputs += _state_inputs(sz, first, last)
+            task.inputs += state_inputs(sz, first, last)
             if loss:
                 src = prev[g] if prev else None
-                _connect(src, task, "Y", "X", between(src, task) if src else Channel.SWAP, lambda n, f=first: sz.x(f, n))
-                task.outputs += _buffer_out(sz, first, last)
+                connect(src, task, "Y", "X", between(src, task) if src else Channel.SWAP, lambda n, f=first: sz.x(f, n))
+                task.outputs += buffer_out(sz, first, last)
             else:
                 # the recompute starts from the stash the forward left in host memory (or the minibatch)
                 stash = fwd_of_layer[first][g] if first > 0 else None
-                _connect(stash, task, "Xs", "Xs" if first > 0 else "X", Channel.SWAP, lambda n, f=first: sz.x(f, n))
-                _connect(prev[g], task, "dX", "dY", between(prev[g], task), lambda n, l=last: sz.y(l, n))
+                connect(stash, task, "Xs", "Xs" if first > 0 else "X", Channel.SWAP, lambda n, f=first: sz.x(f, n))
+                connect(prev[g], task, "dX", "dY", between(prev[g], task), lambda n, l=last: sz.y(l, n))
             tasks.append(task)
         if jit_update:
             _finish_update(b, sz, tasks, update)
@@ -335,7 +332,7 @@ def wrap_around_pipeline(profile: Profile, config: Configuration, devices: int, 
     return TaskGraph(mode="pp", devices=devices, minibatch=minibatch, config=config, tasks=_ordered(b.tasks))
 
 
-def _leave_gradients(sz: _Sizes, tasks: list[Task]) -> None:
+def _leave_gradients(sz: Sizes, tasks: list[Task]) -> None:
     """dW -> SWAP: the tasks leave their gradients in host memory (where they add up) for an update
     elsewhere."""
     for task in tasks:
@@ -343,7 +340,7 @@ def _leave_gradients(sz: _Sizes, tasks: list[Task]) -> None:
             task.outputs.append(Transfer("dW", Channel.SWAP, sz.dw(task.first, task.last)))
 
 
-def _tie_sources(tasks: list[Task], earlier: list[Task], sz: _Sizes) -> list[Task]:
+def _tie_sources(tasks: list[Task], earlier: list[Task], sz: Sizes) -> list[Task]:
     """The BWD tasks of other packs that hand over a gradient of a tied weight this pack owns."""
     first, last = tasks[0].first, tasks[0].last
     held = {l for _, layers in sz.received(first, last) for l in layers}
@@ -356,7 +353,7 @@ def _gradient_dependencies(task: Task, sources: list[Task]) -> None:
     task.inputs += [Transfer("dW", Channel.SHM, 0, task=s.id) for s in sources]
 
 
-def _finish_update(b: _Builder, sz: _Sizes, tasks: list[Task], update: str) -> None:
+def _finish_update(b: _Builder, sz: Sizes, tasks: list[Task], update: str) -> None:
     """The update of a pack whose backward ran as ``tasks`` (one, or one per microbatch): a
     jit-update fused into the last task, or an offloaded update on the host."""
     first, last = tasks[0].first, tasks[0].last
@@ -375,7 +372,7 @@ def _finish_update(b: _Builder, sz: _Sizes, tasks: list[Task], update: str) -> N
         final.inputs.append(Transfer("dW", Channel.SWAP, sz.owned_dw(first, last)))
         _gradient_dependencies(final, earlier + _tie_sources(tasks, b.tasks, sz))
         final.inputs.append(Transfer("K", Channel.SWAP, sz.owned_k(first, last)))
-        final.outputs += _update_outputs(sz, first, last)
+        final.outputs += update_outputs(sz, first, last)
         if sz.handed_dw(first, last):
             final.outputs.append(Transfer("dW", Channel.SWAP, sz.handed_dw(first, last)))
     elif update == "host":
@@ -388,14 +385,14 @@ def _finish_update(b: _Builder, sz: _Sizes, tasks: list[Task], update: str) -> N
         raise ValueError(f"update must be 'device' or 'host', got {update!r}")
 
 
-def _deferred_update(b: _Builder, sz: _Sizes, tasks: list[Task]) -> None:
+def _deferred_update(b: _Builder, sz: Sizes, tasks: list[Task]) -> None:
     """A UPD task on the device of the pack's backward, after the whole backward pass: weights,
     the gradient summed in host memory and the optimizer state in; weights and state out."""
     first, last = tasks[0].first, tasks[0].last
     if not sz.trainable(first, last):
         return
     task = b.add(device=tasks[-1].device, kind=Kind.UPD, first=first, last=last, microbatches=[],
-                 inputs=_update_inputs(sz, first, last, tasks[-1].id), outputs=_update_outputs(sz, first, last))
+                 inputs=update_inputs(sz, first, last, tasks[-1].id), outputs=update_outputs(sz, first, last))
     _gradient_dependencies(task, tasks[:-1] + _tie_sources(tasks, b.tasks, sz))
 
 
@@ -405,11 +402,11 @@ def harmony_dp(profile: Profile, config: Configuration, devices: int, minibatch:
     """Harmony DP: each device runs every pack over its share with input-batch grouping (one task
     per microbatch when ``grouping`` is off); gradients are reduced in host memory; one update per
     pack (on the host, or replicated on each device)."""
-    _check(config, len(profile.layers))
+    check_packing(config, len(profile.layers))
     _check_switches(config, update, grouping, True)
     if minibatch < devices:
         raise ValueError(f"dp needs at least one sample per device: minibatch {minibatch} < {devices} devices")
-    sz = _Sizes(profile)
+    sz = Sizes(profile)
     b = _Builder()
     bwd_tasks: dict[tuple[int, int], list[Task]] = {}
     writers: dict[tuple[int, int], Task] = {}  # the last task to update each pack's buffers
@@ -424,11 +421,11 @@ def harmony_dp(profile: Profile, config: Configuration, devices: int, minibatch:
             tasks = []
             for g, (start, sizes) in enumerate(f_groups):
                 task = b.add(device=d, kind=Kind.FWD, first=first, last=last, microbatches=list(sizes), offset=start)
-                task.inputs += _state_inputs(sz, first, last)
+                task.inputs += state_inputs(sz, first, last)
                 _after_buffers(writers, sz, task)
                 # a group's activations do not fit on the device: they wait in host memory
-                _connect(prev[g] if prev else None, task, "Y", "X", Channel.SWAP, lambda n, f=first: sz.x(f, n))
-                task.outputs += _buffer_out(sz, first, last)
+                connect(prev[g] if prev else None, task, "Y", "X", Channel.SWAP, lambda n, f=first: sz.x(f, n))
+                task.outputs += buffer_out(sz, first, last)
                 tasks.append(task)
             for layer in range(first, last + 1):
                 fwd_of_layer[layer] = tasks
@@ -441,15 +438,15 @@ def harmony_dp(profile: Profile, config: Configuration, devices: int, minibatch:
             for g, (start, sizes) in enumerate(b_groups):
                 task = b.add(device=d, kind=Kind.BWD, first=first, last=last, microbatches=list(sizes), offset=start,
                              loss=loss)
-                task.inputs += _state_inputs(sz, first, last)
+                task.inputs += state_inputs(sz, first, last)
                 if loss:
-                    _connect(prev[g] if prev else None, task, "Y", "X", Channel.SWAP, lambda n, f=first: sz.x(f, n))
-                    task.outputs += _buffer_out(sz, first, last)
+                    connect(prev[g] if prev else None, task, "Y", "X", Channel.SWAP, lambda n, f=first: sz.x(f, n))
+                    task.outputs += buffer_out(sz, first, last)
                     _after_buffers(writers, sz, task)
                 else:
                     stash = fwd_of_layer[first][g] if first > 0 else None
-                    _connect(stash, task, "Xs", "Xs" if first > 0 else "X", Channel.SWAP, lambda n, f=first: sz.x(f, n))
-                    _connect(prev[g], task, "dX", "dY", Channel.SWAP, lambda n, l=last: sz.y(l, n))
+                    connect(stash, task, "Xs", "Xs" if first > 0 else "X", Channel.SWAP, lambda n, f=first: sz.x(f, n))
+                    connect(prev[g], task, "dX", "dY", Channel.SWAP, lambda n, l=last: sz.y(l, n))
                 task.update = update
                 _leave_gradients(sz, [task])
                 bwd_tasks.setdefault((first, last), []).append(task)
@@ -472,7 +469,7 @@ def harmony_dp(profile: Profile, config: Configuration, devices: int, minibatch:
                               Transfer("dW", Channel.SWAP, sz.owned_dw(first, last), task=sources[0].id)]
                       + [Transfer("dW", Channel.SHM, 0, task=s.id) for s in sources[1:]]
                       + [Transfer("K", Channel.SWAP, sz.owned_k(first, last))],
-                      outputs=_update_outputs(sz, first, last))
+                      outputs=update_outputs(sz, first, last))
         else:
             raise ValueError(f"update must be 'device' or 'host', got {update!r}")
     return TaskGraph(mode="dp", devices=devices, minibatch=minibatch, config=config, tasks=_ordered(b.tasks))
@@ -502,8 +499,8 @@ def _ordered(tasks: list[Task]) -> list[Task]:
 def dp_swap(profile: Profile, config: Configuration, devices: int, minibatch: int, recompute: bool = True) -> TaskGraph:
     """Data parallelism with per-GPU swap (§2): no grouping; every microbatch swaps every pack's
     weights in and out in the forward and the backward; each device updates its replica at the end."""
-    _check(config, len(profile.layers))
-    sz = _Sizes(profile)
+    check_packing(config, len(profile.layers))
+    sz = Sizes(profile)
     b = _Builder()
     packs = config.packs_f
     writers: dict[tuple[int, int], Task] = {}  # the last task to update each pack's buffers
@@ -517,11 +514,11 @@ def dp_swap(profile: Profile, config: Configuration, devices: int, minibatch: in
             for first, last in packs[:-1]:  # the last pack's forward runs with the loss and its backward
                 task = b.add(device=d, kind=Kind.FWD, first=first, last=last, microbatches=[size],
                              offset=offset + j * config.u_f)
-                task.inputs += _state_inputs(sz, first, last)
+                task.inputs += state_inputs(sz, first, last)
                 task.inputs.append(Transfer("X", Channel.SWAP if prev is None else Channel.LOCAL,
                                             sz.x(first, size) if prev is None else 0, task=prev.id if prev else None))
                 task.outputs.append(Transfer("W", Channel.SWAP, sz.w(first, last)))  # evicted
-                task.outputs += _buffer_out(sz, first, last)
+                task.outputs += buffer_out(sz, first, last)
                 _after_buffers(writers, sz, task)
                 stashed = [first] if recompute else list(range(first, last + 1))
                 for s in stashed:
@@ -533,11 +530,11 @@ def dp_swap(profile: Profile, config: Configuration, devices: int, minibatch: in
             for k, (first, last) in enumerate(reversed(packs)):
                 task = b.add(device=d, kind=Kind.BWD, first=first, last=last, microbatches=[size],
                              offset=offset + j * config.u_f, loss=k == 0)
-                task.inputs += _state_inputs(sz, first, last)
+                task.inputs += state_inputs(sz, first, last)
                 if k == 0:
                     task.inputs.append(Transfer("X", Channel.SWAP if prev is None else Channel.LOCAL,
                                                 sz.x(first, size) if prev is None else 0, task=prev.id if prev else None))
-                    task.outputs += _buffer_out(sz, first, last)
+                    task.outputs += buffer_out(sz, first, last)
                     _after_buffers(writers, sz, task)
                 else:
                     stashed = [first] if recompute else list(range(first, last + 1))
@@ -561,19 +558,19 @@ def dp_swap(profile: Profile, config: Configuration, devices: int, minibatch: in
             if not sz.trainable(first, last):
                 continue
             b.add(device=d, kind=Kind.UPD, first=first, last=last, microbatches=[],
-                  inputs=_update_inputs(sz, first, last, last_bwd[(first, last)].id),
-                  outputs=_update_outputs(sz, first, last))
+                  inputs=update_inputs(sz, first, last, last_bwd[(first, last)].id),
+                  outputs=update_outputs(sz, first, last))
     return TaskGraph(mode="dp-swap", devices=devices, minibatch=minibatch, config=config, tasks=b.tasks)
 
 
-def _update_inputs(sz: _Sizes, first: int, last: int, gradient_from: int) -> list[Transfer]:
+def update_inputs(sz: Sizes, first: int, last: int, gradient_from: int) -> list[Transfer]:
     """A UPD task's inputs: the weights it steps, their summed gradient, their optimizer state."""
     return [Transfer("W", Channel.SWAP, sz.stepped_w(first, last)),
             Transfer("dW", Channel.SWAP, sz.owned_dw(first, last), task=gradient_from),
             Transfer("K", Channel.SWAP, sz.owned_k(first, last))]
 
 
-def _update_outputs(sz: _Sizes, first: int, last: int) -> list[Transfer]:
+def update_outputs(sz: Sizes, first: int, last: int) -> list[Transfer]:
     """What a step sends back to the host: the weights it changed and their optimizer state."""
     return [Transfer("W", Channel.SWAP, sz.stepped_w(first, last)), Transfer("K", Channel.SWAP, sz.owned_k(first, last))]
 
@@ -612,49 +609,3 @@ def with_norm(graph: TaskGraph) -> TaskGraph:
         task.id = i
     return TaskGraph(mode=graph.mode, devices=graph.devices, minibatch=graph.minibatch, config=graph.config,
                      tasks=ordered)
-
-
-def generate(mode: str, profile: Profile, config: Configuration, devices: int, minibatch: int, gated: bool = False,
-             keep: bool = False, **options) -> TaskGraph:
-    """The task graph of one iteration of ``config`` in ``mode``; ``gated``: one whose updates wait
-    for the whole gradient (``with_norm``: clipping needs its norm, fp16 whether it overflowed).
-    Weights the profile counts in low precision travel so: frozen ones always, trainable ones
-    where the host steps them (``Profile.for_update``). ``keep``: the state that can stay on its
-    device across iterations does (``keep.py``; whether it fits is the estimate's to say)."""
-    if gated and mode == "pp" and options.get("update", "device") == "device":
-        options = {**options, "jit_update": False}
-    profile = profile.for_update(update_side(mode, options))
-    graph = _generate(mode, profile, config, devices, minibatch, **options)
-    if gated:
-        graph = with_norm(graph)
-    # the weights' bytes are the profile's, which counts these copies in low precision: the runtime moves them so
-    graph.low_copies = {c.name: c.dtype for c in profile.low_copies}
-    if keep:
-        graph = keep_state(graph, profile, None) or graph
-    return graph
-
-
-def update_side(mode: str, options: dict) -> str:
-    """Where ``mode``'s updates run with generator ``options``: "host" (every pack stepped in host
-    memory) or "device" (a device steps some; the per-GPU-swap baselines step all on the devices)."""
-    if mode == "pp":
-        return options.get("update", "device")
-    if mode == "dp":
-        return options.get("update", "host")
-    return "device"
-
-
-def _generate(mode: str, profile: Profile, config: Configuration, devices: int, minibatch: int, **options) -> TaskGraph:
-    if devices < 1 or minibatch < 1:
-        raise ValueError(f"need at least one device and one sample, got {devices} devices and minibatch {minibatch}")
-    if mode == "pp":
-        return wrap_around_pipeline(profile, config, devices, minibatch, **options)
-    if mode == "dp":
-        return harmony_dp(profile, config, devices, minibatch, **options)
-    if mode == "dp-swap":
-        return dp_swap(profile, config, devices, minibatch, recompute=False, **options)
-    from harmony.scheduler.baselines import BASELINES
-
-    if mode in BASELINES:
-        return BASELINES[mode](profile, config, devices, minibatch, **options)
-    raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")

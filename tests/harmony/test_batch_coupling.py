@@ -32,7 +32,7 @@ from harmony.plan import Plan
 from harmony.profiling.sweep import training_footprint
 from harmony.runtime.reference import microbatches_of, reference_train
 from harmony.scheduler.search import search
-from harmony.scheduler.taskgraph import generate
+from harmony.scheduler.modes import generate
 from harmony.scheduler.tasks import Configuration
 
 MINIBATCH = 8

@@ -16,7 +16,7 @@ from harmony.profiling.probe import ProbeError, probe_machine
 from harmony.scheduler.estimator import estimate
 from harmony.scheduler.machine import Machine
 from harmony.profiling.profiles import LayerProfile, LayerSample, Profile
-from harmony.scheduler.taskgraph import generate
+from harmony.scheduler.modes import generate
 from harmony.scheduler.tasks import HOST, Configuration, Kind
 
 MiB = 1 << 20

@@ -21,7 +21,8 @@ from harmony.plan import Plan
 from harmony.runtime.reference import microbatches_of, reference_train
 from harmony.scheduler.estimator import estimate
 from harmony.scheduler.search import search
-from harmony.scheduler.taskgraph import generate, with_norm
+from harmony.scheduler.taskgraph import with_norm
+from harmony.scheduler.modes import generate
 from harmony.scheduler.tasks import HOST, Kind
 from harmony.compiler import CompileOptions, _nominal_machine
 

@@ -24,7 +24,7 @@ from harmony.profiling.sweep import training_footprint
 from harmony.runtime.reference import microbatches_of, reference_train
 from harmony.scheduler.search import search
 from harmony.scheduler.tasks import HOST, Channel, Kind
-from harmony.scheduler.taskgraph import generate
+from harmony.scheduler.modes import generate
 
 FROZEN_LAYERS = ("wte.", "wpe.", "h.0.")
 FROZEN_MATRIX = "h.1.attn.c_attn.weight"

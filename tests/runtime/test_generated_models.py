@@ -33,7 +33,7 @@ from harmony.profiling.sweep import training_footprint
 from harmony.runtime.reference import microbatches_of, reference_train
 from harmony.scheduler.estimator import estimate
 from harmony.scheduler.search import NoFeasibleConfiguration, SearchResult, search
-from harmony.scheduler.taskgraph import MODES, generate
+from harmony.scheduler.modes import MODES, generate
 from harmony.scheduler.tasks import TaskGraph
 
 from generated_models import Case, draw_case

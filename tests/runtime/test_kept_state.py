@@ -164,7 +164,7 @@ def test_without_keeping_the_same_plan_moves_its_state_every_iteration():
 def generated(name: str, packs: list[tuple[int, int]], devices: int, **options) -> Plan:
     """The ample-room plan of ``name`` regenerated with ``packs`` for both passes, kept."""
     from harmony.compiler import promise_memory
-    from harmony.scheduler.taskgraph import generate
+    from harmony.scheduler.modes import generate
     from harmony.scheduler.tasks import Configuration
 
     _, _, base = compiled(name)
@@ -235,7 +235,7 @@ def test_a_device_keeping_one_pack_and_moving_the_other_trains_as_eager():
     """Partial keeping: the device has room for one pack's state beside its work, not for both."""
     from harmony.compiler import promise_memory
     from harmony.scheduler.keep import keep_state
-    from harmony.scheduler.taskgraph import generate
+    from harmony.scheduler.modes import generate
     from harmony.scheduler.tasks import Configuration
 
     model, get_batch, base = compiled("resnet")  # (gpt2's tied embedding spans both packs)

@@ -38,7 +38,7 @@ def plateau(opt):
 def train_both(mode: str, scheduler, iterations: int = 4, update: str | None = None):
     model, get_batch, plan = plan_for("gpt2", mode, 2)
     if update is not None:
-        from harmony.scheduler.taskgraph import generate
+        from harmony.scheduler.modes import generate
         plan.tasks = generate(mode, plan.profile, plan.tasks.config, 2, MINIBATCH, update=update)
         from harmony.compiler import promise_memory
         promise_memory(plan)

@@ -36,7 +36,7 @@ from harmony.profiling.sweep import training_footprint
 from harmony.runtime.reference import microbatches_of, reference_train
 from harmony.scheduler.estimator import estimate
 from harmony.scheduler.search import search
-from harmony.scheduler.taskgraph import generate
+from harmony.scheduler.modes import generate
 from harmony.scheduler.tasks import Configuration
 
 MINIBATCH = 16

@@ -16,7 +16,7 @@ import harmony
 from harmony.models import gpt2
 from harmony.plan import Plan
 from harmony.scheduler.lower import lower
-from harmony.scheduler.taskgraph import generate
+from harmony.scheduler.modes import generate
 from harmony.scheduler.tasks import Configuration
 
 from test_training import MINIBATCH, adam, compiled, plan_for

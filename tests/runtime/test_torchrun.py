@@ -222,7 +222,7 @@ def kept_on_both_devices(base: Path, out: Path, mode: str = "pp") -> Path:
     from harmony.compiler import promise_memory
     from harmony.plan import Plan
     from harmony.scheduler.memory import kept_on
-    from harmony.scheduler.taskgraph import generate
+    from harmony.scheduler.modes import generate
     from harmony.scheduler.tasks import Configuration
 
     plan = Plan.load(base)

@@ -24,7 +24,7 @@ from harmony.plan import Plan
 from harmony.profiling.sweep import training_footprint
 from harmony.runtime.reference import microbatches_of, reference_train
 from harmony.scheduler.search import search
-from harmony.scheduler.taskgraph import MODES
+from harmony.scheduler.modes import MODES
 
 MODELS = {"gpt2": gpt2, "bert": bert, "vgg": vgg, "resnet": resnet}
 MINIBATCH = 8

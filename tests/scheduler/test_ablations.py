@@ -21,7 +21,7 @@ from harmony.runtime.reference import microbatches_of, reference_train
 from harmony.scheduler.estimator import estimate
 from harmony.scheduler.machine import Machine
 from harmony.scheduler.search import search
-from harmony.scheduler.taskgraph import generate
+from harmony.scheduler.modes import generate
 from harmony.scheduler.tasks import HOST, Channel, Configuration, Kind
 
 MINIBATCH = 8

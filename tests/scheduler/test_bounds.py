@@ -12,7 +12,7 @@ from harmony.scheduler.keep import keep_state
 from harmony.scheduler.machine import Machine
 from harmony.scheduler.packing import all_contiguous_packings
 from harmony.scheduler.search import search
-from harmony.scheduler.taskgraph import MODES, generate
+from harmony.scheduler.modes import MODES, generate
 from harmony.scheduler.tasks import Configuration
 
 from test_search import skewed_profile

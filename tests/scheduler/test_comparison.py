@@ -10,7 +10,7 @@ import pytest
 from harmony.scheduler.comparison import DOES_NOT_FIT, compare_modes
 from harmony.scheduler.machine import Machine
 from harmony.scheduler.search import pack_doublings
-from harmony.scheduler.taskgraph import MODES
+from harmony.scheduler.modes import MODES
 
 from test_search import skewed_profile
 

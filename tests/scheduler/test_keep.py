@@ -11,7 +11,7 @@ from harmony.scheduler.keep import keep_state, keepable_layers
 from harmony.scheduler.lower import lower
 from harmony.scheduler.memory import kept_bytes, kept_on
 from harmony.scheduler.search import search
-from harmony.scheduler.taskgraph import generate
+from harmony.scheduler.modes import generate
 from harmony.scheduler.tasks import Channel, Configuration
 from tests.scheduler.test_estimator import machine as machine_of
 

@@ -11,7 +11,7 @@ from harmony.errors import FormatError
 from harmony.scheduler.estimator import promise
 from harmony.scheduler.lower import NO_PROMISE, STREAMS, Program, lower
 from harmony.scheduler.machine import Machine
-from harmony.scheduler.taskgraph import MODES, generate
+from harmony.scheduler.modes import MODES, generate
 from harmony.scheduler.tasks import Channel, Configuration, TaskGraph
 
 GOLDEN = Path(__file__).parent / "golden" / "program"

@@ -9,7 +9,7 @@ from harmony.scheduler.machine import Machine
 from harmony.scheduler.packing import all_contiguous_packings
 from harmony.profiling.profiles import LayerProfile, LayerSample, Profile
 from harmony.scheduler.search import NoFeasibleConfiguration, every_size, ladder, search
-from harmony.scheduler.taskgraph import generate
+from harmony.scheduler.modes import generate
 from harmony.scheduler.tasks import Configuration
 
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from harmony.scheduler.taskgraph import generate
+from harmony.scheduler.modes import generate
 from harmony.scheduler.tasks import HOST, Channel, Configuration, Kind, TaskGraph
 
 GOLDEN = Path(__file__).parent / "golden"
