@@ -1,6 +1,6 @@
 """The CLI's tests run on emulated devices: where a GPU is visible, ``--device`` would otherwise
 default to cuda (the CUDA path has its own tests in ``tests/runtime/test_cuda_training.py``).
-Session-wide, since module-scoped fixtures compile plans before any function-scoped patch."""
+Shared by every test of the run, since module-scoped fixtures compile plans before any function-scoped patch."""
 
 import pytest
 
