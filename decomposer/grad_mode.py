@@ -44,13 +44,14 @@ def mark_if_no_grad(node: fx.Node) -> None:
         node.meta[NO_GRAD] = True
 
 
+def is_region_body(node: fx.Node) -> bool:
+    """Whether ``node`` reads a submodule that only grad-mode regions use (inlined, not kept)."""
+    return node.op == "get_attr" and bool(node.users) and all(is_region(u) for u in node.users)
+
+
 def region_modules(gm: fx.GraphModule) -> set[str]:
-    """The submodule names that only grad-mode regions read (they are inlined, not kept)."""
-    names = set()
-    for node in gm.graph.nodes:
-        if node.op == "get_attr" and node.users and all(is_region(u) for u in node.users):
-            names.add(node.target)
-    return names
+    """The submodule names that only grad-mode regions read."""
+    return {node.target for node in gm.graph.nodes if is_region_body(node)}
 
 
 def inline_region(gm: fx.GraphModule, node: fx.Node, graph: fx.Graph, operands: list[Any],
@@ -70,7 +71,7 @@ def inline_region(gm: fx.GraphModule, node: fx.Node, graph: fx.Graph, operands: 
             continue
         if inner.op == "output":
             return tuple(env[v] if isinstance(v, fx.Node) else v for v in inner.args[0])
-        if inner.op == "get_attr" and all(is_region(u) for u in inner.users):
+        if is_region_body(inner):
             continue
         if is_region(inner):
             env[inner] = inline_region(body, inner, graph, [env[a] for a in inner.args[2:]], copy, off)
