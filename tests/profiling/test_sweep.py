@@ -141,35 +141,6 @@ def test_the_training_footprint_names_a_layer_that_fails_at_every_size():
         training_footprint(graph, _get_batch, 8)
 
 
-def test_interpolated_time_matches_a_fresh_measurement_within_noise():
-    """Time at an unsampled u, interpolated from sampled neighbours, is within 10% of measuring it,
-    plus twice the spread of repeated measurements. Sizes are measured round-robin so that drift
-    of this shared machine hits all of them alike."""
-    width = 1024  # milliseconds per task: large enough for the clock, small enough for CI
-
-    def get_batch(batch_size, step):
-        g = torch.Generator().manual_seed(step)
-        return torch.randn(batch_size, width, generator=g), None
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width))
-    graph = harmony.decompose(model, get_batch(2, 0)[0])
-    profiler = Profiler(graph, get_batch, lambda p: torch.optim.SGD(p, lr=0.1), CpuDevice("emu", None), trials=3)
-    sizes, target = (32, 64), 40
-    torch_threads_before = torch.get_num_threads()
-    torch.set_num_threads(1)  # one emulated device's share of two cores, as `harmony profile` measures it
-    runs = {u: [] for u in (*sizes, target)}
-    for _ in range(3):
-        for u in runs:
-            runs[u].append(profiler.run(u, backward=True, trials=3).fwd[0])
-    torch.set_num_threads(torch_threads_before)
-    for quantity in ("fwd_time", "bwd_time"):
-        median = {u: sorted(getattr(m, quantity) for m in ms)[1] for u, ms in runs.items()}
-        fit = fit_samples(list(sizes), [median[u] for u in sizes])
-        spread = max(max(getattr(m, quantity) for m in ms) / min(getattr(m, quantity) for m in ms) - 1 for ms in runs.values())
-        assert fit(target) == pytest.approx(median[target], rel=0.10 + 2 * spread), (quantity, spread)
-
-
 def test_the_profile_measures_the_loss_task_the_optimizers_temporaries_and_a_groups_first_microbatch():
     """What a plan needs beyond each layer's forward and backward: the last
     layer's loss task with the loss function, Adam's temporaries, and a group's first microbatch,
