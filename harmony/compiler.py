@@ -27,8 +27,8 @@ from harmony.profiling.sweep import Profiler, default_capacity
 from harmony.runtime.device import check_gpus, make_devices, parse_bytes
 from harmony.profiling.analytic import analytic_profile
 from harmony.scheduler.devicespec import load_spec
-from harmony.scheduler.estimator import chrome_trace, estimate, promise
-from harmony.scheduler.machine import Machine
+from harmony.scheduler.estimator import chrome_trace, estimate
+from harmony.scheduler.machine import Machine, nominal_machine
 from harmony.scheduler.memory import fused_update, memory_plan
 from harmony.profiling.casts import low_copies
 from harmony.runtime.hoststore import Layout
@@ -247,23 +247,6 @@ def finish_plan(result: SearchResult, profile: Profile, machine: Machine, option
     return result
 
 
-def promise_memory(plan: Plan) -> None:
-    """Attach the memory promise to a plan whose task graph was searched outside ``compile`` (a
-    script or test that calls ``search`` itself): the runtime admits every copy made ahead of need
-    against it, so no plan runs without one. The estimate is the one the search made: the profile's
-    machine (nominal copy speeds where it has none) at the plan's device count and planned memory."""
-    if plan.tasks.memory is not None:
-        return
-    options = CompileOptions(minibatch=plan.tasks.minibatch, devices=plan.tasks.devices)
-    capacity = plan.profile.capacity
-    machine = plan.profile.machine or _nominal_machine(options, capacity)
-    if machine.devices != plan.tasks.devices:
-        machine = dataclasses.replace(machine, devices=plan.tasks.devices)
-    plan.tasks.memory = promise(plan.tasks, plan.profile, machine, plan.options.get("planned_memory", capacity))
-    log.info("the plan had no memory promise (searched outside compile); estimated one: peaks %s",
-             plan.tasks.memory.devices)
-
-
 def measured_packs_plan(result: SearchResult, profile: Profile, machine: Machine, options: CompileOptions,
                         planned: int, same_u: bool, measure: Callable[[list[tuple[int, int, int]]], list[PackSample]],
                         rounds: int = 3) -> SearchResult:
@@ -436,7 +419,7 @@ def profile_graph(graph, get_batch, build_optimizer, options: CompileOptions, on
             on_progress("probing links")
             machine = probe_machine(options.device_type, options.devices, device.capacity, size=16 << 20, repeats=5)
         else:
-            machine = _nominal_machine(options, device.capacity)
+            machine = nominal_machine(options.device_type, options.devices, device.capacity)
     profile.graph_hash = graph.fingerprint()
     profile.ties = tied_weights(graph, build_optimizer)
     profile.carry(low_copies(graph, options.device_type, precision.compute_dtype(options.precision), host_bandwidth))
@@ -493,15 +476,6 @@ def tied_weights(graph: LayerGraph, build_optimizer: Callable) -> list[TiedWeigh
         ties.append(TiedWeight(layers=layers, w_bytes=spec.nbytes, dw_bytes=spec.nbytes if spec.requires_grad else 0,
                                k_bytes=k))
     return ties
-
-
-def _nominal_machine(options: CompileOptions, capacity: int) -> Machine:
-    """A machine description without probing: memory-copy speeds of a typical host (the plan says so)."""
-    return Machine(
-        kind=options.device_type, device_name="unprobed", devices=options.devices, capacity=capacity,
-        h2d=5e9, d2h=5e9, d2d=5e9, host_link_shared=True, h2d_all=5e9, d2h_all=5e9, msg=2e9, latency=20e-6,
-        source="given", notes={"why": "compiled with probing off; bandwidths are nominal, not measured"},
-    )
 
 
 def _check_smallest_layer(profile: Profile, capacity: int) -> None:

@@ -15,15 +15,17 @@ changed and to compile again.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
-from harmony import serialization
+from harmony import __version__, serialization
 from harmony.decomposer.layer_graph import LayerGraph
 from harmony.errors import FormatError, HarmonyError
 from harmony.modelfile import source_hash
@@ -31,10 +33,13 @@ from harmony.profiling.profiles import PROFILE_FILE, Profile
 from harmony.runtime.hostroom import gib
 from harmony.runtime.hoststore import describe_kinds
 from harmony.scheduler.memory import kept_bytes, kept_on
+from harmony.scheduler.estimator import promise
+from harmony.scheduler.lower import Program, lower
+from harmony.scheduler.machine import nominal_machine
 from harmony.scheduler.tasks import HOST, TaskGraph
 
-if TYPE_CHECKING:
-    from harmony.scheduler.lower import Program
+log = logging.getLogger(__name__)
+
 
 SCHEMA_VERSION = 1
 KIND = "plan"
@@ -83,10 +88,7 @@ class Plan:
         """Write the plan directory (``trace``: a Chrome trace of the estimate, see
         ``estimator.chrome_trace``); the manifest goes last, so a half-written plan has none."""
         trace = trace if trace is not None else self.trace
-        from harmony import __version__
-        from harmony.compiler import promise_memory  # a saved plan is runnable: it carries its memory promise
-
-        promise_memory(self)
+        self.promise_memory()  # a saved plan is runnable: it carries its memory promise
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -114,10 +116,25 @@ class Plan:
         serialization.atomic_write_bytes(directory / MANIFEST, serialization.json_seal(manifest))
         return directory
 
+    def promise_memory(self) -> None:
+        """Attach the memory promise to a plan whose task graph was searched outside ``compile`` (a
+        script or test that calls ``search`` itself): the runtime admits every copy made ahead of
+        need against it, so no plan runs without one. The estimate is the one the search made: the
+        profile's machine (nominal copy speeds where it has none) at the plan's device count and
+        planned memory."""
+        if self.tasks.memory is not None:
+            return
+        capacity = self.profile.capacity
+        devices = self.tasks.devices
+        machine = self.profile.machine or nominal_machine(self.options.get("device_type", "cpu"), devices, capacity)
+        if machine.devices != devices:
+            machine = dataclasses.replace(machine, devices=devices)
+        self.tasks.memory = promise(self.tasks, self.profile, machine, self.options.get("planned_memory", capacity))
+        log.info("the plan had no memory promise (searched outside compile); estimated one: peaks %s",
+                 self.tasks.memory.devices)
+
     def program(self) -> "Program":
         """The plan's tasks lowered into one action program per device (``scheduler/lower.py``)."""
-        from harmony.scheduler.lower import lower
-
         return lower(self.tasks, self.profile)
 
     @classmethod

@@ -102,10 +102,7 @@ class Trainer:
             if graph.modules is None:
                 raise HarmonyError("this plan has no weights; pass state_dict= (e.g. model.state_dict())")
             state_dict = graph.state_dict()
-        if plan.tasks.memory is None:
-            from harmony.compiler import promise_memory  # the compiler only for a plan searched by hand
-
-            promise_memory(plan)
+        plan.promise_memory()
         self.store = HostStore.create(graph, plan.tasks.devices, self.build_optimizer, state_dict,
                                       low_copies=plan.tasks.low_copies,
                                       slots=build_routes(plan.tasks, graph).gradient_slots())

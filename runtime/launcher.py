@@ -77,7 +77,7 @@ __all__ = ["Launcher", "WorkerError", "StepResult"]
 
 NO_PROMISE = ("the plan's task graph carries no memory promise (TaskGraph.memory), which the runtime admits every "
               "copy against: compile it with harmony.compile or `harmony compile`, or attach one with "
-              "harmony.compiler.promise_memory(plan)")
+              "plan.promise_memory()")
 
 
 # commands besides an iteration: the kept state to the host store; let go (all, or the weights and buffers)

@@ -43,7 +43,7 @@ SCHEMA_VERSION = 2  # 2: LOADs name their source; Program.sources, Program.after
 PROGRAM_FILE = "program.msgpack"
 NO_PROMISE = ("a task graph without a memory promise (TaskGraph.memory) has no program: where each task's "
               "state is loaded is the promise's choice. Attach one with harmony.scheduler.estimator.promise(graph, "
-              "profile, machine, capacity), or for a Plan harmony.compiler.promise_memory(plan)")
+              "profile, machine, capacity), or for a Plan plan.promise_memory()")
 STREAMS = ("compute", "swap-in", "swap-out", "p2p-in", "p2p-out")
 
 

@@ -9,6 +9,7 @@ import dataclasses
 import torch
 
 import harmony
+from harmony.scheduler.machine import nominal_machine
 import harmony.compiler as compiler
 from harmony.cli import _estimate_range_text, _range_verdict
 from harmony.running import _within_range
@@ -20,12 +21,11 @@ def _get_batch(batch_size, step):
 
 
 def _compile(monkeypatch, scale_range):
-    nominal = compiler._nominal_machine
+    def calibrated(kind, devices, capacity):
+        return dataclasses.replace(nominal_machine(kind, devices, capacity), compute_scale=1.5,
+                                   compute_scale_range=scale_range)
 
-    def calibrated(options, capacity):
-        return dataclasses.replace(nominal(options, capacity), compute_scale=1.5, compute_scale_range=scale_range)
-
-    monkeypatch.setattr(compiler, "_nominal_machine", calibrated)
+    monkeypatch.setattr(compiler, "nominal_machine", calibrated)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.Linear(32, 4))
     return harmony.compile(model, torch.nn.functional.cross_entropy, _get_batch, minibatch_size=8, devices=2,

@@ -10,7 +10,8 @@ import torch
 
 import harmony.profiling.overheads as overheads
 import harmony.profiling.probe as probe
-from harmony.compiler import CompileOptions, _nominal_machine, profile_graph
+from harmony.compiler import CompileOptions, profile_graph
+from harmony.scheduler.machine import nominal_machine
 from harmony.decomposer.decompose import decompose
 from harmony.errors import HarmonyError
 
@@ -59,7 +60,7 @@ def test_the_model_scale_is_its_own_layers_on_the_runtime_over_their_estimate():
 
 def test_a_probed_compile_carries_the_models_scale(monkeypatch):
     graph, options = _profiled(probe_flag=True)
-    nominal = _nominal_machine(options, 1 << 20)
+    nominal = nominal_machine(options.device_type, options.devices, 1 << 20)
     monkeypatch.setattr(probe, "probe_machine", lambda *args, **kwargs: nominal)
     monkeypatch.setattr(overheads, "measure_model_scale",
                         lambda *args, **kwargs: overheads.Scaling(0.77, 0.12, 0.7, 0.9))
@@ -71,7 +72,7 @@ def test_a_probed_compile_carries_the_models_scale(monkeypatch):
 
 def test_the_probes_scale_stands_where_the_model_cannot_be_run(monkeypatch, caplog):
     graph, options = _profiled(probe_flag=True)
-    nominal = _nominal_machine(options, 1 << 20)
+    nominal = nominal_machine(options.device_type, options.devices, 1 << 20)
     monkeypatch.setattr(probe, "probe_machine", lambda *args, **kwargs: nominal)
 
     def refuse(*args, **kwargs):
@@ -118,7 +119,7 @@ def test_the_scale_and_interference_are_the_median_rounds_not_the_fastest_and_th
     assert abs(scaling.scale - 0.6) < 1e-9 and abs(scaling.interference - (0.8 / 0.6 - 1)) < 1e-9
     # the one-device rounds' lowest and highest: how much the machine moved while it was measured
     assert (scaling.low, scaling.high) == (0.5, 0.7)
-    assert scaling.applied(_nominal_machine(_profiled()[1], 1 << 20)).compute_scale_range == [0.5, 0.7]
+    assert scaling.applied(nominal_machine("cpu", _profiled()[1].devices, 1 << 20)).compute_scale_range == [0.5, 0.7]
 
 
 def test_the_range_spans_the_models_tasks_not_only_the_rounds():
@@ -173,7 +174,7 @@ def test_the_models_calibration_reads_a_cost_per_task_beside_the_scale():
     assert scaling.scale == pytest.approx(1.1) and scaling.task == pytest.approx(0.3e-3)
     assert scaling.interference == pytest.approx(0.2)
     assert (scaling.low, scaling.high) == pytest.approx((1.1, 1.1))
-    machine = scaling.applied(_nominal_machine(_profiled()[1], 1 << 20))
+    machine = scaling.applied(nominal_machine("cpu", _profiled()[1].devices, 1 << 20))
     assert machine.compute_task_overhead == pytest.approx(0.3e-3) and machine.compute_scale == pytest.approx(1.1)
     # without per_task (the probe's MLP blocks) the same runs fold the cost into the scale
     reads = iter([alone, together] * 2)

@@ -15,7 +15,6 @@ from test_frozen import compiled as compiled_frozen
 from test_training import MINIBATCH, adam, assert_same_training, compiled
 
 import harmony
-from harmony.compiler import promise_memory
 from harmony.errors import HarmonyError
 from harmony.plan import Plan
 from harmony.runtime.reference import microbatches_of, reference_train
@@ -24,14 +23,14 @@ from harmony.scheduler.search import search
 from harmony.scheduler.taskgraph import with_norm
 from harmony.scheduler.modes import generate
 from harmony.scheduler.tasks import HOST, Kind
-from harmony.compiler import CompileOptions, _nominal_machine
+from harmony.scheduler.machine import nominal_machine
 
 MAX_NORM = 1.2  # gpt2 tiny's first minibatch has a norm of about 1.13, the next ones 1.27-1.28
 ITERATIONS = 4
 
 
 def clipped_plan(base: Plan, mode: str, update: str | None) -> Plan:
-    machine = _nominal_machine(CompileOptions(minibatch=MINIBATCH, devices=2), base.profile.capacity)
+    machine = nominal_machine("cpu", 2, base.profile.capacity)
     result = search(base.profile, machine, mode, 2, MINIBATCH, capacity=base.options["planned_memory"],
                     same_u=bool(base.options["same_u"]), gated=True)
     tasks = result.graph
@@ -40,7 +39,7 @@ def clipped_plan(base: Plan, mode: str, update: str | None) -> Plan:
     plan = Plan(graph=base.graph, profile=base.profile, tasks=tasks, estimate={},
                 options={**base.options, "devices": 2, "mode": mode, "clip_grad_norm": MAX_NORM})
     plan.loss_fn, plan.build_optimizer = base.loss_fn, adam
-    promise_memory(plan)
+    plan.promise_memory()
     return plan
 
 
@@ -90,7 +89,7 @@ def test_a_threshold_above_every_norm_changes_nothing():
     unclipped = Plan(graph=base.graph, profile=base.profile, estimate={}, options={**base.options, "mode": "dp"},
                      tasks=generate("dp", base.profile, plan.tasks.config, 2, MINIBATCH, update="host"))
     unclipped.loss_fn = base.loss_fn
-    promise_memory(unclipped)
+    unclipped.promise_memory()
     batches = [get_batch(MINIBATCH, step) for step in range(ITERATIONS)]
     with harmony.Trainer(unclipped, optimizer=adam, timeout=30) as trainer:
         assert [trainer.step(x, y) for x, y in batches] == clipped
@@ -104,8 +103,7 @@ def test_a_threshold_above_every_norm_changes_nothing():
                                           ("dp-swap", None), ("1f1b-swap", None)])
 def test_every_update_waits_for_the_norm_and_none_is_fused_into_a_backward(mode, update):
     _, _, base = compiled("gpt2")
-    config = search(base.profile, _nominal_machine(CompileOptions(minibatch=MINIBATCH, devices=2),
-                                                   base.profile.capacity),
+    config = search(base.profile, nominal_machine("cpu", 2, base.profile.capacity),
                     mode, 2, MINIBATCH, capacity=base.options["planned_memory"], same_u=True).config
     options = {"update": update} if update else {}
     graph = generate(mode, base.profile, config, 2, MINIBATCH, gated=True, **options)
@@ -117,8 +115,7 @@ def test_every_update_waits_for_the_norm_and_none_is_fused_into_a_backward(mode,
     assert updates and all(norm[0].id in t.deps() for t in updates)
     assert not [t for t in graph.tasks if t.jit_update()]
     assert [t.id for t in graph.tasks] == list(range(len(graph.tasks)))
-    est = estimate(graph, base.profile, _nominal_machine(CompileOptions(minibatch=MINIBATCH, devices=2),
-                                                          base.profile.capacity))
+    est = estimate(graph, base.profile, nominal_machine("cpu", 2, base.profile.capacity))
     assert est.fits and not est.deadlock
 
 

@@ -17,7 +17,7 @@ import torch
 from test_training import CAPACITY_SHARE, MINIBATCH, adam, assert_same_training, relative_error
 
 import harmony
-from harmony.compiler import CompileOptions, _nominal_machine, promise_memory
+from harmony.scheduler.machine import nominal_machine
 from harmony.models import gpt2
 from harmony.plan import Plan
 from harmony.profiling.sweep import training_footprint
@@ -56,7 +56,7 @@ def compiled(freeze: bool):
 
 def plan_for(mode: str, update: str | None = None, freeze: bool = True) -> tuple[torch.nn.Module, object, Plan]:
     model, get_batch, base = compiled(freeze)
-    machine = _nominal_machine(CompileOptions(minibatch=MINIBATCH, devices=2), base.profile.capacity)
+    machine = nominal_machine("cpu", 2, base.profile.capacity)
     result = search(base.profile, machine, mode, 2, MINIBATCH, capacity=base.options["planned_memory"],
                     same_u=bool(base.options["same_u"]))
     tasks = result.graph
@@ -65,7 +65,7 @@ def plan_for(mode: str, update: str | None = None, freeze: bool = True) -> tuple
     plan = Plan(graph=base.graph, profile=base.profile, tasks=tasks, estimate={},
                 options={**base.options, "devices": 2, "mode": mode})
     plan.loss_fn, plan.build_optimizer = gpt2.loss_fn, adam
-    promise_memory(plan)
+    plan.promise_memory()
     return model, get_batch, plan
 
 

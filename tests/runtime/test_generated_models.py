@@ -26,7 +26,8 @@ import pytest
 import torch
 
 import harmony
-from harmony.compiler import CompileOptions, _nominal_machine, finish_plan, pack_measurer
+from harmony.compiler import CompileOptions, finish_plan, pack_measurer
+from harmony.scheduler.machine import nominal_machine
 from harmony.errors import HarmonyError
 from harmony.plan import Plan
 from harmony.profiling.sweep import training_footprint
@@ -97,7 +98,7 @@ def finished(case: Case, base: Plan, mode: str, config) -> tuple[TaskGraph, dict
     promise, made as ``harmony.compile`` makes a plan's: packs measured whole, the promise attached."""
     options = CompileOptions(minibatch=MINIBATCH, devices=DEVICES, device_memory=base.profile.capacity, mode=mode,
                              probe=False)
-    machine = _nominal_machine(options, base.profile.capacity)
+    machine = nominal_machine(options.device_type, options.devices, base.profile.capacity)
     capacity, same_u = base.options["planned_memory"], bool(base.options["same_u"])
     if config is None:
         result = search(base.profile, machine, mode, DEVICES, MINIBATCH, capacity=capacity, same_u=same_u)
@@ -160,8 +161,8 @@ def test_a_generated_model_trains_as_eager_within_its_planned_memory(seed):
             label = f"{case.name} at {fraction:.2f} of its footprint, {mode}"
             try:
                 train_and_check(case, base, mode, None, f"{label}, best configuration")
-                other = other_configuration(base.profile, _nominal_machine(
-                    CompileOptions(minibatch=MINIBATCH, devices=DEVICES), base.profile.capacity), mode,
+                other = other_configuration(base.profile, nominal_machine(
+                    "cpu", DEVICES, base.profile.capacity), mode,
                     base.options["planned_memory"], bool(base.options["same_u"]), seed)
             except NoFeasibleConfiguration as exc:
                 record({"case": case.name, "fraction": fraction, "mode": mode, "refused": str(exc)})

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import harmony
-from harmony.compiler import CompileOptions, _nominal_machine
+from harmony.scheduler.machine import nominal_machine
 from harmony.models import gpt2, resnet
 from harmony.plan import Plan
 from harmony.profiling.sweep import training_footprint
@@ -47,7 +47,7 @@ def plan_for(name: str, mode: str, devices: int, keep: bool = True) -> tuple[tor
     """A plan whose updates run on the devices (whether keeping beats stepping on the host is the
     estimate's call, which these tests leave aside)."""
     model, get_batch, base = compiled(name)
-    machine = _nominal_machine(CompileOptions(minibatch=MINIBATCH, devices=devices), base.profile.capacity)
+    machine = nominal_machine("cpu", devices, base.profile.capacity)
     result = search(base.profile, machine, mode, devices, MINIBATCH, capacity=base.options["planned_memory"],
                     same_u=bool(base.options["same_u"]), keep=keep, update="device")
     plan = Plan(graph=base.graph, profile=base.profile, tasks=result.graph, estimate={},
@@ -163,7 +163,6 @@ def test_without_keeping_the_same_plan_moves_its_state_every_iteration():
 
 def generated(name: str, packs: list[tuple[int, int]], devices: int, **options) -> Plan:
     """The ample-room plan of ``name`` regenerated with ``packs`` for both passes, kept."""
-    from harmony.compiler import promise_memory
     from harmony.scheduler.modes import generate
     from harmony.scheduler.tasks import Configuration
 
@@ -173,7 +172,7 @@ def generated(name: str, packs: list[tuple[int, int]], devices: int, **options) 
     plan = Plan(graph=base.graph, profile=base.profile, tasks=tasks, estimate={},
                 options={**base.options, "devices": devices, "mode": "pp"})
     plan.loss_fn, plan.build_optimizer = MODELS[name].loss_fn, adam
-    promise_memory(plan)
+    plan.promise_memory()
     return plan
 
 
@@ -233,7 +232,6 @@ def test_kept_state_lost_with_a_worker_is_an_error_not_stale_weights(tmp_path):
 
 def test_a_device_keeping_one_pack_and_moving_the_other_trains_as_eager():
     """Partial keeping: the device has room for one pack's state beside its work, not for both."""
-    from harmony.compiler import promise_memory
     from harmony.scheduler.keep import keep_state
     from harmony.scheduler.modes import generate
     from harmony.scheduler.tasks import Configuration
@@ -252,6 +250,6 @@ def test_a_device_keeping_one_pack_and_moving_the_other_trains_as_eager():
     plan = Plan(graph=base.graph, profile=base.profile, tasks=kept, estimate={},
                 options={**base.options, "devices": 1, "mode": "pp"})
     plan.loss_fn, plan.build_optimizer = MODELS["resnet"].loss_fn, adam
-    promise_memory(plan)
+    plan.promise_memory()
     history = trains_as_eager(model, get_batch, plan, 3)
     assert history[-1].bytes_by_channel() == {k: v for k, v in plan.tasks.bytes_by_channel().items() if v}

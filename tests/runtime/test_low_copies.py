@@ -15,7 +15,7 @@ import torch
 from test_precision import LOSS_TOLERANCE, MINIBATCH, TOLERANCE, adam, relative_distance
 
 import harmony
-from harmony.compiler import CompileOptions, _nominal_machine
+from harmony.scheduler.machine import nominal_machine
 from harmony.models import gpt2
 from harmony.profiling.sweep import training_footprint
 from harmony.runtime.reference import microbatches_of, reference_train
@@ -48,7 +48,7 @@ def plan_updating_at(mode: str, update: str):
     """``plan_at``'s plan with its updates where ``update`` says (the search picks either), moving
     its state every iteration: these tests are about what travels, and how (kept state moves none)."""
     plan = plan_at(mode)
-    machine = _nominal_machine(CompileOptions(minibatch=MINIBATCH, devices=2), plan.profile.capacity)
+    machine = nominal_machine("cpu", 2, plan.profile.capacity)
     tasks = search(plan.profile, machine, mode, 2, MINIBATCH, capacity=plan.options["planned_memory"],
                    same_u=bool(plan.options["same_u"]), update=update, keep=False).graph
     tasks.precision = plan.tasks.precision

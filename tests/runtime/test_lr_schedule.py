@@ -40,8 +40,7 @@ def train_both(mode: str, scheduler, iterations: int = 4, update: str | None = N
     if update is not None:
         from harmony.scheduler.modes import generate
         plan.tasks = generate(mode, plan.profile, plan.tasks.config, 2, MINIBATCH, update=update)
-        from harmony.compiler import promise_memory
-        promise_memory(plan)
+        plan.promise_memory()
     reference = copy.deepcopy(model)
     batches = [get_batch(MINIBATCH, step) for step in range(iterations)]
     with harmony.Trainer(plan, optimizer=two_groups, timeout=30, lr_scheduler=scheduler) as trainer:

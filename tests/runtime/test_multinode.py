@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from harmony.cli import main
-from harmony.compiler import CompileOptions, _nominal_machine
+from harmony.scheduler.machine import nominal_machine
 from harmony.modelfile import load_model_file, parse_options
 from harmony.plan import Plan
 from harmony.runtime.hoststore import HostStore
@@ -92,7 +92,7 @@ def variant(base: Path, out: Path, mode: str, update: str, clip: float | None = 
     with ``clip`` (or ``gated``: fp16's overflow check), a plan whose updates wait for a NORM task
     on the host."""
     plan = Plan.load(base)
-    machine = _nominal_machine(CompileOptions(minibatch=MINIBATCH, devices=2, probe=False), plan.profile.capacity)
+    machine = nominal_machine("cpu", 2, plan.profile.capacity)
     result = search(plan.profile, machine, mode, 2, MINIBATCH, capacity=plan.options["planned_memory"],
                     same_u=bool(plan.options["same_u"]), update=update,
                     **({"gated": True} if gated or clip is not None else {}))

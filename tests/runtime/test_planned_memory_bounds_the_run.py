@@ -28,7 +28,8 @@ import torch
 
 import harmony
 from bench.memory_bound import MODELS, Outside, footprint
-from harmony.compiler import CompileOptions, _nominal_machine, batch_coupled, compile_plan, finish_plan, pack_measurer
+from harmony.compiler import CompileOptions, batch_coupled, compile_plan, finish_plan, pack_measurer
+from harmony.scheduler.machine import nominal_machine
 from harmony.plan import Plan
 from harmony.runtime.reference import microbatches_of, reference_train
 from harmony.scheduler.search import search
@@ -60,7 +61,7 @@ def plan_at(name: str, fraction: float, mode: str) -> Plan:
     capacity = int(fraction * footprint(name))
     options = CompileOptions(minibatch=m.minibatch, devices=DEVICES, device_memory=capacity, mode=mode, probe=False)
     planned = int(capacity * (1 - options.memory_margin))
-    machine = _nominal_machine(options, capacity)
+    machine = nominal_machine(options.device_type, options.devices, capacity)
     same_u = bool(batch_coupled(base.graph))
     result = search(base.profile, machine, mode, DEVICES, m.minibatch, capacity=planned, same_u=same_u)
     measure = pack_measurer(base.graph, m.get_batch, m.build_optimizer, m.loss_fn, options)

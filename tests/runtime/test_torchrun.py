@@ -219,7 +219,6 @@ def test_a_torchrun_run_keeping_its_state_on_the_devices_checkpoints_and_resumes
 def kept_on_both_devices(base: Path, out: Path, mode: str = "pp") -> Path:
     """The base plan (5 layers, 2 devices with room) with two packs, kept on the devices and stepped
     there: in pp each pack on its device, in dp a replica of both on each."""
-    from harmony.compiler import promise_memory
     from harmony.plan import Plan
     from harmony.scheduler.memory import kept_on
     from harmony.scheduler.modes import generate
@@ -232,6 +231,6 @@ def kept_on_both_devices(base: Path, out: Path, mode: str = "pp") -> Path:
     plan.options = {**plan.options, "mode": mode}
     assert set(kept_on(plan.tasks)) == {0, 1}, plan.tasks.to_text()
     plan.estimate = {}
-    promise_memory(plan)
+    plan.promise_memory()
     plan.save(out)
     return out

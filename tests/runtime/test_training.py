@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import harmony
-from harmony.compiler import CompileOptions, _nominal_machine
+from harmony.scheduler.machine import nominal_machine
 from harmony.models import bert, gpt2, resnet, vgg
 from harmony.plan import Plan
 from harmony.profiling.sweep import training_footprint
@@ -54,7 +54,7 @@ def compiled(name: str, dtype: str = "float64"):
 
 def plan_for(name: str, mode: str, devices: int, dtype: str = "float64") -> tuple[torch.nn.Module, object, Plan]:
     model, get_batch, base = compiled(name, dtype)
-    machine = _nominal_machine(CompileOptions(minibatch=MINIBATCH, devices=devices), base.profile.capacity)
+    machine = nominal_machine("cpu", devices, base.profile.capacity)
     result = search(base.profile, machine, mode, devices, MINIBATCH, capacity=base.options["planned_memory"],
                     same_u=bool(base.options["same_u"]))
     plan = Plan(graph=base.graph, profile=base.profile, tasks=result.graph, estimate={},
@@ -261,7 +261,7 @@ def test_host_updates_run_on_the_one_thread_the_profile_timed_them_with():
     import os
 
     model, get_batch, plan = plan_for("gpt2", "pp", 2)
-    machine = _nominal_machine(CompileOptions(minibatch=MINIBATCH, devices=2), plan.profile.capacity)
+    machine = nominal_machine("cpu", 2, plan.profile.capacity)
     plan.tasks = search(plan.profile, machine, "pp", 2, MINIBATCH, capacity=plan.options["planned_memory"],
                         same_u=bool(plan.options["same_u"]), update="host").graph
     launcher_pid, seen, stepping = os.getpid(), [], [False]
