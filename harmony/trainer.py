@@ -53,7 +53,7 @@ from harmony.errors import HarmonyError
 from harmony.inputs import LOSS_SIGNATURE, check_callable, check_optimizer_builder, check_scheduler_builder
 from harmony.plan import Plan
 from harmony.runtime.clipping import check_clipping
-from harmony.runtime.executor import Batch
+from harmony.runtime.context import Batch
 from harmony.runtime.hoststore import HostStore
 from harmony.modelfile import default_optimizer
 from harmony.runtime.launcher import Launcher, StepResult

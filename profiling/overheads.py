@@ -75,7 +75,7 @@ from harmony.scheduler.modes import generate
 from harmony.scheduler.tasks import HOST, Configuration, Kind, TaskGraph
 
 from harmony.runtime.device import CpuDevice
-from harmony.runtime.executor import Batch
+from harmony.runtime.context import Batch
 from harmony.runtime.hoststore import HostStore
 from harmony.runtime.launcher import Launcher
 from harmony.runtime.routes import build_routes

@@ -474,7 +474,7 @@ class Profile:
         input of a layer in ``stashes`` (stashed for a backward starting there) is queued for the
         host when that layer starts and counted while the next layer runs: a copy out takes far
         less than a layer's compute, and where one is late the runtime waits for it before going
-        past the plan's peak (``admission._let_outputs_leave``), as for every output leaving the
+        past the plan's peak (``Admission.let_outputs_leave``), as for every output leaving the
         device. Counted until the pack's end, the stashes would make a long forward's plan well
         above what it holds.
         """

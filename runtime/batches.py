@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from harmony.runtime.executor import Batch
+from harmony.runtime.context import Batch
 
 __all__ = ["BatchSlots", "received"]
 

@@ -10,12 +10,11 @@ runs it (``reference.py``).
   the device across its microbatches (input-batch grouping). A ``loss`` task runs the last pack's
   forward, the loss scaled by u/D and the backward together.
 
-Each microbatch is a unit of the plan (``_unit_starts``: the next task's state may load then), and
+Each microbatch is a unit of the plan (``PackState.unit_starts``: the next task's state may load then), and
 every tensor of a microbatch is let go as soon as the plan counts it gone (the ``del`` statements).
 
-Part of ``Executor`` (``executor.py``), mixed in: ``self`` is the executor. Inputs and sends go
-through ``transport.py``, the pack's state through ``packstate.py``, what follows a backward
-through ``updates.py``.
+One of the executor's parts (``executor.py``): inputs and sends go through ``transport.py``, the
+pack's state through ``packstate.py``, what follows a backward through ``updates.py``.
 """
 
 from __future__ import annotations
@@ -26,13 +25,12 @@ import torch
 from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
-from harmony.decomposer.layer_graph import LayerGraph
 from harmony.runtime import rng
-from harmony.runtime.channels import Counters
-from harmony.runtime.device import Device
+from harmony.runtime.context import DeviceContext
+from harmony.runtime.packstate import PackState
 from harmony.runtime.precision import autocast
-from harmony.runtime.routes import Routes
-from harmony.runtime.transport import Values
+from harmony.runtime.transport import Transport, Values, slice_samples
+from harmony.runtime.updates import Updates
 from harmony.scheduler.lower import Edge, ranges, stash_layers
 from harmony.scheduler.tasks import Task
 
@@ -40,15 +38,17 @@ from harmony.scheduler.tasks import Task
 class Compute:
     """FWD and BWD tasks on the compute thread; see the module docs."""
 
-    device: Device
-    layers: LayerGraph
-    modules: list[torch.nn.Module]
-    routes: Routes
-    counters: Counters
-    loss_fn: Callable
-    minibatch: int
-    batch: Any  # the iteration's Batch
-    _out_spec: Any  # the model's output structure, to give the loss what the model returns
+    def __init__(self, ctx: DeviceContext, packs: PackState, transport: Transport, updates: Updates,
+                 loss_fn: Callable) -> None:
+        self.ctx = ctx
+        self.packs = packs
+        self.transport = transport
+        self.updates = updates
+        self.loss_fn = loss_fn
+        self.modules = ctx.layers.modules
+        self.minibatch = ctx.routes.graph.minibatch
+        self._out_spec = ctx.layers.out_spec()  # the model's output structure, to give the loss what the model returns
+        self.loss_scale: float | None = None  # this iteration's (fp16): the loss is multiplied by it before its backward
 
     def _run_layer(self, index: int, state: dict[str, torch.Tensor], values: Values) -> Values:
         """One layer, with the pack state's tensors as its parameters and buffers.
@@ -57,8 +57,8 @@ class Compute:
         records them with ``remove_duplicate=False``) and the pack state gives each the same copy,
         so there is nothing for ``functional_call`` to tie, and its search for ties would cost small
         layers a good part of their forward."""
-        names = self.layers.layers[index].state
-        with autocast(self.device.torch_device.type, self.routes.graph.precision):
+        names = self.ctx.layers.layers[index].state
+        with autocast(self.ctx.device.torch_device.type, self.ctx.routes.graph.precision):
             return list(functional_call(self.modules[index], {n: state[n] for n in names}, tuple(values),
                                         tie_weights=False))
 
@@ -67,16 +67,16 @@ class Compute:
             values = self._run_layer(layer, state, values)
         return values
 
-    def _forward(self, task: Task) -> None:
+    def forward(self, task: Task) -> None:
         """FWD: each microbatch through the pack without autograd; stashes and outputs sent as the
         program's edges say."""
-        state = self._pack_state(task)
-        device = self.device.torch_device
-        ready = self._stream_prefetch(task, ["X"], 0)
+        state = self.packs.pack_state(task)
+        device = self.ctx.device.torch_device
+        ready = self.transport.stream_prefetch(task, ["X"], 0)
         for mb in range(len(task.microbatches)):
-            got = self._inputs(task, ["X"], mb, ready)
-            ready = self._stream_prefetch(task, ["X"], mb + 1)
-            self._unit_starts(mb)
+            got = self.transport.inputs(task, ["X"], mb, ready)
+            ready = self.transport.stream_prefetch(task, ["X"], mb + 1)
+            self.packs.unit_starts(mb)
             values, gen = got["X"]
             if gen is not None:
                 rng.restore(device, gen)
@@ -84,42 +84,42 @@ class Compute:
             with torch.no_grad():
                 for layer in range(task.first, task.last + 1):
                     if layer in at:
-                        self._send(task, mb, at[layer], values, rng.capture(device))
+                        self.transport.send(task, mb, at[layer], values, rng.capture(device))
                     values = self._run_layer(layer, state, values)
-            self._send(task, mb, at.get(task.last + 1, []), values, rng.capture(device))
+            self.transport.send(task, mb, at.get(task.last + 1, []), values, rng.capture(device))
             del values, got
-        self._write_buffers(task, state)
-        self._evict_weights(task, state)
+        self.packs.write_buffers(task, state)
+        self.packs.evict_weights(task, state)
 
     def _sends_by_layer(self, task: Task, mb: int) -> dict[int, list[Edge]]:
         """A forward microbatch's sends by the layer boundary each is taken at (stashes before a
         layer of the pack, outputs after its last)."""
         at: dict[int, list[Edge]] = {}
-        for e in self.routes.program.out_of(task.id, mb):
+        for e in self.ctx.routes.program.out_of(task.id, mb):
             if not task.first <= e.layer <= task.last + 1:
                 raise RuntimeError(f"task {task.id} ({task}) is to send {e.stream} at layer {e.layer}, outside its pack")
             at.setdefault(e.layer, []).append(e)
         return at
 
-    def _backward(self, task: Task) -> float:
+    def backward(self, task: Task) -> float:
         """BWD (and the loss task): per microbatch, the recompute from the stash and the backward;
         returns the task's share of the loss."""
-        state = self._pack_state(task)
-        params = self._params(state)
+        state = self.packs.pack_state(task)
+        params = self.packs.params(state)
         for p in params.values():
             p.requires_grad_(True)
         sinks = {n: p for n, t in state.items()
-                 if (p := params.get(self.layers.canonical(n))) is not None and p is not t}
-        overwrite = self._load_running_gradient(task, params)
+                 if (p := params.get(self.ctx.layers.canonical(n))) is not None and p is not t}
+        overwrite = self.packs.load_running_gradient(task, params)
         layers = stash_layers(task)
         streams = ["X"] if task.loss else ["dY"] + [f"Xs{l}" for l in layers]
-        device = self.device.torch_device
+        device = self.ctx.device.torch_device
         loss_total = 0.0
-        ready = self._stream_prefetch(task, streams, 0)
+        ready = self.transport.stream_prefetch(task, streams, 0)
         for mb, (start, size) in enumerate(ranges(task)):
-            got = self._inputs(task, streams, mb, ready)
-            ready = self._stream_prefetch(task, streams, mb + 1)
-            self._unit_starts(mb)
+            got = self.transport.inputs(task, streams, mb, ready)
+            ready = self.transport.stream_prefetch(task, streams, mb + 1)
+            self.packs.unit_starts(mb)
             if task.loss:
                 xs, gen = got["X"]
                 xs = _leaves(xs, task.first)
@@ -127,7 +127,7 @@ class Compute:
                     rng.restore(device, gen)
                 outputs = self._run_pack(task, _through_sinks(state, sinks), xs)
                 target = self._target(start, size)
-                with autocast(self.device.torch_device.type, self.routes.graph.precision):
+                with autocast(self.ctx.device.torch_device.type, self.ctx.routes.graph.precision):
                     loss = self.loss_fn(pytree.tree_unflatten(outputs, self._out_spec), target) * (size / self.minibatch)
                 del outputs
                 if self.loss_scale is not None:  # as GradScaler.scale: times the scale in float32
@@ -140,7 +140,7 @@ class Compute:
                 # the pack's incoming gradient is the last layer's alone: let go once its gradient moved
                 # on (a plan stepping layer by layer counts it in that layer's step, not in earlier ones)
                 grads = got.pop("dY")[0]
-                scratch = {n: (t.clone() if self.layers.state[n].kind != "parameter" else t) for n, t in state.items()}
+                scratch = {n: (t.clone() if self.ctx.layers.state[n].kind != "parameter" else t) for n, t in state.items()}
                 scratch = _through_sinks(scratch, sinks)
                 for layer in reversed(layers):
                     xs, gen = got[f"Xs{layer}"]
@@ -160,23 +160,24 @@ class Compute:
                 del scratch
             if task.first > 0:
                 dx = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in xs]
-                self._send(task, mb, [e for e in self.routes.program.out_of(task.id, mb) if e.stream == "dY"], dx, None)
+                edges = [e for e in self.ctx.routes.program.out_of(task.id, mb) if e.stream == "dY"]
+                self.transport.send(task, mb, edges, dx, None)
                 del dx
             # nothing of this microbatch outlives it but what its sends hold until they have left (the
             # plan counts its gradients gone then, not alive into the next microbatch)
             del xs, got
             grads = None
         if task.loss:
-            self._write_buffers(task, state)
-        self._after_backward(task, state, params, overwrite)
+            self.packs.write_buffers(task, state)
+        self.updates.after_backward(task, state, params, overwrite)
         return loss_total
 
     def _target(self, start: int, size: int) -> Any:
         """The loss target of samples ``start`` to ``start + size``, on the device."""
-        target = self._slice(self.batch.target, start, size)
+        target = slice_samples(self.ctx.batch.target, start, size)
         if isinstance(target, torch.Tensor):
-            target = self.device.to_device(target)
-            self.counters.add("TARGET", "in", "T", target.numel() * target.element_size())
+            target = self.ctx.device.to_device(target)
+            self.ctx.counters.add("TARGET", "in", "T", target.numel() * target.element_size())
         return target
 
 

@@ -57,7 +57,8 @@ from harmony.runtime.batches import BatchSlots, received
 from harmony.runtime.channels import Aborted, Inbox, Mailbox, Slabs
 from harmony.runtime import processes
 from harmony.runtime.device import Device, cpu_device, cuda_device, memory_checked
-from harmony.runtime.executor import Batch, Executor, IterationResult, describe
+from harmony.runtime.context import Batch, describe
+from harmony.runtime.executor import Executor, IterationResult
 from harmony.runtime.flags import Shared
 from harmony.runtime.hoststore import HostStore
 from harmony.scheduler.memory import kept_on

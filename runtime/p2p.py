@@ -27,7 +27,7 @@ plan's whichever transport carried them.
 
 On CUDA each receiving thread has a stream of its own; a received message is complete (its stream
 synchronized) before it is handed over, and its consumer records its own streams on the tensors
-(``Executor._adopt``) so that their memory is not reused while it reads them. NCCL keeps a sent
+(``DeviceContext.adopt``) so that their memory is not reused while it reads them. NCCL keeps a sent
 tensor alive until the send completed, and the p2p-out stream is synchronized at the end of each
 job, so a task is marked done only once its messages have arrived.
 

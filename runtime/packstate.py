@@ -15,72 +15,53 @@ again, and the gradients (dW) its parameters collect across tasks.
   store for a reader there (a checkpoint, ``state_dict``); ``drop_kept`` lets it go after the host
   store was written (weights or a checkpoint loaded), so that the next iteration loads the new values.
 
-Part of ``Executor`` (``executor.py``), mixed in: ``self`` is the executor. Copies into the device
-go through ``admission.py``.
+One of the executor's parts (``executor.py``); copies into the device go through ``admission.py``.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
-
 import torch
 
-from harmony.decomposer.layer_graph import LayerGraph
-from harmony.runtime.admission import NoRoom
-from harmony.runtime.channels import Counters, tensor_bytes
-from harmony.runtime.device import Device
-from harmony.runtime.hoststore import HostStore
-from harmony.runtime.ledger import KEPT, STATE, Ledger
-from harmony.runtime.routes import Routes
-from harmony.runtime.streams import Stream
+from harmony.runtime.admission import Admission, NoRoom
+from harmony.runtime.channels import tensor_bytes
+from harmony.runtime.context import DeviceContext
+from harmony.runtime.ledger import KEPT, STATE
 from harmony.scheduler import memory
 from harmony.scheduler.memory import running_gradient_input
-from harmony.scheduler.tasks import Channel, Kind, Task
-
-if TYPE_CHECKING:
-    from harmony.runtime.flags import Shared
+from harmony.scheduler.tasks import Channel, Kind, MemoryPlan, Task
 
 
 class PackState:
     """A pack's W, B and dW between the host store and the device; see the module docs."""
 
-    rank: int
-    device: Device
-    layers: LayerGraph
-    routes: Routes
-    store: HostStore
-    shared: Shared
-    counters: Counters
-    ledger: Ledger
-    swap_in: Stream
-    swap_out: Stream
-    iteration: int
-    resident: dict[int, dict[str, torch.Tensor]]  # task -> pack state kept for a later task
-    _prefetched: dict[int, Future]  # task -> its state, prefetched
-    _prefetches: dict[int, int]  # per task loaded ahead, the unit of the task before that it loads at
-    _next: Task | None  # the next task, while its state may still be prefetched
-    _zeros: dict[torch.dtype, torch.Tensor]  # per dtype, the element gradient sinks broadcast
-    kept_state: dict[str, torch.Tensor]  # weights (canonical name) and buffers kept across iterations
-    kept_optim: dict[str, dict[str, torch.Tensor]]  # canonical name -> its optimizer state, kept likewise
+    def __init__(self, ctx: DeviceContext, admission: Admission, plan: MemoryPlan) -> None:
+        self.ctx = ctx
+        self.admission = admission
+        self._prefetched: dict[int, Future] = {}  # task -> its state, prefetched
+        self._prefetches = dict(plan.prefetch)  # per task loaded ahead, the unit of the task before it loads at
+        self.next_task: Task | None = None  # the next task, while its state may still be prefetched
+        self._zeros: dict[torch.dtype, torch.Tensor] = {}  # per dtype, the element gradient sinks broadcast
+        self.kept_state: dict[str, torch.Tensor] = {}  # weights (canonical name) and buffers kept across iterations
+        self.kept_optim: dict[str, dict[str, torch.Tensor]] = {}  # canonical name -> its optimizer state, kept likewise
 
     def _state_names(self, task: Task) -> list[str]:
         names: list[str] = []
         for layer in range(task.first, task.last + 1):
-            for name in self.layers.layers[layer].state:
+            for name in self.ctx.layers.layers[layer].state:
                 if name not in names:
                     names.append(name)
         return names
 
-    def _unit_starts(self, unit: int) -> None:
+    def unit_starts(self, unit: int) -> None:
         """Unit ``unit`` of the running task (a microbatch, or its update) is about to compute: the
         moment the plan may load the next task's state (``MemoryPlan.prefetch``), its memory counted
         beside this unit's."""
-        self._ledger_unit(self._task, unit)
-        nxt = self._next
+        self.admission.ledger_unit(self.ctx.task, unit)
+        nxt = self.next_task
         if nxt is None or self._prefetches.get(nxt.id, -1) != unit:
             return
-        self._next = None
+        self.next_task = None
         self._prefetch_state(nxt)
 
     def _prefetch_state(self, task: Task) -> None:
@@ -89,12 +70,12 @@ class PackState:
         if task.kind == Kind.UPD or any(t.tensor == "W" and t.channel in (Channel.LOCAL, Channel.KEEP)
                                         for t in task.inputs):
             return
-        before = self.routes.buffers_after.get(task.id)
-        if before is not None and not self.shared.is_done(before, self.iteration):
+        before = self.ctx.routes.buffers_after.get(task.id)
+        if before is not None and not self.ctx.shared.is_done(before, self.ctx.iteration):
             # its buffers are still being updated (maybe by the task running now): a prefetch would
             # hold the swap-in stream, and the running task's inputs queued behind it, until then
             return
-        self._prefetched[task.id] = self.swap_in.submit(self._try_load_state, task, label="state in", task=task.id)
+        self._prefetched[task.id] = self.ctx.swap_in.submit(self._try_load_state, task, label="state in", task=task.id)
 
     def _try_load_state(self, task: Task) -> dict[str, torch.Tensor] | None:
         """A prefetch of the next task's state that gives up, rather than wait, when it does not
@@ -111,71 +92,71 @@ class PackState:
         names share one copy)."""
         local = next((t for t in task.inputs if t.tensor == "W" and t.channel == Channel.LOCAL), None)
         if local is not None:  # kept for this task by the one before: now this task's state
-            state = self.resident.pop(local.task)
-            self.ledger.hold(list(state.values()), (task.id, STATE))
+            state = self.ctx.resident.pop(local.task)
+            self.ctx.ledger.hold(list(state.values()), (task.id, STATE))
             return state
         if memory.is_kept(task):
-            return self._kept_pack_state(task)
-        before = self.routes.buffers_after.get(task.id)
+            return self.kept_pack_state(task)
+        before = self.ctx.routes.buffers_after.get(task.id)
         if before is not None:
-            self._wait_done([before], f"task {task.id} reads the buffers task {before} updates")
+            self.ctx.wait_done([before], f"task {task.id} reads the buffers task {before} updates")
         keys: dict[str, str] = {}  # state name -> the source it is copied from (a tie's names: one)
         sources: dict[str, torch.Tensor] = {}
         for name in self._state_names(task):
-            if self.layers.state[name].kind == "parameter":
-                key = self.layers.canonical(name)
+            if self.ctx.layers.state[name].kind == "parameter":
+                key = self.ctx.layers.canonical(name)
                 if key not in sources:
                     sources[key] = self._carried(key)
             else:
                 key = f"B/{name}"
-                sources[key] = self.store.view(key)
+                sources[key] = self.ctx.store.view(key)
             keys[name] = key
-        made = dict(zip(sources, self._many_to_device(list(sources.values()), wait, room, (task.id, STATE))))
+        made = dict(zip(sources, self.admission.many_to_device(list(sources.values()), wait, room, (task.id, STATE))))
         state = {name: made[key] for name, key in keys.items()}
         copies = {key: t for key, t in made.items() if not key.startswith("B/")}
         # counted once the whole state is in (an abandoned prefetch moved nothing the plan counts)
-        buffers = [t for n, t in state.items() if self.layers.state[n].kind != "parameter"]
+        buffers = [t for n, t in state.items() if self.ctx.layers.state[n].kind != "parameter"]
         for tensor, group in (("B", buffers), ("W", list(copies.values()))):
             for t in group:
-                self.counters.add("SWAP", "in", tensor, t.numel() * t.element_size())
+                self.ctx.counters.add("SWAP", "in", tensor, t.numel() * t.element_size())
         for tensor, group in (("W", list(copies.values())), ("B", buffers)):
             if group:
-                self._moved("swap-in", "LOAD", (task.id, tensor), tensor_bytes(group))
+                self.ctx.moved("swap-in", "LOAD", (task.id, tensor), tensor_bytes(group))
         return state
 
-    def _kept_pack_state(self, task: Task) -> dict[str, torch.Tensor]:
+    def kept_pack_state(self, task: Task) -> dict[str, torch.Tensor]:
         """The pack's state kept on the device, by original name; what is not there yet (the first
         iteration, or after ``drop_kept``) comes from the host store now, once: a load outside
         every iteration's plan, which counts the kept bytes as held from its start."""
         state: dict[str, torch.Tensor] = {}
         for name in self._state_names(task):
-            parameter = self.layers.state[name].kind == "parameter"
-            key = self.layers.canonical(name) if parameter else name
+            parameter = self.ctx.layers.state[name].kind == "parameter"
+            key = self.ctx.layers.canonical(name) if parameter else name
             if key not in self.kept_state:
-                source = self._carried(key) if parameter else self.store.view(f"B/{name}")
-                self.kept_state[key] = self._to_device(source, "KEEP", "W" if parameter else "B", count=False, room=0,
-                                                       owner=KEPT)
+                source = self._carried(key) if parameter else self.ctx.store.view(f"B/{name}")
+                self.kept_state[key] = self.admission.to_device(source, "KEEP", "W" if parameter else "B", count=False,
+                                                                room=0, owner=KEPT)
             state[name] = self.kept_state[key]
         return state
 
     def sync_kept(self) -> None:
         """Write the kept state back to the host store (weights the devices step, buffers and
         optimizer state), for a reader of the host store; it stays on the device."""
-        mine = set(self.routes.kept_writes(self.rank))  # trainable: frozen weights never change (and may be low copies)
-        with torch.no_grad(), self.device.host_side():
+        mine = set(self.ctx.routes.kept_writes(self.ctx.rank))  # trainable: frozen weights never change (and may be low copies)
+        with torch.no_grad(), self.ctx.device.host_side():
             for key, t in self.kept_state.items():
-                if key in self.layers.state and self.layers.state[key].kind != "parameter":
-                    self.store.view(f"B/{key}").copy_(t)
+                if key in self.ctx.layers.state and self.ctx.layers.state[key].kind != "parameter":
+                    self.ctx.store.view(f"B/{key}").copy_(t)
                 elif key in mine:
-                    self.store.weight(key).copy_(t)
+                    self.ctx.store.weight(key).copy_(t)
             for name, values in self.kept_optim.items():
                 if name not in mine:
                     continue
-                slots = self.store.state(name)
+                slots = self.ctx.store.state(name)
                 for k, v in values.items():
                     if isinstance(v, torch.Tensor):
                         slots[k].copy_(v)
-                self.store.mark_state_initialized(name)
+                self.ctx.store.mark_state_initialized(name)
 
     def drop_kept(self, optimizer: bool = True) -> None:
         """Let the kept weights and buffers go, and with ``optimizer`` their optimizer state: the host
@@ -189,108 +170,108 @@ class PackState:
         no device steps (``TaskGraph.low_copies``, ``profiling/casts.py``) its low-precision copy,
         cast on the host (``HostStore.refresh_low_copies``) with the rounding autocast's own cast
         would apply on the device."""
-        if name not in self.routes.graph.low_copies:
-            return self.store.weight(name)
-        copy = self.store.low_copy(name)
+        if name not in self.ctx.routes.graph.low_copies:
+            return self.ctx.store.weight(name)
+        copy = self.ctx.store.low_copy(name)
         if copy is None:
             raise RuntimeError(f"the host store keeps no low-precision copy of {name}, which the plan moves as one; "
                                "the store was made for another plan: make it with HostStore.create(low_copies=)")
         return copy
 
-    def _pack_state(self, task: Task) -> dict[str, torch.Tensor]:
+    def pack_state(self, task: Task) -> dict[str, torch.Tensor]:
         """The running task's state on the device: the prefetched copy if one came, else loaded now."""
         future = self._prefetched.pop(task.id, None)
-        state = self._wait(future, "state") if future is not None else None
+        state = self.ctx.wait(future, "state") if future is not None else None
         if state is None:
             state = self._load_state(task)
-        if task.id in self.routes.kept_resident:
-            self.resident[task.id] = state
+        if task.id in self.ctx.routes.kept_resident:
+            self.ctx.resident[task.id] = state
         return state
 
-    def _params(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def params(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Canonical name -> the device tensor whose ``.grad`` collects a trainable parameter's
         gradient: the parameter itself, or for one travelling as a low-precision copy (a host-stepped
         weight, ``TaskGraph.low_copies``) a float32 sink its gradient reaches through the cast's
         backward (``compute._GradInFloat32``), adding up in float32 as eager's does."""
         out = {}
         for name, t in state.items():
-            spec = self.layers.state[name]
-            canon = self.layers.canonical(name)
+            spec = self.ctx.layers.state[name]
+            canon = self.ctx.layers.canonical(name)
             if spec.kind == "parameter" and spec.requires_grad and canon not in out:
-                out[canon] = self._grad_sink(canon, t) if canon in self.routes.graph.low_copies else t
+                out[canon] = self._grad_sink(canon, t) if canon in self.ctx.routes.graph.low_copies else t
         return out
 
     def _grad_sink(self, name: str, copy: torch.Tensor) -> torch.Tensor:
         """A leaf of the master's dtype and the copy's shape that holds no memory of its own (one
         element of the run, broadcast): autograd accumulates the gradient into its ``.grad``."""
-        dtype = self.store.weight(name).dtype
+        dtype = self.ctx.store.weight(name).dtype
         zero = self._zeros.get(dtype)
         if zero is None:
-            with self.device.host_side():  # made once, outside the plan's tensors
+            with self.ctx.device.host_side():  # made once, outside the plan's tensors
                 zero = self._zeros[dtype] = torch.zeros((), dtype=dtype, device=copy.device)
         return zero.expand(copy.shape)
 
-    def _write_buffers(self, task: Task, state: dict[str, torch.Tensor]) -> None:
+    def write_buffers(self, task: Task, state: dict[str, torch.Tensor]) -> None:
         """B -> SWAP: buffers changed by the forward (running statistics) go back to the host."""
         if not any(t.tensor == "B" and t.channel == Channel.SWAP for t in task.outputs):
             return
-        buffers = {name: t for name, t in state.items() if self.layers.state[name].kind != "parameter"}
+        buffers = {name: t for name, t in state.items() if self.ctx.layers.state[name].kind != "parameter"}
 
         def write() -> None:
-            self._many_to_host_into([(self.store.view(f"B/{name}"), t) for name, t in buffers.items()], "B")
+            self.many_to_host_into([(self.ctx.store.view(f"B/{name}"), t) for name, t in buffers.items()], "B")
 
-        self._after_compute(self.swap_out, "B out", write)
+        self.ctx.after_compute(self.ctx.swap_out, "B out", write)
 
-    def _evict_weights(self, task: Task, state: dict[str, torch.Tensor]) -> None:
+    def evict_weights(self, task: Task, state: dict[str, torch.Tensor]) -> None:
         """W -> SWAP without an update (per-GPU-swap baselines evict their weights): the copy is
         made, as the baseline makes it, into a scratch buffer, since the master is unchanged."""
-        if task.id in self.routes.jit or not any(t.tensor == "W" and t.channel == Channel.SWAP for t in task.outputs):
+        if task.id in self.ctx.routes.jit or not any(t.tensor == "W" and t.channel == Channel.SWAP for t in task.outputs):
             return
-        params = {self.layers.canonical(n): t for n, t in state.items() if self.layers.state[n].kind == "parameter"}
+        params = {self.ctx.layers.canonical(n): t for n, t in state.items() if self.ctx.layers.state[n].kind == "parameter"}
 
         def evict() -> None:
             for t in params.values():
-                host = self.device.to_host(t)
-                self.counters.add("SWAP", "out", "W", host.numel() * host.element_size())
+                host = self.ctx.device.to_host(t)
+                self.ctx.counters.add("SWAP", "out", "W", host.numel() * host.element_size())
 
-        self._after_compute(self.swap_out, "W out", evict)
+        self.ctx.after_compute(self.ctx.swap_out, "W out", evict)
 
-    def _load_running_gradient(self, task: Task, params: dict[str, torch.Tensor]) -> bool:
+    def load_running_gradient(self, task: Task, params: dict[str, torch.Tensor]) -> bool:
         """dW <- SWAP: the gradient accumulated so far (per-GPU-swap baselines) becomes the
         starting value of this task's gradient buffer; says whether it did."""
-        if not any(running_gradient_input(task, t, self.routes.by_id) for t in task.inputs):
+        if not any(running_gradient_input(task, t, self.ctx.routes.by_id) for t in task.inputs):
             return False  # (a tied weight's gradient handed over by another pack is added at the step)
         # every earlier deposit into this device's slots (a tied weight's slot takes two packs'
         # deposits) is queued on this device's swap-out stream: wait until it has drained
-        with self._waiting_for("this device's earlier gradient deposits to reach their host slots"):
-            self._wait(self.swap_out.submit(lambda: None), "gradient deposits")
-        written = [name for name in params if self.store.slot_written(self.rank, name, self.iteration)]
-        slots = [self.store.grad_slot(self.rank, name) for name in written]
-        for name, grad in zip(written, self._many_to_device(slots, counted="dW")):
+        with self.ctx.waiting_for("this device's earlier gradient deposits to reach their host slots"):
+            self.ctx.wait(self.ctx.swap_out.submit(lambda: None), "gradient deposits")
+        written = [name for name in params if self.ctx.store.slot_written(self.ctx.rank, name, self.ctx.iteration)]
+        slots = [self.ctx.store.grad_slot(self.ctx.rank, name) for name in written]
+        for name, grad in zip(written, self.admission.many_to_device(slots, counted="dW")):
             params[name].grad = grad
         return True
 
-    def _deposit(self, grads: dict[str, torch.Tensor], overwrite: bool) -> None:
+    def deposit(self, grads: dict[str, torch.Tensor], overwrite: bool) -> None:
         """dW -> SWAP: leave gradients in this device's host slots (added to what an earlier task
         of this iteration left there, unless this task started from it)."""
-        fresh = {name for name in grads if overwrite or not self.store.slot_written(self.rank, name, self.iteration)}
-        self._many_to_host_into([(self.store.grad_slot(self.rank, name), g) for name, g in grads.items()
+        fresh = {name for name in grads if overwrite or not self.ctx.store.slot_written(self.ctx.rank, name, self.ctx.iteration)}
+        self.many_to_host_into([(self.ctx.store.grad_slot(self.ctx.rank, name), g) for name, g in grads.items()
                                  if name in fresh], "dW")
         for name, g in grads.items():
             if name not in fresh:
-                host = self.device.to_host(g)
-                self.counters.add("SWAP", "out", "dW", host.numel() * host.element_size())
-                self.store.grad_slot(self.rank, name).add_(host)
-            self.store.stamp_slot(self.rank, name, self.iteration)
+                host = self.ctx.device.to_host(g)
+                self.ctx.counters.add("SWAP", "out", "dW", host.numel() * host.element_size())
+                self.ctx.store.grad_slot(self.ctx.rank, name).add_(host)
+            self.ctx.store.stamp_slot(self.ctx.rank, name, self.ctx.iteration)
 
     def _to_host_into(self, dst: torch.Tensor, src: torch.Tensor, tensor: str) -> None:
         """A counted copy from the device into host memory the store owns (a master, a slot)."""
-        self._many_to_host_into([(dst, src)], tensor)
+        self.many_to_host_into([(dst, src)], tensor)
 
-    def _many_to_host_into(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], tensor: str) -> None:
+    def many_to_host_into(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], tensor: str) -> None:
         """``_to_host_into`` of several (destination, source) pairs, counted once: a state's
-        tensors leave together, as they came in (``Admission._many_to_device``)."""
-        with torch.no_grad(), self.device.host_side():
+        tensors leave together, as they came in (``Admission.many_to_device``)."""
+        with torch.no_grad(), self.ctx.device.host_side():
             for dst, src in pairs:
                 dst.copy_(src.detach())
-        self.counters.add("SWAP", "out", tensor, sum(src.numel() * src.element_size() for _, src in pairs))
+        self.ctx.counters.add("SWAP", "out", tensor, sum(src.numel() * src.element_size() for _, src in pairs))

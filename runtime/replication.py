@@ -8,7 +8,7 @@ that flag (gradient sums, the buffer chain); whatever is read in a later iterati
 collective that ends every iteration. So each node replicates write-through:
 
 - ``task_writes`` derives from the plan which regions of the store (and which flag entries) each
-  task writes; exactly what the executor writes (``_write_buffers``, ``_deposit``, ``_write_state``,
+  task writes; exactly what the executor writes (``PackState.write_buffers``, ``PackState.deposit``, ``Updates._write_state``,
   ``host_update``).
 - ``ReplicatedShared`` is ``Shared`` whose ``mark_done`` and ``mark_read`` also hand the task's
   regions, as they are now, and then the flag to a ``Replicator``. A sender thread per process

@@ -53,7 +53,8 @@ from harmony.errors import HarmonyError
 from harmony.runtime.channels import Aborted, Slabs
 from harmony.runtime.clipping import Verdict, check_clipping, host_norm
 from harmony.runtime.device import cpu_device, cuda_device, memory_checked
-from harmony.runtime.executor import Batch, Executor, IterationResult
+from harmony.runtime.context import Batch
+from harmony.runtime.executor import Executor, IterationResult
 from harmony.runtime.flags import Shared
 from harmony.runtime.hostroom import check_room
 from harmony.runtime.hoststore import HostStore, Layout

@@ -7,12 +7,11 @@ recorded) and routes each by its channel: LOCAL stays on the device; P2P goes th
 shared-memory slabs or a ``DistTransport`` (``p2p.py``); SWAP and MSG park in host memory. A
 consumer takes the pieces of its microbatch, joins them (a copy the plan does not count, made only
 where it fits: ``_joined``), and may prefetch the next microbatch's on the swap-in or p2p-in stream.
-Every move is logged in program terms (``_moved``), and ``tests/runtime/test_program_agreement.py``
+Every move is logged in program terms (``DeviceContext.moved``), and ``tests/runtime/test_program_agreement.py``
 holds that log equal to the program. A P2P message received ahead of its consumer waits for room
-like a prefetch (``_p2p_buffers``), unless the compute thread waits on its sender.
+like a prefetch (``p2p_buffers``), unless the compute thread waits on its sender.
 
-Part of ``Executor`` (``executor.py``), mixed in: ``self`` is the executor. Copies into the device
-go through ``admission.py``.
+One of the executor's parts (``executor.py``); copies into the device go through ``admission.py``.
 """
 
 from __future__ import annotations
@@ -23,27 +22,18 @@ import math
 import threading
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Hashable, Iterator
+from typing import Any, Hashable, Iterator
 
 import torch
 
 from harmony.decomposer import batching
-from harmony.decomposer.layer_graph import LayerGraph
 from harmony.runtime import rng
-from harmony.runtime.admission import on_compute_thread
-from harmony.runtime.channels import (Counters, Mailbox, Slabs, shared_copy, state_bytes, state_tensor, tensor_bytes,
-                                      wait_until)
-from harmony.runtime.device import Device
-from harmony.runtime.ledger import Ledger
+from harmony.runtime.admission import Admission, on_compute_thread
+from harmony.runtime.channels import Mailbox, Slabs, shared_copy, state_bytes, state_tensor, tensor_bytes, wait_until
+from harmony.runtime.context import DeviceContext
 from harmony.runtime.p2p import DistTransport, Received
-from harmony.runtime.routes import Routes
-from harmony.runtime.streams import Stream
 from harmony.scheduler.lower import IN_STREAM, OUT_STREAM, Edge, ranges
 from harmony.scheduler.tasks import Channel, Task
-
-if TYPE_CHECKING:
-    from harmony.runtime.executor import Batch
-    from harmony.runtime.flags import Shared
 
 log = logging.getLogger(__name__)
 
@@ -53,37 +43,23 @@ Values = list  # a boundary: tensors and plain objects, in the layer graph's val
 class Transport:
     """Activations and gradients along the program's edges; see the module docs."""
 
-    rank: int
-    device: Device
-    layers: LayerGraph
-    routes: Routes
-    shared: Shared
-    mailbox: Mailbox
-    peers: list[Any]  # per device, its inbox
-    slabs: Slabs | None
-    dist: DistTransport | None
-    counters: Counters
-    ledger: Ledger
-    swap_in: Stream
-    swap_out: Stream
-    p2p_in: Stream
-    p2p_out: Stream
-    timeout: float
-    prefetch: bool
-    iteration: int
-    batch: Batch
-    local: dict[Any, Any]  # LOCAL outputs waiting on the device for their consumer
-    _batch_dims: dict[int, list[int | None]]
-    _task: int | None
-    _waiting: bool
-    _waits: list[tuple[str, int | None, str, float, float]]
-    _awaited: dict[tuple[int, bool], int]  # (sender, on the compute thread) -> P2P waits
-    _activity_lock: threading.Lock
+    def __init__(self, ctx: DeviceContext, admission: Admission, mailbox: Mailbox, peers: list[Any],
+                 slabs: Slabs | None, dist: DistTransport | None, prefetch: bool = True) -> None:
+        self.ctx = ctx
+        self.admission = admission
+        self.mailbox = mailbox  # this worker's inbox
+        self.peers = peers  # per device, its inbox
+        self.slabs = slabs  # shared-memory P2P buffers; None: each message its own segments
+        self.dist = dist  # P2P over torch.distributed; None: through shared memory
+        self.prefetch = prefetch  # off: only a task's first microbatch's inputs are queued ahead
+        self._batch_dims = self._batch_value_dims()
+        self._awaited: dict[tuple[int, bool], int] = {}  # (sender, on the compute thread) -> P2P waits
+        self._awaited_lock = threading.Lock()
 
     def _batch_value_dims(self) -> dict[int, list[int | None]]:
         """Per layer boundary, the dim along which each value holds its samples (None: passed
         whole), as the decomposer probed it, for cutting and joining microbatches."""
-        return {spec.index: self.layers.input_batch_dims(spec.index) for spec in self.layers.layers}
+        return {spec.index: self.ctx.layers.input_batch_dims(spec.index) for spec in self.ctx.layers.layers}
 
     def _cut(self, values: Values, boundary: int, start: int, stop: int) -> Values:
         return batching.cut(list(values), self._batch_dims.get(boundary, []), start, stop)
@@ -102,71 +78,72 @@ class Transport:
         dims = self._batch_dims.get(boundary, [])
         nbytes = sum(tensor_bytes([p[i] for p in parts]) for i, d in enumerate(dims)
                      if d is not None and isinstance(parts[0][i], torch.Tensor))
-        return self._with_room(nbytes, lambda: self._join(parts, boundary), self._compute_blocked, room=0, owner=owner)
+        return self.admission.with_room(nbytes, lambda: self._join(parts, boundary), self.admission.compute_blocked,
+                                        room=0, owner=owner)
 
     def _key(self, consumer: int, stream: str, start: int) -> tuple:
-        return (self.iteration, consumer, stream, start)
+        return (self.ctx.iteration, consumer, stream, start)
 
-    def _send(self, task: Task, mb: int, edges: list[Edge], values: Values, state: torch.Tensor | None) -> None:
+    def send(self, task: Task, mb: int, edges: list[Edge], values: Values, state: torch.Tensor | None) -> None:
         """Hand microbatch ``mb`` of a boundary to the program's edges out of it, each cut to its
         piece of the consumer's microbatch."""
         mb_start, mb_size = ranges(task)[mb]
         if edges:
-            self.ledger.hold(values, (task.id, mb))  # the unit's until it ends, then beside its successors
+            self.ctx.ledger.hold(values, (task.id, mb))  # the unit's until it ends, then beside its successors
         for e in edges:
             part = values
             if (e.start, e.stop) != (mb_start, mb_start + mb_size):
                 part = self._cut(values, e.layer, e.start - mb_start, e.stop - mb_start)
             key = self._key(e.consumer, e.stream, e.start)
             tensor = {"X": "Y", "dY": "dX"}.get(e.stream, "Xs")
-            self._route(key, self.routes.by_id[e.consumer], Channel(e.channel), part, state, tensor)
+            self._route(key, self.ctx.routes.by_id[e.consumer], Channel(e.channel), part, state, tensor)
 
     def _route(self, key: tuple, consumer: Task, channel: Channel, values: Values, state, tensor: str) -> None:
-        self._moved(OUT_STREAM[channel], "SEND", key[1:], tensor_bytes(values))
+        self.ctx.moved(OUT_STREAM[channel], "SEND", key[1:], tensor_bytes(values))
         if channel == Channel.LOCAL:
-            self.local[key] = (values, state)
+            self.ctx.local[key] = (values, state)
             return
         dst = consumer.device
         if channel == Channel.P2P:
             if self.dist is not None:
-                self._after_compute(self.p2p_out, f"{tensor} to dev{dst}", self.dist.send, key, values, state, dst)
+                self.ctx.after_compute(self.ctx.p2p_out, f"{tensor} to dev{dst}", self.dist.send, key, values, state, dst)
                 return
 
             def send() -> None:
-                self.peers[dst].put((key, (self._encode(values, dst), state_bytes(state), self.rank)))
+                self.peers[dst].put((key, (self._encode(values, dst), state_bytes(state), self.ctx.rank)))
 
-            if self.device.kind == "cpu":  # nothing to order against: the compute thread's work is done
-                self.p2p_out.run_here(send, f"{tensor} to dev{dst}", self._task)
+            if self.ctx.device.kind == "cpu":  # nothing to order against: the compute thread's work is done
+                self.ctx.p2p_out.run_here(send, f"{tensor} to dev{dst}", self.ctx.task)
             else:
-                self._after_compute(self.p2p_out, f"{tensor} to dev{dst}", send)
+                self.ctx.after_compute(self.ctx.p2p_out, f"{tensor} to dev{dst}", send)
             return
         # SWAP / MSG: park in host memory; a consumer in another worker reads it from there
 
         def park() -> None:
-            self.counters.add(channel.value, "out", tensor, tensor_bytes(values))
-            if dst == self.rank:
-                host = [self.device.to_host(v) if isinstance(v, torch.Tensor) else v for v in values]
+            self.ctx.counters.add(channel.value, "out", tensor, tensor_bytes(values))
+            if dst == self.ctx.rank:
+                host = [self.ctx.device.to_host(v) if isinstance(v, torch.Tensor) else v for v in values]
                 self.mailbox.put_local(key, (host, state))
             else:
-                self.peers[dst].put((key, (self._encode(values, dst), state_bytes(state), self.rank)))
+                self.peers[dst].put((key, (self._encode(values, dst), state_bytes(state), self.ctx.rank)))
 
-        self._after_compute(self.swap_out, f"{tensor} out", park)
+        self.ctx.after_compute(self.ctx.swap_out, f"{tensor} out", park)
 
     def _encode(self, values: Values, dst: int) -> list:
-        with self.device.host_side():
+        with self.ctx.device.host_side():
             if self.slabs is None:
                 return [("tensor", shared_copy(v)) if isinstance(v, torch.Tensor) else ("obj", v) for v in values]
-            return self.slabs.encode(values, self.rank, dst)
+            return self.slabs.encode(values, self.ctx.rank, dst)
 
     def _receive(self, key: tuple, what: str) -> tuple[Values, torch.Tensor | None, bool]:
         """A message from the inbox: its values, the state, and whether the tensors are on the
         device already (received by the ``DistTransport``) or in host memory (slab views or own
         segments)."""
         began = time.perf_counter()
-        with self._waiting_for(what):
-            message = self.mailbox.take(key, what, self.timeout)
+        with self.ctx.waiting_for(what):
+            message = self.mailbox.take(key, what, self.ctx.timeout)
         if on_compute_thread():  # not prefetched: the compute thread waited for it
-            self._waits.append(("compute", self._task, f"wait: {what.split(' (')[0]}", began, time.perf_counter()))
+            self.ctx.waits.append(("compute", self.ctx.task, f"wait: {what.split(' (')[0]}", began, time.perf_counter()))
         if isinstance(message, Received):
             return message.values, message.state, True
         if len(message) == 2:  # parked by this worker for itself
@@ -174,20 +151,21 @@ class Transport:
         items, state, src = message
         if self.slabs is None:
             return [item[1] for item in items], state_tensor(state), False
-        return self.slabs.decode(items, src, self.rank), state_tensor(state), False
+        return self.slabs.decode(items, src, self.ctx.rank), state_tensor(state), False
 
     def _fetch(self, task: Task, stream: str, mb: int) -> tuple[Values, torch.Tensor | None]:
         """Microbatch ``mb`` of an input stream on the device, with its generator state: the
         program's edges into it, joined."""
-        edges = self.routes.program.into(task.id, stream, mb)
+        edges = self.ctx.routes.program.into(task.id, stream, mb)
         start, size = ranges(task)[mb]
         if not edges:
             raise RuntimeError(f"task {task.id} ({task}) has no input for {stream}; the plan is incomplete")
         if edges[0].producer is None:  # the minibatch, in host memory
-            values = [self._slice(v, start, size) for v in self.batch.inputs]
-            self._moved("swap-in", "RECV", (task.id, stream, start), tensor_bytes(values))
-            values = self._values_to_device(values, "SWAP", "X", owner=(task.id, mb))
-            return values, rng.seeded(self.device.torch_device, rng.microbatch_seed(self.batch.seed, self.iteration, start))
+            values = [slice_samples(v, start, size) for v in self.ctx.batch.inputs]
+            self.ctx.moved("swap-in", "RECV", (task.id, stream, start), tensor_bytes(values))
+            values = self.admission.values_to_device(values, "SWAP", "X", owner=(task.id, mb))
+            seed = rng.microbatch_seed(self.ctx.batch.seed, self.ctx.iteration, start)
+            return values, rng.seeded(self.ctx.device.torch_device, seed)
         parts, state = [], None
         for e in edges:
             key = self._key(task.id, stream, e.start)
@@ -202,29 +180,27 @@ class Transport:
                 with self._awaiting(e.src_device) if dist else contextlib.nullcontext():
                     host, piece_state, on_device = self._receive(key, what)
                 if on_device:  # counted here, not on arrival: the counters restart every iteration
-                    values = self._adopt(host)
-                    self.counters.add(label, "in", tensor, tensor_bytes(host))
+                    values = self.ctx.adopt(host)
+                    self.ctx.counters.add(label, "in", tensor, tensor_bytes(host))
                 else:
-                    values = self._values_to_device(host, label, tensor, owner=(task.id, mb))
+                    values = self.admission.values_to_device(host, label, tensor, owner=(task.id, mb))
                 del host
-            self._moved(IN_STREAM[channel], "RECV", key[1:], tensor_bytes(values))
+            self.ctx.moved(IN_STREAM[channel], "RECV", key[1:], tensor_bytes(values))
             state = piece_state if state is None else state
             parts.append(values)
         values = self._joined(parts, edges[0].layer, (task.id, mb))
-        self.ledger.hold(values, (task.id, mb))  # the unit's now, however it came (LOCAL, received)
+        self.ctx.ledger.hold(values, (task.id, mb))  # the unit's now, however it came (LOCAL, received)
         return values, state
 
     def _take_local(self, key: tuple, what: str) -> tuple[Values, torch.Tensor | None]:
         """A LOCAL piece (kept on the device by a task of this worker), once its producer left it."""
-        if key not in self.local:
-            with self._waiting_for(what):
-                wait_until(lambda: key in self.local, self.shared.aborted, self.timeout, f"{what} to become resident")
-        return self.local.pop(key)
+        if key not in self.ctx.local:
+            with self.ctx.waiting_for(what):
+                wait_until(lambda: key in self.ctx.local, self.ctx.shared.aborted, self.ctx.timeout,
+                           f"{what} to become resident")
+        return self.ctx.local.pop(key)
 
-    def _slice(self, v: Any, start: int, size: int) -> Any:
-        return v[start:start + size] if isinstance(v, torch.Tensor) else v
-
-    def _stream_prefetch(self, task: Task, streams: list[str], mb: int) -> dict[str, Future]:
+    def stream_prefetch(self, task: Task, streams: list[str], mb: int) -> dict[str, Future]:
         """Queue microbatch ``mb``'s inputs on their inbound stream (swap-in or p2p-in), to come in
         while the running microbatch computes; LOCAL pieces are on the device already. Without
         prefetching (``prefetch=False``) only the first microbatch's are queued."""
@@ -232,59 +208,65 @@ class Transport:
         if mb >= len(task.microbatches) or (mb > 0 and not self.prefetch):
             return out
         for name in streams:
-            edges = self.routes.program.into(task.id, name, mb)
+            edges = self.ctx.routes.program.into(task.id, name, mb)
             channel = Channel(edges[0].channel) if edges else Channel.SWAP
             if channel == Channel.LOCAL:
                 continue
-            stream = self.p2p_in if channel == Channel.P2P else self.swap_in
+            stream = self.ctx.p2p_in if channel == Channel.P2P else self.ctx.swap_in
             if mb == 0 and not stream.busy():
                 # the task's first inputs: the compute thread waits for them at once, so an idle
-                # stream would only add a thread hand-off each way; ``_inputs``
+                # stream would only add a thread hand-off each way; ``inputs``
                 # fetches them itself, and nothing else can be queued on the stream meanwhile
                 continue
             out[name] = stream.submit(self._fetch, task, name, mb, label=f"{name} in (mb {mb})", task=task.id)
         return out
 
-    def _inputs(self, task: Task, streams: list[str], mb: int, ready: dict[str, Future]) -> dict[str, tuple]:
+    def inputs(self, task: Task, streams: list[str], mb: int, ready: dict[str, Future]) -> dict[str, tuple]:
         """Microbatch ``mb``'s inputs: those not prefetched fetched now, then the prefetched ones
         waited for (a stash copied in while a gradient is still on its way, not after it came)."""
         got = {name: self._fetch(task, name, mb) for name in streams if name not in ready}
         for name in streams:
             if name in ready:
-                got[name] = self._wait(ready[name], f"{name} (mb {mb})")
+                got[name] = self.ctx.wait(ready[name], f"{name} (mb {mb})")
         return {name: got[name] for name in streams}
 
-    def _p2p_buffers(self, src: int, specs: list[tuple[list[int], torch.dtype]]) -> list[torch.Tensor]:
+    def p2p_buffers(self, src: int, specs: list[tuple[list[int], torch.dtype]]) -> list[torch.Tensor]:
         """Receive buffers on the device for a P2P message from ``src`` (the transport's receiving
         thread, inside the device's memory scope): received ahead of its consumer, a message waits
         for room like a prefetch, unless the compute thread waits for a message from ``src`` (this
         one, or one behind it in the sender's order)."""
         nbytes = sum(dtype.itemsize * math.prod(shape) for shape, dtype in specs)
-        where = self.device.torch_device
+        where = self.ctx.device.torch_device
 
         def make() -> list[torch.Tensor]:
             return [torch.empty(shape, dtype=dtype, device=where) for shape, dtype in specs]
 
         start = time.perf_counter()
-        buffers = self._with_room(nbytes, make, lambda: self._awaits(src))  # nobody's until its consumer fetches it
+        buffers = self.admission.with_room(nbytes, make, lambda: self._awaits(src))  # nobody's until its consumer fetches it
         waited = time.perf_counter() - start
         if waited > 0.001:
-            log.debug("dev%d: a P2P message of %d bytes from dev%d waited %.3f s for room", self.rank, nbytes, src, waited)
+            log.debug("dev%d: a P2P message of %d bytes from dev%d waited %.3f s for room", self.ctx.rank, nbytes, src,
+                      waited)
         return buffers
 
     def _awaits(self, src: int) -> bool:
         """Whether the compute thread is blocked on a P2P message from ``src``."""
-        with self._activity_lock:
-            return self._awaited.get((src, True), 0) > 0 or (self._waiting and self._awaited.get((src, False), 0) > 0)
+        with self._awaited_lock:
+            return self._awaited.get((src, True), 0) > 0 or (self.ctx.waiting and self._awaited.get((src, False), 0) > 0)
 
     @contextlib.contextmanager
     def _awaiting(self, src: int) -> Iterator[None]:
         """Mark a wait for a P2P message from ``src`` (see ``_awaits``)."""
         key = (src, on_compute_thread())
-        with self._activity_lock:
+        with self._awaited_lock:
             self._awaited[key] = self._awaited.get(key, 0) + 1
         try:
             yield
         finally:
-            with self._activity_lock:
+            with self._awaited_lock:
                 self._awaited[key] -= 1
+
+
+def slice_samples(v: Any, start: int, size: int) -> Any:
+    """Samples ``start`` to ``start + size`` of a batch-first value; anything else passes whole."""
+    return v[start:start + size] if isinstance(v, torch.Tensor) else v

@@ -10,101 +10,95 @@ of every gradient of it, as one-process eager training steps it (``reference.py`
 - ``host_update``: a UPD task bound to the host steps the master weights in shared memory in place
   (run by the launcher, not by a worker).
 
-Part of ``Executor`` (``executor.py``), mixed in: ``self`` is the executor (``host_update`` is a plain
-function). Copies into the device go through ``admission.py``; gradient deposits and evictions are
+``Updates`` is one of the executor's parts (``executor.py``); ``host_update`` is a plain function.
+Copies into the device go through ``admission.py``; gradient deposits and evictions are
 ``packstate.py``'s.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
 from harmony.decomposer.layer_graph import LayerGraph
-from harmony.runtime.channels import Counters, tensor_bytes
-from harmony.runtime.device import Device
+from harmony.runtime.admission import Admission
+from harmony.runtime.channels import tensor_bytes
+from harmony.runtime.context import DeviceContext
+from harmony.runtime.flags import Shared
 from harmony.runtime.hoststore import HostStore
-from harmony.runtime.ledger import KEPT, STATE, Ledger
+from harmony.runtime.ledger import KEPT, STATE
+from harmony.runtime.packstate import PackState
 from harmony.runtime.routes import Routes
 from harmony.runtime.lr_schedule import Rates
 from harmony.runtime.lr_schedule import apply as apply_rates
-from harmony.runtime.streams import Stream
 from harmony.scheduler import memory
 from harmony.scheduler.tasks import Channel, Task
-
-if TYPE_CHECKING:
-    from harmony.runtime.flags import Shared
 
 
 class Updates:
     """Optimizer steps on the device, and what follows a backward; see the module docs."""
 
-    device: Device
-    layers: LayerGraph
-    routes: Routes
-    store: HostStore
-    shared: Shared
-    counters: Counters
-    ledger: Ledger
-    swap_out: Stream
-    build_optimizer: Callable
-    iteration: int
-    rates: Rates | None  # this iteration's learning-rate schedule (schedule.py), None without one
-    resident: dict[int, dict[str, torch.Tensor]]
-    kept_optim: dict[str, dict[str, torch.Tensor]]  # packstate.py
+    def __init__(self, ctx: DeviceContext, admission: Admission, packs: PackState,
+                 build_optimizer: Callable) -> None:
+        self.ctx = ctx
+        self.admission = admission
+        self.packs = packs
+        self.build_optimizer = build_optimizer
+        self.rates: Rates | None = None  # this iteration's learning-rate schedule (lr_schedule.py), None without one
 
-    def _after_backward(self, task: Task, state: dict[str, torch.Tensor], params: dict[str, torch.Tensor],
-                        overwrite: bool) -> None:
+    def after_backward(self, task: Task, state: dict[str, torch.Tensor], params: dict[str, torch.Tensor],
+                       overwrite: bool) -> None:
         """What follows a pack's backward, at the plan's update unit: its gradients deposited in host
         slots for an update elsewhere, or stepped here at once (jit-update); then its weights evicted
         (the baselines) and its gradients let go."""
-        self._unit_starts(len(task.microbatches))  # the plan's update unit (a step here or none)
+        self.packs.unit_starts(len(task.microbatches))  # the plan's update unit (a step here or none)
         # the gradients are the task's until it ends, then leaving (deposited) or kept for its update
-        self.ledger.hold([p.grad for p in params.values() if p.grad is not None], (task.id, STATE))
-        deposits = self.routes.deposits.get(task.id, [])
+        self.ctx.ledger.hold([p.grad for p in params.values() if p.grad is not None], (task.id, STATE))
+        deposits = self.ctx.routes.deposits.get(task.id, [])
         if deposits:
             grads = {name: params[name].grad for name in deposits if params[name].grad is not None}
-            self._after_compute(self.swap_out, "dW out", self._deposit, grads, overwrite)
-        if task.id in self.routes.jit:
-            owned = {name: params[name] for name in self.routes.updates.get(task.id, [])}
+            self.ctx.after_compute(self.ctx.swap_out, "dW out", self.packs.deposit, grads, overwrite)
+        if task.id in self.ctx.routes.jit:
+            owned = {name: params[name] for name in self.ctx.routes.updates.get(task.id, [])}
             self._step(task, owned, write=True)
-        self._evict_weights(task, state)
+        self.packs.evict_weights(task, state)
         for p in params.values():
             p.grad = None
 
-    def _update_task(self, task: Task) -> None:
+    def update_task(self, task: Task) -> None:
         """A UPD task on this device: weights, the summed gradient and the state in, step, out.
         Replicas of one update (data parallel with per-GPU swap) all compute it; the lowest one
         writes the master after every replica has read it."""
         local = next((t for t in task.inputs if t.tensor == "W" and t.channel == Channel.LOCAL), None)
-        state = self.resident.pop(local.task) if local is not None else None
+        state = self.ctx.resident.pop(local.task) if local is not None else None
         if state is not None:  # kept for this task by the one before: now this task's state
-            self.ledger.hold(list(state.values()), (task.id, STATE))
+            self.ctx.ledger.hold(list(state.values()), (task.id, STATE))
         elif memory.is_kept(task):  # kept on the device across iterations
-            state = self._kept_pack_state(task)
-        owned = self.routes.updates.get(task.id, [])
+            state = self.packs.kept_pack_state(task)
+        owned = self.ctx.routes.updates.get(task.id, [])
         if state is not None:
-            params = {name: next(t for n, t in state.items() if self.layers.canonical(n) == name) for name in owned}
+            params = {name: next(t for n, t in state.items() if self.ctx.layers.canonical(n) == name) for name in owned}
         else:  # one admission for the whole pack's weights, as the plan reserves them
-            params = dict(zip(owned, self._many_to_device([self.store.weight(name) for name in owned], counted="W")))
+            weights = [self.ctx.store.weight(name) for name in owned]
+            params = dict(zip(owned, self.admission.many_to_device(weights, counted="W")))
             if params:
-                self._moved("swap-in", "LOAD", (task.id, "W"), tensor_bytes(list(params.values())))
-        replicas = self.routes.replicas.get(task.id, [task.id])
-        writer = min(replicas, key=lambda t: self.routes.by_id[t].device)
-        self._unit_starts(0)
+                self.ctx.moved("swap-in", "LOAD", (task.id, "W"), tensor_bytes(list(params.values())))
+        replicas = self.ctx.routes.replicas.get(task.id, [task.id])
+        writer = min(replicas, key=lambda t: self.ctx.routes.by_id[t].device)
+        self.packs.unit_starts(0)
         self._step(task, params, write=task.id == writer, replicas=replicas)
 
     def _gradients(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
         """The full gradient of each parameter: its own (on the device) plus every host slot
         written this iteration, summed on the host and copied in once. The copies of gradients
-        with no device part come in with one admission (``Admission._many_to_device``); one added
+        with no device part come in with one admission (``Admission.many_to_device``); one added
         to a device gradient comes in alone, so that it is let go before the next."""
-        with self.device.host_side():  # the sums are host memory, not the device's
-            host = {name: self.store.gradient_sum(name, self.iteration) for name in params}
+        with self.ctx.device.host_side():  # the sums are host memory, not the device's
+            host = {name: self.ctx.store.gradient_sum(name, self.ctx.iteration) for name in params}
         alone = [name for name, g in host.items() if g is not None and params[name].grad is None]
-        copies = dict(zip(alone, self._many_to_device([host[name] for name in alone], counted="dW")))
+        copies = dict(zip(alone, self.admission.many_to_device([host[name] for name in alone], counted="dW")))
         out: dict[str, torch.Tensor | None] = {}
         for name, p in params.items():
             if name in copies:
@@ -112,19 +106,19 @@ class Updates:
             elif host[name] is None:
                 out[name] = p.grad
             else:
-                out[name] = p.grad.add_(self._to_device(host[name], "SWAP", "dW"))
+                out[name] = p.grad.add_(self.admission.to_device(host[name], "SWAP", "dW"))
         return out
 
     def _step(self, task: Task, params: dict[str, torch.Tensor], write: bool, replicas: list[int] | None = None) -> None:
         """Step ``params`` with their full gradients, once every task depositing one is done: the
         optimizer state (K) comes in from the host store, and the new weights and state go back
-        (``_write_state``: into the master only if ``write``)."""
+        (``Updates._write_state``: into the master only if ``write``)."""
         if not params:
             self._write_state(task, {}, {}, write)
             return
-        sources = sorted(_waits_for(task, params, self.routes))
-        self._wait_done(sources, f"updating task {task.id}")
-        if self.shared.step_skipped(self.iteration):  # fp16 overflowed: nothing steps, nothing changes
+        sources = sorted(_waits_for(task, params, self.ctx.routes))
+        self.ctx.wait_done(sources, f"updating task {task.id}")
+        if self.ctx.shared.step_skipped(self.ctx.iteration):  # fp16 overflowed: nothing steps, nothing changes
             for p in params.values():
                 p.grad = None
             self._write_state(task, {}, {}, write)
@@ -144,9 +138,9 @@ class Updates:
         else:
             self._load_optimizer_state(leaves, opt)
         if replicas and len(replicas) > 1 and not kept:  # (kept replicas write no master: nothing to wait for)
-            self.shared.mark_read(task.id, self.iteration)
+            self.ctx.shared.mark_read(task.id, self.ctx.iteration)
             if write:
-                self._wait_replicas(replicas)
+                self.ctx.wait_replicas(replicas)
         opt.step()
         new_state = {name: dict(opt.state[leaf]) for name, leaf in leaves.items()}
         for leaf in leaves.values():
@@ -155,7 +149,7 @@ class Updates:
             self._keep_optimizer_state(new_state)
             return
         # a first step makes its optimizer state itself (the zero slots that came in are not it)
-        self.ledger.hold([v for values in new_state.values() for v in values.values()], (task.id, STATE))
+        self.ctx.ledger.hold([v for values in new_state.values() for v in values.values()], (task.id, STATE))
         weights = {name: leaf.detach() for name, leaf in leaves.items()}
         self._write_state(task, weights, new_state, write)
 
@@ -163,14 +157,14 @@ class Updates:
         """The optimizer state (K) of ``leaves`` from the host store, with one admission for all of
         it. A first step starts from an empty state and makes its own, but the (zero) slots still
         come in, as the plan counts them."""
-        stored = {name: self.store.state(name) for name in leaves}
+        stored = {name: self.ctx.store.state(name) for name in leaves}
         slots = [(name, key, v) for name, kv in stored.items() for key, v in kv.items() if v.dim() > 0]
-        copies = self._many_to_device([v for _, _, v in slots], counted="K")
+        copies = self.admission.many_to_device([v for _, _, v in slots], counted="K")
         states: dict[str, dict[str, torch.Tensor]] = {}
         for (name, key, _), copy in zip(slots, copies):
             states.setdefault(name, {})[key] = copy
         for name, leaf in leaves.items():
-            if self.store.state_initialized(name):
+            if self.ctx.store.state_initialized(name):
                 copied = states.get(name, {})
                 opt.state[leaf] = {k: copied[k] if v.dim() > 0 else v.clone() for k, v in stored[name].items()}
 
@@ -180,23 +174,24 @@ class Updates:
         host store's does, in place from one step to the next)."""
         for name, values in states.items():
             for key, v in values.items():
-                if name not in self.kept_optim and isinstance(v, torch.Tensor) and v.dim() == 0 and v.device.type == "cpu":
-                    with self.device.host_side():
+                step_count = isinstance(v, torch.Tensor) and v.dim() == 0 and v.device.type == "cpu"
+                if name not in self.packs.kept_optim and step_count:
+                    with self.ctx.device.host_side():
                         values[key] = v.clone()
-        self.ledger.hold([v for values in states.values() for v in values.values()
+        self.ctx.ledger.hold([v for values in states.values() for v in values.values()
                           if isinstance(v, torch.Tensor) and v.dim() > 0], KEPT)
-        self.kept_optim.update(states)
+        self.packs.kept_optim.update(states)
 
     def _load_kept_optimizer_state(self, name: str, leaf: torch.Tensor, opt: torch.optim.Optimizer) -> None:
         """A kept weight's optimizer state for its step: the device's copy, or once (the first
         iteration, or after ``drop_kept``) the host store's, if it has been stepped; a first step
         makes its own."""
-        values = self.kept_optim.get(name)
-        if values is None and self.store.state_initialized(name):
-            with self.device.host_side():  # a step count stays on the host (``_keep_optimizer_state``)
-                steps = {k: v.clone() for k, v in self.store.state(name).items() if v.dim() == 0}
-            values = {k: self._to_device(v, "KEEP", "K", count=False, room=0, owner=KEPT)
-                      for k, v in self.store.state(name).items() if v.dim() > 0} | steps
+        values = self.packs.kept_optim.get(name)
+        if values is None and self.ctx.store.state_initialized(name):
+            with self.ctx.device.host_side():  # a step count stays on the host (``_keep_optimizer_state``)
+                steps = {k: v.clone() for k, v in self.ctx.store.state(name).items() if v.dim() == 0}
+            values = {k: self.admission.to_device(v, "KEEP", "K", count=False, room=0, owner=KEPT)
+                      for k, v in self.ctx.store.state(name).items() if v.dim() > 0} | steps
         if values is not None:
             opt.state[leaf] = values
 
@@ -206,20 +201,21 @@ class Updates:
         def out() -> None:
             values = [(name, key, v) for name, kv in states.items() for key, v in kv.items() if isinstance(v, torch.Tensor)]
             if not write:  # a replica's copies go to scratch memory: the master is the writer's
-                self.counters.add("SWAP", "out", "W", sum(tensor_bytes(self.device.to_host(w)) for w in weights.values()))
-                self.counters.add("SWAP", "out", "K", sum(tensor_bytes(self.device.to_host(v)) for _, _, v in values
-                                                          if v.dim() > 0))
+                to_host = self.ctx.device.to_host
+                self.ctx.counters.add("SWAP", "out", "W", sum(tensor_bytes(to_host(w)) for w in weights.values()))
+                self.ctx.counters.add("SWAP", "out", "K", sum(tensor_bytes(to_host(v)) for _, _, v in values
+                                                              if v.dim() > 0))
                 return
-            self._many_to_host_into([(self.store.weight(name), w) for name, w in weights.items()], "W")
-            slots = {name: self.store.state(name) for name in states}
+            self.packs.many_to_host_into([(self.ctx.store.weight(name), w) for name, w in weights.items()], "W")
+            slots = {name: self.ctx.store.state(name) for name in states}
             for name, key, v in values:
                 if v.dim() == 0:  # a step count: host memory both sides
                     slots[name][key].copy_(v)
-            self._many_to_host_into([(slots[name][key], v) for name, key, v in values if v.dim() > 0], "K")
+            self.packs.many_to_host_into([(slots[name][key], v) for name, key, v in values if v.dim() > 0], "K")
             for name in states:
-                self.store.mark_state_initialized(name)
+                self.ctx.store.mark_state_initialized(name)
 
-        self._after_compute(self.swap_out, "W K out", out)
+        self.ctx.after_compute(self.ctx.swap_out, "W K out", out)
 
 
 def host_update(task: Task, layers: LayerGraph, routes: Routes, store: HostStore, shared: Shared,

@@ -3,7 +3,7 @@
 import torch
 
 from harmony.runtime.batches import BatchSlots, received
-from harmony.runtime.executor import Batch
+from harmony.runtime.context import Batch
 
 
 def _batch(x, target, seed=0, extra=None):

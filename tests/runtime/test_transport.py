@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+import types
 
 import torch
 
@@ -18,6 +19,7 @@ from harmony.runtime.admission import Admission
 from harmony.runtime.device import CpuDevice
 from harmony.runtime.ledger import STATE, Ledger
 from harmony.runtime.transport import Transport
+from harmony.scheduler.tasks import MemoryPlan
 
 PIECE = 40  # float64 elements in each piece: 320 bytes
 
@@ -27,19 +29,36 @@ class _Aborted:
         return False
 
 
-class _Joiner(Admission, Transport):
-    """The parts of an executor that a join touches: a device with a planned peak, nothing leaving."""
+class _Context:
+    """What a join reads of a device's context: its device and ledger, nothing held or leaving."""
 
-    def __init__(self, device: CpuDevice, budget: int) -> None:
+    def __init__(self, device: CpuDevice) -> None:
+        self.rank = 0
         self.device = device
-        self._budget = budget
-        self._headroom = 0
-        self._waiting = False
         self.ledger = Ledger()
+        self.shared = _Aborted()
         self.local: dict = {}
         self.resident: dict = {}
-        self._batch_dims = {0: [0, None]}
-        self.shared = _Aborted()
+        self.waiting = False
+        self.task = 1
+        self.layers = _OneBoundary()
+
+
+class _OneBoundary:
+    """A layer graph whose one boundary holds samples along dim 0 of its first value."""
+
+    layers = [types.SimpleNamespace(index=0)]
+
+    def input_batch_dims(self, index: int) -> list:
+        return [0, None]
+
+
+def _joiner(device: CpuDevice, budget: int) -> Transport:
+    """A transport on a device whose plan peaks at ``budget``, with no mailbox or peers: a join
+    needs none."""
+    ctx = _Context(device)
+    admission = Admission(ctx, MemoryPlan(devices={0: budget}, tasks={}, reserves={}))
+    return Transport(ctx, admission, mailbox=None, peers=[], slabs=None, dist=None)
 
 
 def _warm_up(device: CpuDevice) -> None:
@@ -54,18 +73,18 @@ def _warm_up(device: CpuDevice) -> None:
     thread.join()
 
 
-def _pieces(device: CpuDevice, joiner: _Joiner) -> list[list]:
+def _pieces(device: CpuDevice, joiner: Transport) -> list[list]:
     """Two pieces of microbatch 1 of task 1, received while its microbatch 0 computes."""
     parts = [[device.to_device(torch.full((PIECE,), float(i), dtype=torch.float64)), "whole"] for i in range(2)]
-    joiner.ledger.hold([p[0] for p in parts], (1, 1))
+    joiner.ctx.ledger.hold([p[0] for p in parts], (1, 1))
     return parts
 
 
 def test_a_prefetched_join_waits_until_pieces_and_join_fit_under_the_planned_peak():
     device = CpuDevice("dev0", capacity=100_000)
-    joiner = _Joiner(device, budget=1_400)
+    joiner = _joiner(device, budget=1_400)
     parts = _pieces(device, joiner)
-    joiner.ledger.run([(1, STATE), (1, 0)], planned=400)  # the running unit's 400 bytes
+    joiner.ctx.ledger.run([(1, STATE), (1, 0)], planned=400)  # the running unit's 400 bytes
     result: list = []
     _warm_up(device)
 
@@ -77,7 +96,7 @@ def test_a_prefetched_join_waits_until_pieces_and_join_fit_under_the_planned_pea
     stream.start()
     time.sleep(0.5)
     assert not result, "the join was made while pieces, join and the running unit exceed the planned peak"
-    joiner.ledger.idle()  # the running unit ends: pieces and their join fit under the peak
+    joiner.ctx.ledger.idle()  # the running unit ends: pieces and their join fit under the peak
     stream.join(timeout=5)
     joined, whole = result[0]
     assert whole == "whole"
@@ -87,9 +106,9 @@ def test_a_prefetched_join_waits_until_pieces_and_join_fit_under_the_planned_pea
 
 def test_a_join_the_compute_thread_waits_for_is_made_at_once_past_the_planned_peak():
     device = CpuDevice("dev0", capacity=100_000)
-    joiner = _Joiner(device, budget=700)
+    joiner = _joiner(device, budget=700)
     parts = _pieces(device, joiner)
-    joiner._waiting = True  # the compute thread is blocked on this join
+    joiner.ctx.waiting = True  # the compute thread is blocked on this join
     with device.memory_scope():
         joined, _ = joiner._joined(parts, 0, (1, 1))
     assert joined.shape == (2 * PIECE,)
@@ -98,6 +117,6 @@ def test_a_join_the_compute_thread_waits_for_is_made_at_once_past_the_planned_pe
 
 def test_a_single_piece_is_its_own_join_and_copies_nothing():
     device = CpuDevice("dev0", capacity=100_000)
-    joiner = _Joiner(device, budget=0)
+    joiner = _joiner(device, budget=0)
     parts = _pieces(device, joiner)[:1]
     assert joiner._joined(parts, 0, (1, 1)) is parts[0]
