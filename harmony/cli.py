@@ -494,7 +494,7 @@ def _cmd_show(ns: argparse.Namespace) -> int:
     plan = Plan.load(ns.plan_dir)
     console.print(f"{plan.tasks.mode} on {plan.tasks.devices} device(s), minibatch {plan.tasks.minibatch}: {plan.tasks.config}")
     if ns.program:
-        _print_program(plan, ns.plan_dir, ns.device)
+        _print_program(plan, ns.device)
         return 0
     devices = [ns.device] if ns.device is not None else sorted({t.device for t in plan.tasks})
     for d in devices:
@@ -508,16 +508,9 @@ def _cmd_show(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _print_program(plan, directory: Path, device: int | None) -> None:
-    """The lowered program as saved with the plan (lowered now for a plan saved without one); a
-    saved program that is not its tasks' lowering is refused as stale."""
-    from harmony.plan import StalePlanError
-    from harmony.scheduler.lower import PROGRAM_FILE, Program
-
-    program = plan.program()
-    if (Path(directory) / PROGRAM_FILE).exists() and Program.load(directory) != program:
-        raise StalePlanError(f"{Path(directory) / PROGRAM_FILE} is not the lowering of the plan's tasks; compile again")
-    console.print(program.text(device), highlight=False, soft_wrap=True)
+def _print_program(plan, device: int | None) -> None:
+    """The program saved with the plan (``Plan.load`` refused it if it was not its tasks')."""
+    console.print(plan.program().text(device), highlight=False, soft_wrap=True)
 
 
 def _print_profile(profile) -> None:

@@ -37,6 +37,7 @@ from harmony.profiling.profiles import PackSample, Profile, TiedWeight
 from harmony.scheduler.comparison import comparing, row
 from harmony.scheduler.refusal import DpRefusal, explain_refusal
 from harmony.scheduler.search import NoFeasibleConfiguration, SearchResult, search
+from harmony.scheduler.lower import lower
 from harmony.scheduler.modes import MODES
 from harmony.scheduler.tasks import HOST, Kind
 from harmony.runtime import precision
@@ -198,8 +199,9 @@ def _compile_plan(model, get_batch, build_optimizer, options: CompileOptions, mo
     measure = pack_measurer(graph, get_batch, build_optimizer, loss_fn, options)
     chosen = finish_plan(result, profile, machine, options, planned, bool(same_u), measure)
     est = chosen.estimate
+    program = lower(chosen.graph, profile)
     host = Layout.for_graph(graph, options.devices, build_optimizer, chosen.graph.low_copies,
-                            build_routes(chosen.graph, graph).gradient_slots())
+                            build_routes(chosen.graph, graph, program).gradient_slots())
     plan = Plan(
         graph=graph, profile=profile, tasks=chosen.graph,
         estimate={
@@ -219,6 +221,7 @@ def _compile_plan(model, get_batch, build_optimizer, options: CompileOptions, mo
         },
         comparison=comparison, model_file=model_file, model_sha256=model_sha256,
         search={"explored": chosen.explored, "pruned": chosen.pruned, "seconds": chosen.seconds},
+        lowered=program,
     )
     plan.events = est.events  # for a Gantt picture; not saved (trace.json holds the same)
     return plan, chrome_trace(est)

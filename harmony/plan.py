@@ -73,6 +73,8 @@ class Plan:
     build_optimizer: Callable | None = field(default=None, repr=False, compare=False)
     trace: dict | None = field(default=None, repr=False, compare=False)
     events: list | None = field(default=None, repr=False, compare=False)
+    # the tasks lowered (``program()``): read from the plan directory, or lowered once here
+    lowered: Program | None = field(default=None, repr=False, compare=False)
 
     # ------------------------------------------------------------ files
     def worker_capacity(self) -> int:
@@ -133,9 +135,14 @@ class Plan:
         log.info("the plan had no memory promise (searched outside compile); estimated one: peaks %s",
                  self.tasks.memory.devices)
 
-    def program(self) -> "Program":
-        """The plan's tasks lowered into one action program per device (``scheduler/lower.py``)."""
-        return lower(self.tasks, self.profile)
+    def program(self) -> Program:
+        """The plan's tasks as one action program per device (``scheduler/lower.py``), what its
+        workers run: a loaded plan's is the one saved beside its tasks; a plan compiled or put
+        together in this process is lowered once, with its memory promise."""
+        if self.lowered is None or self.lowered.tasks != self.tasks.fingerprint():
+            self.promise_memory()
+            self.lowered = lower(self.tasks, self.profile)
+        return self.lowered
 
     @classmethod
     def load(cls, directory: str | Path, model_file: str | Path | None = None, device: str = "cpu") -> "Plan":
@@ -174,7 +181,7 @@ class Plan:
             graph=graph, profile=profile, tasks=tasks, estimate=body["estimate"],
             options=body.get("options", {}), comparison=body.get("comparison", []),
             model_file=manifest.get("model_file", ""), model_sha256=manifest.get("model_sha256", ""),
-            search=body.get("search", {}),
+            search=body.get("search", {}), lowered=Program.load(directory, tasks),
         )
 
     # ------------------------------------------------------------ people

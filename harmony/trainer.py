@@ -102,14 +102,14 @@ class Trainer:
             if graph.modules is None:
                 raise HarmonyError("this plan has no weights; pass state_dict= (e.g. model.state_dict())")
             state_dict = graph.state_dict()
-        plan.promise_memory()
+        program = plan.program()  # (with its memory promise)
         self.store = HostStore.create(graph, plan.tasks.devices, self.build_optimizer, state_dict,
                                       low_copies=plan.tasks.low_copies,
-                                      slots=build_routes(plan.tasks, graph).gradient_slots())
+                                      slots=build_routes(plan.tasks, graph, program).gradient_slots())
         self.schedule = None if lr_scheduler is None else Schedule.for_graph(graph, self.build_optimizer, lr_scheduler)
         device_type = plan.options.get("device_type", "cpu")
         capacity = plan.worker_capacity()
-        self.launcher = Launcher(graph, plan.tasks, self.store, self.loss_fn, self.build_optimizer,
+        self.launcher = Launcher(graph, plan.tasks, program, self.store, self.loss_fn, self.build_optimizer,
                                  device_type=device_type, capacity=capacity, seed=seed, timeout=timeout,
                                  prefetch=prefetch, p2p=p2p, check_memory=check_memory,
                                  clip_grad_norm=self.clip_grad_norm, loss_scale=loss_scale)

@@ -69,6 +69,7 @@ import torch
 from harmony.decomposer.decompose import decompose
 from harmony.decomposer.layer_graph import LayerGraph
 from harmony.scheduler.estimator import estimate, promise, task_compute_seconds
+from harmony.scheduler.lower import lower
 from harmony.scheduler.machine import Machine
 from harmony.profiling.profiles import LayerProfile, LayerSample, Profile
 from harmony.scheduler.modes import generate
@@ -237,7 +238,9 @@ def _run(graph, tasks: TaskGraph, store: HostStore, loss_fn: Callable, build_opt
          batch: Callable[[int], Batch], iterations: int, timeout: float) -> Spans:
     """``tasks`` on the real launcher, ``batch(step)`` at each step, for ``iterations`` after one
     warm-up; the launcher is closed (and ``store`` with it) whatever happens."""
-    launcher = Launcher(graph, tasks, store, loss_fn, build_optimizer, device_type="cpu", timeout=timeout)
+    # lowered here, at compile time, as a plan's program is (edges without byte sizes: none are read)
+    launcher = Launcher(graph, tasks, lower(tasks, None), store, loss_fn, build_optimizer, device_type="cpu",
+                        timeout=timeout)
     try:
         per_task: dict[int, list[float]] = {}
         per_host: dict[int, list[float]] = {}
@@ -451,7 +454,7 @@ def measure_model_scale(graph: LayerGraph, profile: Profile, machine: Machine, g
 
     def measure(tasks: TaskGraph) -> dict[int, float]:
         store = HostStore.create(graph, tasks.devices, build_optimizer, state, low_copies=tasks.low_copies,
-                                 slots=build_routes(tasks, graph).gradient_slots())
+                                 slots=build_routes(tasks, graph, lower(tasks, None)).gradient_slots())
         return _run(graph, tasks, store, loss_fn, build_optimizer, batch(tasks.minibatch), iterations, timeout).tasks
 
     return _scaling(runs, rounds, measure, "the model", per_task=True)

@@ -61,6 +61,7 @@ from harmony.runtime.context import Batch, describe
 from harmony.runtime.executor import Executor, IterationResult
 from harmony.runtime.flags import Shared
 from harmony.runtime.hoststore import HostStore
+from harmony.scheduler.lower import Program
 from harmony.scheduler.memory import kept_on
 from harmony.runtime.routes import Routes, build_routes
 from harmony.runtime.lr_schedule import Rates
@@ -125,6 +126,7 @@ class _WorkerContext:
     graph_data: dict | None
     graph: LayerGraph | None
     tasks: TaskGraph
+    program: Program  # the plan's, as compiled: a worker lowers nothing
     store: HostStore
     shared: Shared
     inboxes: list[Any]
@@ -271,7 +273,7 @@ def _worker_main(ctx: _WorkerContext) -> None:
                 provide_opaque(by_value["modules"])
                 provide_functions(by_value["functions"])
             graph.build_modules(device="meta")
-        routes = build_routes(ctx.tasks, graph)
+        routes = build_routes(ctx.tasks, graph, ctx.program)
         device = _make_device(ctx)
         device.warm_up(within_capacity=False)  # this thread computes; the plan keeps all of its capacity
         mailbox = Mailbox(ctx.inboxes[ctx.rank], ctx.shared.aborted)
@@ -335,7 +337,7 @@ def _stacks_path(pid: int) -> str:
 class Launcher:
     """One worker per device running ``tasks``; see the module docs."""
 
-    def __init__(self, graph: LayerGraph, tasks: TaskGraph, store: HostStore, loss_fn: Callable,
+    def __init__(self, graph: LayerGraph, tasks: TaskGraph, program: Program, store: HostStore, loss_fn: Callable,
                  build_optimizer: Callable, device_type: str = "cpu", capacity: int | None = None,
                  seed: int = 0, timeout: float = 600.0, threads: int | None = None,
                  prefetch: bool = True, p2p: str = "auto", check_memory: bool | None = None,
@@ -357,7 +359,7 @@ class Launcher:
         self.tasks = tasks
         self.store = store
         self.build_optimizer = build_optimizer
-        self.routes: Routes = build_routes(tasks, graph)
+        self.routes: Routes = build_routes(tasks, graph, program)
         self.timeout = timeout
         self.devices = tasks.devices
         self.shared = Shared.create(len(tasks.tasks))
@@ -393,7 +395,8 @@ class Launcher:
             self.results.append(result_in)
             ctx = _WorkerContext(
                 rank=rank, device_type=device_type, capacity=capacity, threads=threads, seed=seed, timeout=timeout,
-                graph_data=graph_data, graph=graph if method == "fork" else None, tasks=tasks, store=store,
+                graph_data=graph_data, graph=graph if method == "fork" else None, tasks=tasks, program=program,
+                store=store,
                 shared=self.shared, inboxes=self.inboxes, commands=command_in, results=result_out,
                 loss_fn=loss_fn, build_optimizer=build_optimizer,
                 slabs=self.slabs, prefetch=prefetch, check_memory=memory_checked(check_memory), p2p_pairs=pairs,

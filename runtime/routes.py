@@ -1,8 +1,8 @@
 """What the executor needs to know about a task graph beyond each task's own line: its program
-(``scheduler/lower.py``: which pieces of which activation stream move where, in which order),
-which tasks update (or contribute a gradient to) each parameter, whose buffers each task
-continues and which pack states stay resident. Pure functions of the plan's data, so every worker
-and the launcher derive the same answers.
+(``scheduler/lower.py``, lowered at compile and saved with the plan: which pieces of which
+activation stream move where, in which order, whose buffers each task continues), which tasks
+update (or contribute a gradient to) each parameter and which pack states stay resident. Pure
+functions of the plan's data, so every worker and the launcher derive the same answers.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from harmony.decomposer.layer_graph import LayerGraph
-from harmony.scheduler.lower import Program, lower
+from harmony.scheduler.lower import Program
 from harmony.scheduler.memory import is_kept
 from harmony.scheduler.tasks import HOST, Channel, Kind, Task, TaskGraph
 
@@ -20,7 +20,7 @@ class Routes:
     """Everything derived from the graph for execution; see the module docs."""
 
     graph: TaskGraph
-    program: Program  # the graph lowered (no byte sizes): which pieces move where, in which order
+    program: Program  # the graph lowered: which pieces move where, in which order
     by_id: dict[int, Task] = field(default_factory=dict)
     owner: dict[str, int] = field(default_factory=dict)  # parameter -> the lowest layer holding it
     updates: dict[int, list[str]] = field(default_factory=dict)  # task -> parameters it steps
@@ -51,8 +51,12 @@ class Routes:
         return {(self.by_id[t].device, p) for t, params in self.deposits.items() for p in params}
 
 
-def build_routes(graph: TaskGraph, layers: LayerGraph) -> Routes:
-    r = Routes(graph=graph, program=lower(graph, None, streams=False), by_id={t.id: t for t in graph.tasks})
+def build_routes(graph: TaskGraph, layers: LayerGraph, program: Program) -> Routes:
+    """The routes of ``graph`` as ``program`` (lowered from it: ``Plan.program``) moves its data."""
+    if program.tasks and program.tasks != graph.fingerprint():
+        raise ValueError("the program was lowered from another task graph than the one to run; lower it from this "
+                         "one (Plan.program)")
+    r = Routes(graph=graph, program=program, by_id={t.id: t for t in graph.tasks})
     for task in graph.tasks:
         r.kept_resident.update(t.task for t in task.inputs
                                if t.tensor == "W" and t.channel == Channel.LOCAL and t.task is not None)

@@ -241,7 +241,7 @@ def run_spmd(plan, loss_fn: Callable, build_optimizer: Callable, get_batch: Call
     _check_same_plan(plan, topo)
     store = dist.distributed_c10d._get_default_store()
     graph, tasks = plan.graph, plan.tasks
-    routes = build_routes(tasks, graph)
+    routes = build_routes(tasks, graph, plan.program())
     p2p = resolve(p2p, plan.options.get("device_type", "cpu"), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     token = [uuid.uuid4().hex[:12] if rank == 0 else None]
     dist.broadcast_object_list(token, src=0)

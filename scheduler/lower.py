@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from harmony import serialization
+from harmony.errors import FormatError
 from harmony.profiling.profiles import Profile
 from harmony.scheduler.tasks import HOST, Channel, Kind, Task, TaskGraph
 from harmony.scheduler.memory import running_gradient_input
@@ -39,7 +40,7 @@ from harmony.scheduler.memory import running_gradient_input
 __all__ = ["Action", "Edge", "Piece", "Program", "PROGRAM_FILE", "STREAMS", "buffer_chain", "lower", "pieces",
            "ranges", "stash_layers", "state_sources", "stream_layer", "stream_names", "IN_STREAM", "OUT_STREAM"]
 
-SCHEMA_VERSION = 2  # 2: LOADs name their source; Program.sources, Program.after
+SCHEMA_VERSION = 3  # 2: LOADs name their source; Program.sources, Program.after. 3: Program.tasks
 PROGRAM_FILE = "program.msgpack"
 NO_PROMISE = ("a task graph without a memory promise (TaskGraph.memory) has no program: where each task's "
               "state is loaded is the promise's choice. Attach one with harmony.scheduler.estimator.promise(graph, "
@@ -259,6 +260,7 @@ class Program:
     sources: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
     # task -> the earlier task whose buffers it continues: its state loads once that one is done
     after: dict[int, int] = field(default_factory=dict)
+    tasks: str = ""  # the fingerprint of the task graph it was lowered from (``TaskGraph.fingerprint``)
 
     def __post_init__(self) -> None:
         into: dict[tuple[int, str, int], list[Edge]] = {}
@@ -326,7 +328,7 @@ class Program:
                             for d, per in self.streams.items()},
                 "peaks": {str(d): int(p) for d, p in self.peaks.items()},
                 "sources": [[c, i, p, o] for (c, i), (p, o) in sorted(self.sources.items())],
-                "after": [[t, e] for t, e in sorted(self.after.items())]}
+                "after": [[t, e] for t, e in sorted(self.after.items())], "tasks": self.tasks}
 
     @classmethod
     def from_dict(cls, body: dict) -> "Program":
@@ -335,7 +337,7 @@ class Program:
                             for d, per in body["streams"].items()},
                    peaks={int(d): int(p) for d, p in body.get("peaks", {}).items()},
                    sources={(int(c), int(i)): (int(p), int(o)) for c, i, p, o in body.get("sources", [])},
-                   after={int(t): int(e) for t, e in body.get("after", [])})
+                   after={int(t): int(e) for t, e in body.get("after", [])}, tasks=str(body["tasks"]))
 
     def save(self, directory: str | Path) -> Path:
         path = Path(directory) / PROGRAM_FILE
@@ -343,11 +345,20 @@ class Program:
         return path
 
     @classmethod
-    def load(cls, directory: str | Path) -> "Program":
+    def load(cls, directory: str | Path, tasks: TaskGraph | None = None) -> "Program":
+        """The program in a plan directory; given ``tasks``, refused unless it was lowered from
+        them: the program is what the workers run, so it must be the plan's."""
         path = Path(directory) / PROGRAM_FILE
+        if not path.exists():
+            raise FormatError(f"{path} is missing: a plan's workers run its program, saved beside its tasks; "
+                              "compile the plan again")
         body = serialization.load(path, "program", SCHEMA_VERSION)
         with serialization.decoding(str(path), "program"):
-            return cls.from_dict(body)
+            program = cls.from_dict(body)
+        if tasks is not None and program.tasks != tasks.fingerprint():
+            raise FormatError(f"{path} was lowered from other tasks than the plan's (task graph "
+                              f"{program.tasks[:12]}…, the plan's {tasks.fingerprint()[:12]}…); compile the plan again")
+        return program
 
 
 # ------------------------------------------------------------------------------- lowering
@@ -533,6 +544,8 @@ def lower(graph: TaskGraph, profile: Profile | None, streams: bool = True) -> Pr
     reads: dict[int, list[tuple[int, str]]] = {}
     program = Program(graph.mode, _edges(graph, profile, reads), {},
                       dict(graph.memory.devices) if graph.memory is not None else {})
+    if streams:  # (the estimator's edges-only lowering of every graph the search tries needs no fingerprint)
+        program.tasks = graph.fingerprint()
     program._reads = reads
     program.sources = state_sources(graph, reads)
     program.after = buffer_chain(graph)

@@ -13,10 +13,13 @@ line per task, so plans can be read, diffed and golden-tested:
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Iterator
+
+import msgpack
 
 from harmony.errors import FormatError
 
@@ -250,6 +253,11 @@ class TaskGraph:
                     raise ValueError(f"task {task.id} ({task}) reads from task {dep}, which comes later")
 
     # ---------------------------------------------------------------- files
+    def fingerprint(self) -> str:
+        """SHA-256 of the task graph with its memory promise: its program records it, so a program
+        lowered from other tasks is recognized and refused."""
+        return hashlib.sha256(msgpack.packb(self.to_dict(), use_bin_type=True)).hexdigest()
+
     def to_dict(self) -> dict:
         body = asdict(self)
         body["memory"] = self.memory.to_dict() if self.memory is not None else None

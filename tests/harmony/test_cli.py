@@ -99,18 +99,22 @@ def test_compile_writes_a_plan_that_show_prints_and_a_changed_model_file_is_refu
         Plan.load(out, model_file=model_file)
 
 
-def test_show_refuses_a_program_that_is_not_its_plans_lowering(tmp_path, capsys):
+def test_a_plan_whose_program_is_missing_or_lowered_from_other_tasks_is_refused_naming_the_file(tmp_path, capsys):
     out = tmp_path / "plan"
     assert main(["compile", str(ROOT / "models" / "gpt2.py"), "--arg", "preset=tiny", "--minibatch", "4",
                  "--devices", "2", "--trials", "1", "--no-probe", "--out", str(out)]) == 0
     from harmony.plan import Plan
-    from harmony.scheduler.lower import Program
+    from harmony.scheduler.lower import PROGRAM_FILE, Program
 
     program = Plan.load(out).program()
-    Program(program.mode, program.edges[:-1], program.streams, program.peaks).save(out)
+    Program(program.mode, program.edges[:-1], program.streams, program.peaks, tasks="0" * 64).save(out)
     capsys.readouterr()
     assert main(["show", str(out), "--program"]) != 0
-    assert "is not the lowering of the plan's tasks" in capsys.readouterr().out
+    assert f"{out / PROGRAM_FILE} was lowered from other tasks than the plan's" in " ".join(capsys.readouterr().out.split())
+    (out / PROGRAM_FILE).unlink()
+    assert main(["run", str(ROOT / "models" / "gpt2.py"), "--arg", "preset=tiny", "--plan", str(out), "--iters", "1"]) != 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert f"{out / PROGRAM_FILE} is missing" in printed and "compile the plan again" in printed
 
 
 def test_compile_refuses_bad_arguments_before_any_work(tmp_path, capsys):

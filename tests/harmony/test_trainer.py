@@ -16,7 +16,9 @@ import torch
 from torch import nn
 
 import harmony
+from harmony import plan as plan_module
 from harmony.models import gpt2
+from harmony.scheduler import lower as lowering
 from harmony.runtime.launcher import WorkerError, _stacks_path
 
 MINIBATCH = 8
@@ -69,6 +71,24 @@ def assert_states_equal(got: dict, want: dict) -> None:
         assert got[name].shape == tensor.shape, name
         assert got[name].dtype == tensor.dtype, name
         assert torch.equal(got[name], tensor), f"{name} differs by {(got[name] - tensor).abs().max().item():.3g}"
+
+
+def test_a_loaded_plan_runs_its_saved_program_without_lowering_and_trains_as_the_compiled_plan(
+        compiled, tmp_path, monkeypatch):
+    initial, _, plan = compiled
+    plan.save(tmp_path / "plan")
+    batches = [get_batch(MINIBATCH, step) for step in range(2)]
+    with harmony.Trainer(plan, optimizer=adam, loss_fn=gpt2.loss_fn, state_dict=initial, seed=3) as trainer:
+        expected = [trainer.step(*batch) for batch in batches]
+    loaded = harmony.load_plan(tmp_path / "plan")
+
+    def no_lowering(*args, **kwargs):
+        raise AssertionError("a loaded plan was lowered again")
+
+    monkeypatch.setattr(lowering, "lower", no_lowering)
+    monkeypatch.setattr(plan_module, "lower", no_lowering)
+    with harmony.Trainer(loaded, optimizer=adam, loss_fn=gpt2.loss_fn, state_dict=initial, seed=3) as trainer:
+        assert [trainer.step(*batch) for batch in batches] == expected
 
 
 def test_state_dict_has_the_models_names_including_the_tied_lm_head_and_equals_it_before_any_step(compiled):

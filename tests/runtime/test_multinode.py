@@ -278,7 +278,7 @@ def test_replicated_regions_cover_every_host_store_write(base_plan, tmp_path, mo
     with Trainer(plan, optimizer=mf.build_optimizer, loss_fn=mf.loss_fn,
                  state_dict=mf.build_model().state_dict()) as trainer:
         store: HostStore = trainer.store
-        routes = build_routes(plan.tasks, plan.graph)
+        routes = build_routes(plan.tasks, plan.graph, plan.program())
         named = [span for t in plan.tasks.tasks for span in task_writes(t, routes, plan.graph, store).spans]
         flags = {i for t in plan.tasks.tasks for i in task_writes(t, routes, plan.graph, store).flags}
         for step in range(2):

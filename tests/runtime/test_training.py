@@ -143,7 +143,7 @@ def test_the_runtime_refuses_a_task_graph_without_a_memory_promise():
 
     model, get_batch, plan = plan_for("gpt2", "pp", 2)
     with pytest.raises(HarmonyError, match="carries no memory promise.*promise_memory"):
-        Launcher(plan.graph, plan.tasks, None, plan.loss_fn, adam)
+        Launcher(plan.graph, plan.tasks, None, None, plan.loss_fn, adam)
 
 
 @pytest.mark.parametrize("mode", ["pp", "dp"])
