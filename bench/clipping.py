@@ -30,7 +30,7 @@ import harmony
 from bench.common import TINY, compiled, searched, summarize, train
 from harmony.modelfile import load_model_file
 from harmony.profiling.analytic import analytic_profile
-from harmony.scheduler.estimator import task_seconds
+from harmony.scheduler.costs import task_seconds
 from harmony.scheduler.machine import Machine
 from harmony.scheduler.search import NoFeasibleConfiguration, search
 from harmony.scheduler.tasks import Kind

@@ -70,7 +70,8 @@ from harmony.errors import HarmonyError
 from harmony.models import gpt2, resnet, vgg
 from harmony.models.gpt2 import GPT, GPTConfig
 from harmony.plan import Plan
-from harmony.scheduler.estimator import Estimate, estimate, task_compute_seconds
+from harmony.scheduler.costs import task_compute_seconds
+from harmony.scheduler.estimator import Estimate, estimate
 from harmony.scheduler.machine import Machine
 from harmony.scheduler.search import NoFeasibleConfiguration, search
 from harmony.scheduler.modes import generate

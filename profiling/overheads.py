@@ -68,7 +68,8 @@ import torch
 
 from harmony.decomposer.decompose import decompose
 from harmony.decomposer.layer_graph import LayerGraph
-from harmony.scheduler.estimator import estimate, promise, task_compute_seconds
+from harmony.scheduler.costs import task_compute_seconds
+from harmony.scheduler.estimator import estimate, promise
 from harmony.scheduler.lower import lower
 from harmony.scheduler.machine import Machine
 from harmony.profiling.profiles import LayerProfile, LayerSample, Profile

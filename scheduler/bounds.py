@@ -18,7 +18,8 @@ from __future__ import annotations
 import itertools
 
 from harmony.profiling.profiles import LOSS_FORWARD, Profile
-from harmony.scheduler.estimator import _profile_cache, task_compute_seconds, unit_seconds
+from harmony.scheduler.costs import task_compute_seconds, unit_seconds
+from harmony.scheduler.memory import profile_cache as _profile_cache
 from harmony.scheduler.keep import KEEP_MODES
 from harmony.scheduler.lower import ranges
 from harmony.scheduler.machine import Machine

@@ -14,7 +14,7 @@ from harmony import serialization
 from harmony.profiling.profiles import KIND, SCHEMA_VERSION, LayerProfile, LayerSample, LossSample, Profile
 from harmony.profiling.sweep import Profiler
 from harmony.runtime.device import CpuDevice
-from harmony.scheduler.estimator import unit_seconds
+from harmony.scheduler.costs import unit_seconds
 from harmony.scheduler.machine import Machine
 from harmony.scheduler.tasks import Kind, Task
 
