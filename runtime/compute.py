@@ -77,17 +77,18 @@ class Compute:
             got = self.transport.inputs(task, ["X"], mb, ready)
             ready = self.transport.stream_prefetch(task, ["X"], mb + 1)
             self.packs.unit_starts(mb)
-            values, gen = got["X"]
-            if gen is not None:
-                rng.restore(device, gen)
-            at = self._sends_by_layer(task, mb)
-            with torch.no_grad():
-                for layer in range(task.first, task.last + 1):
-                    if layer in at:
-                        self.transport.send(task, mb, at[layer], values, rng.capture(device))
-                    values = self._run_layer(layer, state, values)
-            self.transport.send(task, mb, at.get(task.last + 1, []), values, rng.capture(device))
-            del values, got
+            with self.ctx.device.unit(task.id, mb):
+                values, gen = got["X"]
+                if gen is not None:
+                    rng.restore(device, gen)
+                at = self._sends_by_layer(task, mb)
+                with torch.no_grad():
+                    for layer in range(task.first, task.last + 1):
+                        if layer in at:
+                            self.transport.send(task, mb, at[layer], values, rng.capture(device))
+                        values = self._run_layer(layer, state, values)
+                self.transport.send(task, mb, at.get(task.last + 1, []), values, rng.capture(device))
+                del values, got
         self.packs.write_buffers(task, state)
         self.packs.evict_weights(task, state)
 
@@ -120,53 +121,54 @@ class Compute:
             got = self.transport.inputs(task, streams, mb, ready)
             ready = self.transport.stream_prefetch(task, streams, mb + 1)
             self.packs.unit_starts(mb)
-            if task.loss:
-                xs, gen = got["X"]
-                xs = _leaves(xs, task.first)
-                if gen is not None:
-                    rng.restore(device, gen)
-                outputs = self._run_pack(task, _through_sinks(state, sinks), xs)
-                target = self._target(start, size)
-                with autocast(self.ctx.device.torch_device.type, self.ctx.routes.graph.precision):
-                    loss = self.loss_fn(pytree.tree_unflatten(outputs, self._out_spec), target) * (size / self.minibatch)
-                del outputs
-                if self.loss_scale is not None:  # as GradScaler.scale: times the scale in float32
-                    (loss * torch.full((), self.loss_scale, dtype=torch.float32, device=device)).backward()
-                else:
-                    loss.backward()
-                loss_total += float(loss.detach())
-                del loss, target
-            else:
-                # the pack's incoming gradient is the last layer's alone: let go once its gradient moved
-                # on (a plan stepping layer by layer counts it in that layer's step, not in earlier ones)
-                grads = got.pop("dY")[0]
-                scratch = {n: (t.clone() if self.ctx.layers.state[n].kind != "parameter" else t) for n, t in state.items()}
-                scratch = _through_sinks(scratch, sinks)
-                for layer in reversed(layers):
-                    xs, gen = got[f"Xs{layer}"]
-                    xs = _leaves(xs, layer)
+            with self.ctx.device.unit(task.id, mb):
+                if task.loss:
+                    xs, gen = got["X"]
+                    xs = _leaves(xs, task.first)
                     if gen is not None:
                         rng.restore(device, gen)
-                    stop = task.last if len(layers) == 1 else layer
-                    values = xs
-                    for l in range(layer, stop + 1):
-                        values = self._run_layer(l, scratch, values)
-                    _autograd_backward(values, grads)
-                    del values
-                    grads = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in xs]
-                    # a later layer's stash is done with once its gradient moved on; the first's gives dX
-                    got[f"Xs{layer}"] = (xs, None) if layer == layers[0] else None
-                xs = got[f"Xs{layers[0]}"][0]
-                del scratch
-            if task.first > 0:
-                dx = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in xs]
-                edges = [e for e in self.ctx.routes.program.out_of(task.id, mb) if e.stream == "dY"]
-                self.transport.send(task, mb, edges, dx, None)
-                del dx
-            # nothing of this microbatch outlives it but what its sends hold until they have left (the
-            # plan counts its gradients gone then, not alive into the next microbatch)
-            del xs, got
-            grads = None
+                    outputs = self._run_pack(task, _through_sinks(state, sinks), xs)
+                    target = self._target(start, size)
+                    with autocast(self.ctx.device.torch_device.type, self.ctx.routes.graph.precision):
+                        loss = self.loss_fn(pytree.tree_unflatten(outputs, self._out_spec), target) * (size / self.minibatch)
+                    del outputs
+                    if self.loss_scale is not None:  # as GradScaler.scale: times the scale in float32
+                        (loss * torch.full((), self.loss_scale, dtype=torch.float32, device=device)).backward()
+                    else:
+                        loss.backward()
+                    loss_total += float(loss.detach())
+                    del loss, target
+                else:
+                    # the pack's incoming gradient is the last layer's alone: let go once its gradient moved
+                    # on (a plan stepping layer by layer counts it in that layer's step, not in earlier ones)
+                    grads = got.pop("dY")[0]
+                    scratch = {n: (t.clone() if self.ctx.layers.state[n].kind != "parameter" else t) for n, t in state.items()}
+                    scratch = _through_sinks(scratch, sinks)
+                    for layer in reversed(layers):
+                        xs, gen = got[f"Xs{layer}"]
+                        xs = _leaves(xs, layer)
+                        if gen is not None:
+                            rng.restore(device, gen)
+                        stop = task.last if len(layers) == 1 else layer
+                        values = xs
+                        for l in range(layer, stop + 1):
+                            values = self._run_layer(l, scratch, values)
+                        _autograd_backward(values, grads)
+                        del values
+                        grads = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in xs]
+                        # a later layer's stash is done with once its gradient moved on; the first's gives dX
+                        got[f"Xs{layer}"] = (xs, None) if layer == layers[0] else None
+                    xs = got[f"Xs{layers[0]}"][0]
+                    del scratch
+                if task.first > 0:
+                    dx = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in xs]
+                    edges = [e for e in self.ctx.routes.program.out_of(task.id, mb) if e.stream == "dY"]
+                    self.transport.send(task, mb, edges, dx, None)
+                    del dx
+                # nothing of this microbatch outlives it but what its sends hold until they have left (the
+                # plan counts its gradients gone then, not alive into the next microbatch)
+                del xs, got
+                grads = None
         if task.loss:
             self.packs.write_buffers(task, state)
         self.updates.after_backward(task, state, params, overwrite)

@@ -119,6 +119,7 @@ class Device(ABC):
     kind: str  # "cpu" | "cuda"
     capacity: int  # bytes
     measures_memory = True  # whether ``allocated`` and ``peak`` are measured (not on an unchecked emulated device)
+    synchronous = True  # work is done when its call returns: a copy needs no ordering after the compute before it
     torch_device: torch.device  # where its tensors live
     native_oom: tuple[type[BaseException], ...] = ()  # the backend's own out-of-memory errors
 
@@ -196,6 +197,20 @@ class Device(ABC):
     def mark(self) -> object | None:
         """An event on the calling thread's stream (CUDA), for another stream to wait on."""
         return None
+
+    def unit(self, task: int, unit: int) -> AbstractContextManager:
+        """The compute thread runs unit ``unit`` of ``task`` inside this block (a timed device
+        makes it last its modelled time, ``timed.py``)."""
+        return nullcontext()
+
+    def take_unit_starts(self) -> dict[tuple[int, int], float]:
+        """When each (task, unit) the device timed began (``time.perf_counter``) since the last
+        call; nothing on a device that times none."""
+        return {}
+
+    def transferred(self, nbytes: int, began: float) -> None:
+        """A copy of ``nbytes`` the device did not make itself (into host memory the store owns),
+        begun at ``began`` (``time.perf_counter``), is done."""
 
     def wait(self, event: object | None) -> None:
         """Make the calling thread's stream wait for ``event`` (work issued before ``mark``)."""
@@ -354,6 +369,7 @@ class CudaDevice(Device):
     whether they come out of ``capacity`` or on top of it."""
 
     kind = "cuda"
+    synchronous = False
     native_oom = (torch.cuda.OutOfMemoryError,)
 
     def __init__(self, index: int, capacity: int | None = None, name: str | None = None) -> None:

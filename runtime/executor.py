@@ -86,6 +86,8 @@ class IterationResult:
     ledger_peak: int = 0
     ledger_shortfall: int = 0
     peak_measured: bool = True  # False: an emulated device not checking its memory; ``peak`` is the ledger's
+    # (task, unit) -> when it began computing, on a device that times its units (``timed.py``)
+    unit_starts: dict[tuple[int, int], float] = field(default_factory=dict)
 
 
 class Executor:
@@ -214,7 +216,8 @@ class Executor:
         return IterationResult(loss=loss, seconds=seconds, peak=peak, bytes_by_channel=by_channel,
                                bytes_by_tensor=by_tensor, task_seconds=task_seconds, task_peaks=task_peaks,
                                events=events, transfers=ctx.transfers, ledger_peak=ctx.ledger.peak,
-                               ledger_shortfall=ctx.ledger.shortfall, peak_measured=measured)
+                               ledger_shortfall=ctx.ledger.shortfall, peak_measured=measured,
+                               unit_starts=device.take_unit_starts())
 
     def _run_task(self, task: Task) -> float:
         """Run one task on the compute thread; returns its share of the loss (0 but for a loss task)."""

@@ -69,6 +69,7 @@ from harmony.runtime.streams import SWITCH_INTERVAL
 from harmony.runtime.clipping import Verdict, check_clipping, host_norm
 from harmony.runtime.lossscale import LossScale
 from harmony.runtime.precision import needs_loss_scaling
+from harmony.runtime.timed import TimedDevice, Timing, sleep_until
 from harmony.runtime.updates import host_update
 from harmony.scheduler.tasks import HOST, Channel, Kind, TaskGraph
 
@@ -139,6 +140,7 @@ class _WorkerContext:
     check_memory: bool  # emulated devices count every op against their capacity (device.memory_checked)
     p2p_store: str | None = None  # the rendezvous FileStore's path when P2P goes over torch.distributed
     p2p_pairs: list[tuple[int, int]] = field(default_factory=list)
+    timing: Timing | None = None  # timed devices (``timed.py``): what each unit and copy takes
 
 
 def slab_sizes(tasks: TaskGraph, routes: Routes, p2p: bool = True) -> dict[tuple[int, int], int]:
@@ -213,6 +215,8 @@ def _layer_extras(graph: LayerGraph) -> bytes | None:
 def _make_device(ctx: _WorkerContext) -> Device:
     if ctx.device_type == "cuda":
         return cuda_device(ctx.rank, len(ctx.inboxes), ctx.capacity)
+    if ctx.timing is not None:
+        return TimedDevice(f"timed{ctx.rank}", ctx.capacity, ctx.timing)
     return cpu_device(f"cpu{ctx.rank}", ctx.capacity, ctx.check_memory)
 
 
@@ -341,7 +345,8 @@ class Launcher:
                  build_optimizer: Callable, device_type: str = "cpu", capacity: int | None = None,
                  seed: int = 0, timeout: float = 600.0, threads: int | None = None,
                  prefetch: bool = True, p2p: str = "auto", check_memory: bool | None = None,
-                 clip_grad_norm: float | None = None, loss_scale: float | None = None) -> None:
+                 clip_grad_norm: float | None = None, loss_scale: float | None = None,
+                 timing: Timing | None = None) -> None:
         if tasks.memory is None:
             raise HarmonyError(NO_PROMISE)
         check_clipping(tasks, clip_grad_norm)
@@ -349,6 +354,7 @@ class Launcher:
         self._host_work = any(t.device == HOST for t in tasks.tasks)  # updates or a norm on the host
         self._synced = 0  # the iteration after which the host store last held every kept state
         self.clip_grad_norm = clip_grad_norm
+        self.timing = timing
         self.loss_scale = None
         if needs_loss_scaling(tasks.precision):
             self.loss_scale = LossScale() if loss_scale is None else LossScale(scale=float(loss_scale))
@@ -401,6 +407,7 @@ class Launcher:
                 loss_fn=loss_fn, build_optimizer=build_optimizer,
                 slabs=self.slabs, prefetch=prefetch, check_memory=memory_checked(check_memory), p2p_pairs=pairs,
                 p2p_store=os.path.join(self._rendezvous, "store") if self._rendezvous is not None else None,
+                timing=timing,
             )
             process = mpctx.Process(target=_worker_main, args=(ctx,), name=f"harmony-dev{rank}", daemon=True)
             processes.start([process])
@@ -483,6 +490,8 @@ class Launcher:
                 else:
                     began = host_update(task, self.graph, self.routes, self.store, self.shared, self.build_optimizer,
                                         iteration, self.timeout, rates)
+                if self.timing is not None:  # the host's work lasts its modelled time, as a device's does
+                    sleep_until(began + self.timing.units.get((task.id, 0), 0.0))
                 events.append((task.id, str(task), began, time.perf_counter()))
         except Aborted:
             pass

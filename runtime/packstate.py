@@ -20,7 +20,9 @@ One of the executor's parts (``executor.py``); copies into the device go through
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
+
 import torch
 
 from harmony.runtime.admission import Admission, NoRoom
@@ -271,7 +273,10 @@ class PackState:
     def many_to_host_into(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], tensor: str) -> None:
         """``_to_host_into`` of several (destination, source) pairs, counted once: a state's
         tensors leave together, as they came in (``Admission.many_to_device``)."""
+        began = time.perf_counter()
         with torch.no_grad(), self.ctx.device.host_side():
             for dst, src in pairs:
                 dst.copy_(src.detach())
-        self.ctx.counters.add("SWAP", "out", tensor, sum(src.numel() * src.element_size() for _, src in pairs))
+        nbytes = sum(src.numel() * src.element_size() for _, src in pairs)
+        self.ctx.device.transferred(nbytes, began)
+        self.ctx.counters.add("SWAP", "out", tensor, nbytes)

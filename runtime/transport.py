@@ -112,7 +112,7 @@ class Transport:
             def send() -> None:
                 self.peers[dst].put((key, (self._encode(values, dst), state_bytes(state), self.ctx.rank)))
 
-            if self.ctx.device.kind == "cpu":  # nothing to order against: the compute thread's work is done
+            if self.ctx.device.synchronous:  # nothing to order against: the compute thread's work is done
                 self.ctx.p2p_out.run_here(send, f"{tensor} to dev{dst}", self.ctx.task)
             else:
                 self.ctx.after_compute(self.ctx.p2p_out, f"{tensor} to dev{dst}", send)

@@ -62,7 +62,7 @@ class Updates:
             self.ctx.after_compute(self.ctx.swap_out, "dW out", self.packs.deposit, grads, overwrite)
         if task.id in self.ctx.routes.jit:
             owned = {name: params[name] for name in self.ctx.routes.updates.get(task.id, [])}
-            self._step(task, owned, write=True)
+            self._step(task, owned, len(task.microbatches), write=True)
         self.packs.evict_weights(task, state)
         for p in params.values():
             p.grad = None
@@ -88,7 +88,7 @@ class Updates:
         replicas = self.ctx.routes.replicas.get(task.id, [task.id])
         writer = min(replicas, key=lambda t: self.ctx.routes.by_id[t].device)
         self.packs.unit_starts(0)
-        self._step(task, params, write=task.id == writer, replicas=replicas)
+        self._step(task, params, 0, write=task.id == writer, replicas=replicas)
 
     def _gradients(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
         """The full gradient of each parameter: its own (on the device) plus every host slot
@@ -109,10 +109,12 @@ class Updates:
                 out[name] = p.grad.add_(self.admission.to_device(host[name], "SWAP", "dW"))
         return out
 
-    def _step(self, task: Task, params: dict[str, torch.Tensor], write: bool, replicas: list[int] | None = None) -> None:
+    def _step(self, task: Task, params: dict[str, torch.Tensor], unit: int, write: bool,
+              replicas: list[int] | None = None) -> None:
         """Step ``params`` with their full gradients, once every task depositing one is done: the
-        optimizer state (K) comes in from the host store, and the new weights and state go back
-        (``Updates._write_state``: into the master only if ``write``)."""
+        optimizer state (K) comes in from the host store, the step computes as the task's unit
+        ``unit``, and the new weights and state go back (``_write_state``: into the master only if
+        ``write``)."""
         if not params:
             self._write_state(task, {}, {}, write)
             return
@@ -141,7 +143,8 @@ class Updates:
             self.ctx.shared.mark_read(task.id, self.ctx.iteration)
             if write:
                 self.ctx.wait_replicas(replicas)
-        opt.step()
+        with self.ctx.device.unit(task.id, unit):
+            opt.step()
         new_state = {name: dict(opt.state[leaf]) for name, leaf in leaves.items()}
         for leaf in leaves.values():
             leaf.grad = None

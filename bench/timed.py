@@ -1,0 +1,188 @@
+"""Estimate against run on timed devices: how well the estimator simulates what the runtime does.
+
+Each case compiles a tiny model with an analytic profile of a real GPU (``--analytic``), at a device
+memory small enough that state moves, then runs the plan on timed devices (``runtime/timed.py``):
+every compute unit and copy lasts what the cost model says, scaled so that the shortest unit lasts
+about 20 ms (``timed.MIN_UNIT``). The run's time is then set by the runtime's order and waits, not
+by this machine's cores, and is compared with the estimate of the same task graph on the same
+modelled machine (``timed_machine``). A case off by more than the target names the compute unit whose measured
+start is furthest from its simulated start.
+
+    python -m bench.timed [--quick] [--models gpt2,bert,llama,resnet] [--devices 2,4,8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import statistics
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+import harmony
+from harmony.models import bert, gpt2, llama, resnet
+from harmony.plan import Plan
+from harmony.runtime.context import Batch, describe
+from harmony.runtime.hoststore import HostStore
+from harmony.runtime.launcher import Launcher
+from harmony.runtime.routes import build_routes
+from harmony.runtime.timed import Timing, timed_machine
+from harmony.scheduler.estimator import estimate
+from harmony.scheduler.machine import nominal_machine
+
+console = Console(width=140)
+log = logging.getLogger("bench.timed")
+
+MODELS = {"gpt2": gpt2, "bert": bert, "llama": llama, "resnet": resnet}
+MODES = ("pp", "dp", "1f1b-swap", "gpipe-swap")
+TARGET = 0.02  # |measured / estimated - 1| each run should stay within
+MINIBATCH_PER_DEVICE = 4
+
+
+@dataclass
+class Case:
+    model: str
+    mode: str
+    devices: int
+    estimated: float = float("nan")  # seconds per iteration, scaled as the run is
+    measured: float = float("nan")  # median over the measured steps
+    spread: float = float("nan")  # (slowest - fastest) / median of the measured steps
+    worst_unit: str = ""  # the compute unit whose measured start is furthest from its simulated one
+    error: str = ""
+
+    @property
+    def relative(self) -> float:
+        return self.measured / self.estimated - 1
+
+
+def compile_case(name: str, mode: str, devices: int, spec: str) -> Plan:
+    """A plan of the tiny preset of ``name`` on ``devices`` analytic devices holding half its
+    footprint each, so that its state swaps."""
+    module = MODELS[name]
+    get_batch = functools.partial(module.get_batch, preset="tiny")
+    torch.manual_seed(0)
+    model = module.build_model("tiny")
+    minibatch = MINIBATCH_PER_DEVICE * devices
+    plan = harmony.compile(model, module.loss_fn, get_batch, minibatch_size=minibatch, devices=devices,
+                           mode=mode, analytic=spec, probe=False, compare=False, check_gradients=False,
+                           build_optimizer=module.build_optimizer, keep_state=False)
+    footprint = max(plan.estimate["peak_memory"].values())
+    return harmony.compile(model, module.loss_fn, get_batch, minibatch_size=minibatch, devices=devices,
+                           device_memory=int(footprint * 0.6), mode=mode, analytic=spec, probe=False,
+                           compare=False, check_gradients=False, build_optimizer=module.build_optimizer,
+                           keep_state=False)
+
+
+def run_case(case: Case, plan: Plan, steps: int) -> Case:
+    """The plan's estimate and its run on timed devices, ``steps`` measured after one warm-up."""
+    tasks, profile = plan.tasks, plan.profile
+    machine = timed_machine(profile.machine or nominal_machine("cpu", tasks.devices, profile.capacity))
+    timing = Timing.of(tasks, profile, machine)
+    est = estimate(tasks, profile, machine, capacity=plan.options.get("planned_memory", profile.capacity))
+    case.estimated = est.iteration_time * timing.scale
+    module = MODELS[case.model]
+    graph = plan.graph
+    program = plan.program()
+    store = HostStore.create(graph, tasks.devices, module.build_optimizer, graph.state_dict(),
+                             low_copies=tasks.low_copies,
+                             slots=build_routes(tasks, graph, program).gradient_slots())
+    launcher = Launcher(graph, tasks, program, store, module.loss_fn, module.build_optimizer, device_type="cpu",
+                        timing=timing, timeout=120.0)
+    try:
+        seconds, starts = [], {}
+        for step in range(steps + 1):
+            inputs, target = module.get_batch(tasks.minibatch, step, preset="tiny")
+            result = launcher.step(Batch(inputs=[inputs], target=target, size=tasks.minibatch, seed=0))
+            if step:
+                seconds.append(result.seconds)
+                starts = measured_unit_starts(result)
+    finally:
+        launcher.close()
+    case.measured = statistics.median(seconds)
+    case.spread = (max(seconds) - min(seconds)) / case.measured
+    simulated = simulated_unit_starts(est.events or (), timing.scale)
+    gaps = {k: starts[k] - simulated[k] for k in simulated if k in starts}
+    if gaps:
+        (task, unit), gap = max(gaps.items(), key=lambda kv: abs(kv[1]))
+        case.worst_unit = (f"{describe({t.id: t for t in tasks.tasks}[task])} unit {unit} starts {gap * 1e3:+.1f} ms "
+                           "from its simulated start")
+    return case
+
+
+def measured_unit_starts(result: Any) -> dict[tuple[int, int], float]:
+    """When each (task, unit) began computing in one step, in seconds from the first (the workers'
+    clocks are one monotonic clock)."""
+    starts = {key: start for worker in result.workers for key, start in worker.unit_starts.items()}
+    origin = min(starts.values(), default=0.0)
+    return {key: start - origin for key, start in starts.items()}
+
+
+def simulated_unit_starts(events, scale: float) -> dict[tuple[int, int], float]:
+    """The same from the estimate's timeline: a task's compute events are its units, in order."""
+    by_task: dict[int, list[float]] = {}
+    for e in events:
+        if e.stream == "compute" and e.task is not None:
+            by_task.setdefault(e.task, []).append(e.start * scale)
+    starts = {(task, unit): start for task, times in by_task.items() for unit, start in enumerate(sorted(times))}
+    origin = min(starts.values(), default=0.0)
+    return {key: start - origin for key, start in starts.items()}
+
+
+def run(models: list[str], modes: list[str], devices: list[int], spec: str, steps: int,
+        progress: Callable[[str], None] = log.info) -> list[Case]:
+    cases = []
+    for name in models:
+        for count in devices:
+            for mode in modes:
+                case = Case(name, mode, count)
+                progress(f"{name} {mode} on {count} timed devices")
+                try:
+                    run_case(case, compile_case(name, mode, count, spec), steps)
+                except Exception as exc:  # noqa: BLE001 - one case's failure is reported in the table
+                    case.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+                cases.append(case)
+    return cases
+
+
+def report(cases: list[Case]) -> None:
+    table = Table(title="estimate against run on timed devices")
+    for column in ("model", "mode", "devices", "estimated ms", "measured ms", "error", "run spread", "most off"):
+        table.add_column(column, justify="left" if column in ("model", "mode", "most off") else "right")
+    for c in cases:
+        if c.error:
+            table.add_row(c.model, c.mode, str(c.devices), "", "", "", "", c.error)
+            continue
+        off = c.worst_unit if abs(c.relative) > TARGET else ""
+        table.add_row(c.model, c.mode, str(c.devices), f"{c.estimated * 1e3:.1f}", f"{c.measured * 1e3:.1f}",
+                      f"{100 * c.relative:+.1f}%", f"{100 * c.spread:.1f}%", off)
+    console.print(table)
+    ran = [c for c in cases if not c.error]
+    if ran:
+        worst = max(abs(c.relative) for c in ran)
+        console.print(f"max |error| {100 * worst:.1f}% over {len(ran)} runs (target {100 * TARGET:.0f}%)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="gpt2,bert,llama,resnet")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--devices", default="2,4,8")
+    parser.add_argument("--analytic", default="h100")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="gpt2 and bert, pp and dp, on 2 and 4 devices")
+    ns = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if ns.quick:
+        ns.models, ns.modes, ns.devices = "gpt2,bert", "pp,dp", "2,4"
+    cases = run(ns.models.split(","), ns.modes.split(","), [int(d) for d in ns.devices.split(",")], ns.analytic,
+                ns.steps)
+    report(cases)
+
+
+if __name__ == "__main__":
+    main()
