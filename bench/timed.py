@@ -2,8 +2,8 @@
 
 Each case compiles a tiny model with an analytic profile of a real GPU (``--analytic``), at a device
 memory small enough that state moves, then runs the plan on timed devices (``runtime/timed.py``):
-every compute unit and copy lasts what the cost model says, scaled so that the shortest unit lasts
-about 20 ms (``timed.MIN_UNIT``). The run's time is then set by the runtime's order and waits, not
+every compute unit and copy lasts what the cost model says, scaled so that the estimated iteration
+lasts about a second (``timed.ITERATION``). The run's time is then set by the runtime's order and waits, not
 by this machine's cores, and is compared with the estimate of the same task graph on the same
 modelled machine (``timed_machine``). A case off by more than the target names the compute unit whose measured
 start is furthest from its simulated start.
@@ -14,10 +14,13 @@ start is furthest from its simulated start.
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
 import logging
 import statistics
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -31,7 +34,7 @@ from harmony.runtime.context import Batch, describe
 from harmony.runtime.hoststore import HostStore
 from harmony.runtime.launcher import Launcher
 from harmony.runtime.routes import build_routes
-from harmony.runtime.timed import Timing, timed_machine
+from harmony.runtime.timed import Timing, scale_for, timed_machine
 from harmony.scheduler.estimator import estimate
 from harmony.scheduler.machine import nominal_machine
 
@@ -42,6 +45,7 @@ MODELS = {"gpt2": gpt2, "bert": bert, "llama": llama, "resnet": resnet}
 MODES = ("pp", "dp", "1f1b-swap", "gpipe-swap")
 TARGET = 0.02  # |measured / estimated - 1| each run should stay within
 MINIBATCH_PER_DEVICE = 4
+MEMORY = 0.3  # of an uncapped plan's device peak: packs swap and several devices compute
 
 
 @dataclass
@@ -60,9 +64,9 @@ class Case:
         return self.measured / self.estimated - 1
 
 
-def compile_case(name: str, mode: str, devices: int, spec: str) -> Plan:
-    """A plan of the tiny preset of ``name`` on ``devices`` analytic devices holding half its
-    footprint each, so that its state swaps."""
+def compile_case(name: str, mode: str, devices: int, spec: str, memory: float = MEMORY) -> Plan:
+    """A plan of the tiny preset of ``name`` on ``devices`` analytic devices, each holding
+    ``memory`` of the device peak of a plan without a memory cap, so that its state moves."""
     module = MODELS[name]
     get_batch = functools.partial(module.get_batch, preset="tiny")
     torch.manual_seed(0)
@@ -73,7 +77,7 @@ def compile_case(name: str, mode: str, devices: int, spec: str) -> Plan:
                            build_optimizer=module.build_optimizer, keep_state=False)
     footprint = max(plan.estimate["peak_memory"].values())
     return harmony.compile(model, module.loss_fn, get_batch, minibatch_size=minibatch, devices=devices,
-                           device_memory=int(footprint * 0.6), mode=mode, analytic=spec, probe=False,
+                           device_memory=int(footprint * memory), mode=mode, analytic=spec, probe=False,
                            compare=False, check_gradients=False, build_optimizer=module.build_optimizer,
                            keep_state=False)
 
@@ -82,8 +86,8 @@ def run_case(case: Case, plan: Plan, steps: int) -> Case:
     """The plan's estimate and its run on timed devices, ``steps`` measured after one warm-up."""
     tasks, profile = plan.tasks, plan.profile
     machine = timed_machine(profile.machine or nominal_machine("cpu", tasks.devices, profile.capacity))
-    timing = Timing.of(tasks, profile, machine)
     est = estimate(tasks, profile, machine, capacity=plan.options.get("planned_memory", profile.capacity))
+    timing = Timing.of(tasks, profile, machine, scale_for(est.iteration_time))
     case.estimated = est.iteration_time * timing.scale
     module = MODELS[case.model]
     graph = plan.graph
@@ -92,7 +96,7 @@ def run_case(case: Case, plan: Plan, steps: int) -> Case:
                              low_copies=tasks.low_copies,
                              slots=build_routes(tasks, graph, program).gradient_slots())
     launcher = Launcher(graph, tasks, program, store, module.loss_fn, module.build_optimizer, device_type="cpu",
-                        timing=timing, timeout=120.0)
+                        timing=timing, timeout=60.0)
     try:
         seconds, starts = [], {}
         for step in range(steps + 1):
@@ -105,13 +109,33 @@ def run_case(case: Case, plan: Plan, steps: int) -> Case:
         launcher.close()
     case.measured = statistics.median(seconds)
     case.spread = (max(seconds) - min(seconds)) / case.measured
-    simulated = simulated_unit_starts(est.events or (), timing.scale)
-    gaps = {k: starts[k] - simulated[k] for k in simulated if k in starts}
-    if gaps:
-        (task, unit), gap = max(gaps.items(), key=lambda kv: abs(kv[1]))
-        case.worst_unit = (f"{describe({t.id: t for t in tasks.tasks}[task])} unit {unit} starts {gap * 1e3:+.1f} ms "
-                           "from its simulated start")
+    case.worst_unit = first_divergence(starts, simulated_unit_starts(est.events or (), timing.scale), tasks)
     return case
+
+
+def first_divergence(measured: dict[tuple[int, int], float], simulated: dict[tuple[int, int], float],
+                     tasks) -> str:
+    """The compute unit where the run parts most from the simulation: the one whose start's gap
+    grows most over the gap of the unit before it on its device (a gap carried from an earlier
+    unit says nothing of its own)."""
+    by_id = {t.id: t for t in tasks.tasks}
+    per_device: dict[int, list[tuple[float, tuple[int, int]]]] = {}
+    for key, start in simulated.items():
+        if key in measured:
+            per_device.setdefault(by_id[key[0]].device, []).append((start, key))
+    worst, growth = None, 0.0
+    for units in per_device.values():
+        before = 0.0
+        for _, key in sorted(units):
+            gap = measured[key] - simulated[key]
+            if abs(gap - before) > abs(growth):
+                worst, growth = key, gap - before
+            before = gap
+    if worst is None:
+        return ""
+    task, unit = worst
+    return (f"{describe(by_id[task])} unit {unit}: starts {growth * 1e3:+.1f} ms further from its simulated start "
+            "than the unit before it")
 
 
 def measured_unit_starts(result: Any) -> dict[tuple[int, int], float]:
@@ -167,6 +191,28 @@ def report(cases: list[Case]) -> None:
         console.print(f"max |error| {100 * worst:.1f}% over {len(ran)} runs (target {100 * TARGET:.0f}%)")
 
 
+def markdown(cases: list[Case], command: str) -> str:
+    """The table for ``bench/results/timed.md``, dated, with the command that reproduces it."""
+    lines = ["# Estimate against run on timed devices", "",
+             f"Measured {datetime.date.today().isoformat()} on torch {torch.__version__}: `{command}` "
+             "(tiny presets, analytic H100 profiles, device memory at "
+             f"{MEMORY:g} of an uncapped plan's peak, time scaled to about a second per iteration)", "",
+             "| model | mode | devices | estimated ms | measured ms | error | run spread | where the run parts from the estimate |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]
+    for c in cases:
+        if c.error:
+            lines.append(f"| {c.model} | {c.mode} | {c.devices} | | | | | {c.error} |")
+        else:
+            lines.append(f"| {c.model} | {c.mode} | {c.devices} | {c.estimated * 1e3:.1f} | {c.measured * 1e3:.1f} | "
+                         f"{100 * c.relative:+.1f}% | {100 * c.spread:.1f}% | "
+                         f"{c.worst_unit if abs(c.relative) > TARGET else ''} |")
+    ran = [c for c in cases if not c.error]
+    if ran:
+        lines += ["", f"max |error| {100 * max(abs(c.relative) for c in ran):.1f}% over {len(ran)} runs "
+                  f"(target {100 * TARGET:.0f}%)"]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="gpt2,bert,llama,resnet")
@@ -175,6 +221,7 @@ def main() -> None:
     parser.add_argument("--analytic", default="h100")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="gpt2 and bert, pp and dp, on 2 and 4 devices")
+    parser.add_argument("--out", help="also write the table as markdown to this file")
     ns = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if ns.quick:
@@ -182,6 +229,8 @@ def main() -> None:
     cases = run(ns.models.split(","), ns.modes.split(","), [int(d) for d in ns.devices.split(",")], ns.analytic,
                 ns.steps)
     report(cases)
+    if ns.out:
+        Path(ns.out).write_text(markdown(cases, "python -m bench.timed " + " ".join(sys.argv[1:])))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from harmony.scheduler.costs import unit_seconds
 from harmony.scheduler.machine import Machine
 from harmony.scheduler.tasks import TaskGraph
 
-MIN_UNIT = 0.020  # seconds the shortest compute unit is scaled to: the runtime's own costs stay small beside it
+ITERATION = 1.0  # seconds an estimated iteration is scaled to: the runtime's own costs stay small beside it
 
 
 @dataclass(frozen=True)
@@ -45,17 +45,21 @@ class Timing:
     scale: float = 1.0
 
     @classmethod
-    def of(cls, tasks: TaskGraph, profile: Profile, machine: Machine, min_unit: float = MIN_UNIT) -> "Timing":
-        """The cost model's times of ``tasks`` on ``machine`` (whose copies must all run at one
-        rate: ``timed_machine``), scaled so that the shortest unit that computes lasts
-        ``min_unit``."""
-        units = {(t.id, j): s for t in tasks.tasks for j, s in enumerate(unit_seconds(t, profile, machine))}
-        shortest = min((s for s in units.values() if s > 0), default=min_unit)
-        scale = max(1.0, min_unit / shortest)
-        return cls({k: s * scale for k, s in units.items()}, machine.h2d / scale, scale)
+    def of(cls, tasks: TaskGraph, profile: Profile, machine: Machine, scale: float = 1.0) -> "Timing":
+        """The cost model's times of ``tasks`` on ``machine`` (whose copies all run at one rate:
+        ``timed_machine``), times ``scale`` (``scale_for``)."""
+        units = {(t.id, j): s * scale for t in tasks.tasks for j, s in enumerate(unit_seconds(t, profile, machine))}
+        return cls(units, machine.h2d / scale, scale)
 
     def copy_seconds(self, nbytes: int) -> float:
         return nbytes / self.bandwidth
+
+
+def scale_for(estimated: float, seconds: float = ITERATION) -> float:
+    """The factor that makes an iteration estimated at ``estimated`` seconds last ``seconds``: a
+    plan of small layers on a modelled GPU computes in microseconds, which the runtime's own
+    Python per unit (a few hundred microseconds) would swamp."""
+    return max(1.0, seconds / estimated)
 
 
 def timed_machine(machine: Machine) -> Machine:

@@ -10,8 +10,11 @@ import pytest
 import torch
 
 from bench import timed as bench_timed
-from harmony.runtime.timed import MIN_UNIT, TimedDevice, Timing, timed_machine
+from harmony.runtime.timed import ITERATION, TimedDevice, Timing, scale_for, timed_machine
 from harmony.scheduler.machine import nominal_machine
+
+
+SIMPLE = 0.6  # of an uncapped plan's device peak: one pack per device
 
 
 def _device(units: dict, bandwidth: float = 1e6) -> TimedDevice:
@@ -42,21 +45,23 @@ def test_a_copy_lasts_its_bytes_over_the_bandwidth_and_moves_the_values():
     assert device.mark() is None  # outside a unit nothing is pending
 
 
-def test_the_timing_scales_the_shortest_computing_unit_to_the_minimum_and_copies_alike():
+def test_a_timing_scales_every_unit_and_copy_alike_to_make_an_iteration_last_a_second():
     machine = timed_machine(nominal_machine("cpu", 2, 1 << 20))
     assert machine.d2h == machine.h2d == machine.d2d == machine.msg and not machine.host_link_shared
     assert machine.task_overhead == machine.iteration_overhead == machine.latency == 0.0
-    plan = bench_timed.compile_case("gpt2", "pp", 2, "h100")
-    timing = Timing.of(plan.tasks, plan.profile, timed_machine(plan.profile.machine))
-    computing = [s for s in timing.units.values() if s > 0]
-    assert min(computing) == pytest.approx(MIN_UNIT)
-    assert timing.bandwidth == pytest.approx(plan.profile.machine.h2d / timing.scale)
+    plan = bench_timed.compile_case("gpt2", "pp", 2, "h100", memory=SIMPLE)
+    machine = timed_machine(plan.profile.machine)
+    plain, scaled = (Timing.of(plan.tasks, plan.profile, machine, scale) for scale in (1.0, 4.0))
+    assert scaled.units == pytest.approx({k: 4 * s for k, s in plain.units.items()})
+    assert scaled.copy_seconds(1000) == pytest.approx(4 * plain.copy_seconds(1000))
+    assert scale_for(0.25) == pytest.approx(4 * ITERATION) and scale_for(100 * ITERATION) == 1.0
 
 
 @pytest.mark.parametrize("mode", ["pp", "dp"])
 def test_a_two_device_timed_run_takes_its_estimate_within_five_percent(mode):
-    """The runtime's own Python (a few hundred microseconds a unit, more on a loaded machine) is
-    all that separates the two; ``python -m bench.timed`` measures it at 1-3%."""
-    case = bench_timed.run_case(bench_timed.Case("gpt2", mode, 2), bench_timed.compile_case("gpt2", mode, 2, "h100"),
-                                steps=2)
+    """A plan with one pack per device and nothing but state moving: the runtime's own Python (a
+    few hundred microseconds a unit, more on a loaded machine) is all that separates run and
+    estimate. Plans whose packs swap across devices part further (``python -m bench.timed``)."""
+    plan = bench_timed.compile_case("gpt2", mode, 2, "h100", memory=SIMPLE)
+    case = bench_timed.run_case(bench_timed.Case("gpt2", mode, 2), plan, steps=2)
     assert abs(case.relative) < 0.05, (case.estimated, case.measured, case.worst_unit)
