@@ -30,7 +30,7 @@ from rich.table import Table
 import harmony
 from harmony.models import bert, gpt2, llama, resnet
 from harmony.plan import Plan
-from harmony.runtime.context import Batch, describe
+from harmony.runtime.context import Batch
 from harmony.runtime.hoststore import HostStore
 from harmony.runtime.launcher import Launcher
 from harmony.runtime.routes import build_routes
@@ -117,7 +117,7 @@ def first_divergence(measured: dict[tuple[int, int], float], simulated: dict[tup
                      tasks) -> str:
     """The compute unit where the run parts most from the simulation: the one whose start's gap
     grows most over the gap of the unit before it on its device (a gap carried from an earlier
-    unit says nothing of its own)."""
+    unit says nothing of its own), with that growth."""
     by_id = {t.id: t for t in tasks.tasks}
     per_device: dict[int, list[tuple[float, tuple[int, int]]]] = {}
     for key, start in simulated.items():
@@ -134,8 +134,8 @@ def first_divergence(measured: dict[tuple[int, int], float], simulated: dict[tup
     if worst is None:
         return ""
     task, unit = worst
-    return (f"{describe(by_id[task])} unit {unit}: starts {growth * 1e3:+.1f} ms further from its simulated start "
-            "than the unit before it")
+    where = str(by_id[task]).split(" in:")[0].rsplit(" u=", 1)[0]
+    return f"task {task} unit {unit} ({where}): {growth * 1e3:+.0f} ms"
 
 
 def measured_unit_starts(result: Any) -> dict[tuple[int, int], float]:
@@ -168,7 +168,7 @@ def run(models: list[str], modes: list[str], devices: list[int], spec: str, step
                 try:
                     run_case(case, compile_case(name, mode, count, spec), steps)
                 except Exception as exc:  # noqa: BLE001 - one case's failure is reported in the table
-                    case.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+                    case.error = f"{type(exc).__name__}: {str(exc).splitlines()[0].split(';')[0][:100]}"
                 cases.append(case)
     return cases
 
@@ -197,7 +197,7 @@ def markdown(cases: list[Case], command: str) -> str:
              f"Measured {datetime.date.today().isoformat()} on torch {torch.__version__}: `{command}` "
              "(tiny presets, analytic H100 profiles, device memory at "
              f"{MEMORY:g} of an uncapped plan's peak, time scaled to about a second per iteration)", "",
-             "| model | mode | devices | estimated ms | measured ms | error | run spread | where the run parts from the estimate |",
+             "| model | mode | devices | estimated ms | measured ms | error | run spread | where it first parts (+: a unit starts later than simulated) |",
              "|---|---|---:|---:|---:|---:|---:|---|"]
     for c in cases:
         if c.error:
