@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import faulthandler
+import gc
 import logging
 import multiprocessing.connection
 import os
@@ -291,6 +292,9 @@ def _worker_main(ctx: _WorkerContext) -> None:
         executor = Executor(ctx.rank, device, graph, routes, ctx.store, ctx.shared, mailbox, ctx.inboxes,
                             ctx.loss_fn, ctx.build_optimizer, ctx.seed, ctx.timeout, ctx.slabs,
                             prefetch=ctx.prefetch, transport=transport)
+        # what the worker inherited and built is never garbage: the collector's passes would walk the
+        # launcher's whole heap (a test session's, a notebook's) between the plan's units
+        gc.freeze()
         ctx.results.send(("ready", ctx.rank, None))
         batch = None
         while True:
