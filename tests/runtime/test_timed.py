@@ -57,6 +57,7 @@ def test_a_timing_scales_every_unit_and_copy_alike_to_make_an_iteration_last_a_s
     assert scale_for(0.25) == pytest.approx(4 * ITERATION) and scale_for(100 * ITERATION) == 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["pp", "dp"])
 def test_a_two_device_timed_run_takes_its_estimate_within_five_percent(mode):
     """A plan with one pack per device and nothing but state moving: the runtime's own Python (a
