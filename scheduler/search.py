@@ -77,6 +77,9 @@ def _bytes_by_tensor(nbytes: dict[str, int]) -> str:
     return ", ".join(f"{name} {n:,} B" for name, n in sorted(nbytes.items()))
 
 
+PIPELINES = ("gpipe-swap", "1f1b-swap")  # the baselines whose packs are pipeline stages, one per device
+
+
 class NoFeasibleConfiguration(ValueError):
     """No configuration fits the device capacity; ``shortfall`` says what the closest one needs."""
 
@@ -210,6 +213,11 @@ def search(
     ``taskgraph``) turn one of Harmony's optimizations off, for the paper's Fig. 14.
     """
     capacity = capacity if capacity is not None else profile.capacity
+    if mode.startswith(PIPELINES) and len(profile.layers) < devices:
+        raise NoFeasibleConfiguration(
+            f"{mode} runs a pipeline stage of at least one layer on each device, and the model has "
+            f"{len(profile.layers)} layers for {devices} devices; use at most {len(profile.layers)} devices, or "
+            "decompose the model into more layers")
     start = time.perf_counter()
     ladders = microbatch_ladders(profile, mode, devices, minibatch, sizes)  # refuses a minibatch no size cuts
     # the fewest packs that fit the profile's memory can still overflow once prefetching and

@@ -80,6 +80,14 @@ def test_pipeline_baselines_skip_configurations_with_fewer_packs_than_stages():
     assert len(result.config.packs_f) >= 3
 
 
+@pytest.mark.parametrize("mode", ["gpipe-swap", "1f1b-swap-r"])
+def test_a_pipeline_baseline_with_more_devices_than_layers_is_refused_naming_both(mode):
+    profile = skewed_profile(times=(1.0, 2.0, 1.0))
+    with pytest.raises(NoFeasibleConfiguration, match=f"{mode} runs a pipeline stage .* the model has 3 layers for 4 "
+                                                      "devices; use at most 3 devices"):
+        search(profile, Machine.from_spec("1080ti", 4), mode, 4, 8)
+
+
 @pytest.mark.parametrize("mode, capacity", [("dp", 4_500_000), ("pp", 4_500_000)])
 def test_nothing_fits_names_the_closest_configuration_and_the_memory_that_fits_it(mode, capacity):
     """The refusal says what the closest configuration needs, and that much memory fits."""
