@@ -128,6 +128,7 @@ def test_cli_exits_2_with_one_clear_line_without_cuda_or_deepspeed():
     assert done.stdout == ""
 
 
+@pytest.mark.slow
 def test_cli_help_and_usage_errors():
     done = _cli("--help")
     assert done.returncode == 0 and "--device-memory" in done.stdout and "gpu_wheels.sh" in done.stdout

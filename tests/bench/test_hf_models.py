@@ -10,6 +10,7 @@ pytest.importorskip("transformers")
 from bench import hf_models  # noqa: E402
 
 
+@pytest.mark.slow
 def test_an_architecture_row_reports_errors_against_eager_and_the_peak():
     row = hf_models.run("albert", "pp")
     assert "error" not in row, row.get("error")

@@ -79,7 +79,8 @@ def start_training(plan: Path, tmp_path: Path) -> tuple[subprocess.Popen, Path, 
 
 
 @pytest.mark.parametrize("signum, status, group", [pytest.param(signal.SIGINT, 130, False, marks=pytest.mark.slow),
-                                                   (signal.SIGTERM, 143, False), (signal.SIGINT, 130, True)],
+                                                   pytest.param(signal.SIGTERM, 143, False, marks=pytest.mark.slow),
+                                                   (signal.SIGINT, 130, True)],
                          ids=["SIGINT", "SIGTERM", "SIGINT-to-the-group-like-a-terminal"])
 def test_a_signal_mid_run_stops_every_worker_and_exits_with_its_status_naming_the_cause(plan, tmp_path, signum,
                                                                                           status, group):

@@ -27,6 +27,7 @@ def cpu_machine() -> Machine:
     return probe_machine("cpu", 2, 64 * MiB, size=4 * MiB, repeats=1)
 
 
+@pytest.mark.slow
 def test_cpu_probe_measures_positive_finite_bandwidths(cpu_machine):
     m = cpu_machine
     assert m.kind == "cpu" and m.source == "measured" and m.devices == 2
@@ -41,6 +42,7 @@ def test_cpu_probe_measures_positive_finite_bandwidths(cpu_machine):
     assert multiprocessing.active_children() == []
 
 
+@pytest.mark.slow
 def test_cpu_probe_measures_the_runtime_costs_on_its_own_path(cpu_machine):
     m = cpu_machine
     # the executor does real work around every task: a one-microbatch task costs something, and
@@ -132,6 +134,7 @@ def test_a_host_updates_own_cost_is_its_span_beyond_its_step_fixed_and_per_param
                                       8), {}, same) == (0.0, 0.0)
 
 
+@pytest.mark.slow
 def test_cpu_probe_result_round_trips(cpu_machine, tmp_path):
     cpu_machine.save(tmp_path / "machine")
     assert Machine.load(tmp_path / "machine") == cpu_machine

@@ -169,6 +169,7 @@ def test_worker_killed_between_steps_is_reported_as_killed_at_the_next_step(plan
     assert_clean(trainer, before)
 
 
+@pytest.mark.slow
 def test_stalled_worker_is_reported_with_what_each_worker_waits_for(plan, tmp_path):
     before = shm_files()
     with harmony.Trainer(plan, optimizer=sgd, loss_fn=Sleeping(tmp_path / "m", seconds=120), timeout=4) as trainer:
