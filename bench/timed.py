@@ -3,10 +3,10 @@
 Each case compiles a tiny model with an analytic profile of a real GPU (``--analytic``), at a device
 memory small enough that state moves, then runs the plan on timed devices (``runtime/timed.py``):
 every compute unit and copy lasts what the cost model says, scaled so that the estimated iteration
-lasts about a second (``timed.ITERATION``). The run's time is then set by the runtime's order and waits, not
-by this machine's cores, and is compared with the estimate of the same task graph on the same
-modelled machine (``timed_machine``). A case off by more than the target names the compute unit whose measured
-start is furthest from its simulated start.
+lasts about a second (``timed.ITERATION``). The run's time is then set by the runtime's order and
+waits, not by this machine's cores, and is compared with the estimate of the same task graph on
+the same modelled machine (``timed_machine``). A case off by more than the target names the
+compute unit where the run first parts from the simulation (``first_divergence``).
 
     python -m bench.timed [--quick] [--models gpt2,bert,llama,resnet] [--devices 2,4,8]
 """
@@ -30,10 +30,6 @@ from rich.table import Table
 import harmony
 from harmony.models import bert, gpt2, llama, resnet
 from harmony.plan import Plan
-from harmony.runtime.context import Batch
-from harmony.runtime.hoststore import HostStore
-from harmony.runtime.launcher import Launcher
-from harmony.runtime.routes import build_routes
 from harmony.runtime.timed import Timing, scale_for, timed_machine
 from harmony.scheduler.estimator import estimate
 from harmony.scheduler.machine import nominal_machine
@@ -56,7 +52,7 @@ class Case:
     estimated: float = float("nan")  # seconds per iteration, scaled as the run is
     measured: float = float("nan")  # median over the measured steps
     spread: float = float("nan")  # (slowest - fastest) / median of the measured steps
-    worst_unit: str = ""  # the compute unit whose measured start is furthest from its simulated one
+    worst_unit: str = ""  # where the run first parts from the simulation (``first_divergence``)
     error: str = ""
 
     @property
@@ -71,15 +67,12 @@ def compile_case(name: str, mode: str, devices: int, spec: str, memory: float = 
     get_batch = functools.partial(module.get_batch, preset="tiny")
     torch.manual_seed(0)
     model = module.build_model("tiny")
-    minibatch = MINIBATCH_PER_DEVICE * devices
-    plan = harmony.compile(model, module.loss_fn, get_batch, minibatch_size=minibatch, devices=devices,
-                           mode=mode, analytic=spec, probe=False, compare=False, check_gradients=False,
-                           build_optimizer=module.build_optimizer, keep_state=False)
-    footprint = max(plan.estimate["peak_memory"].values())
-    return harmony.compile(model, module.loss_fn, get_batch, minibatch_size=minibatch, devices=devices,
-                           device_memory=int(footprint * memory), mode=mode, analytic=spec, probe=False,
-                           compare=False, check_gradients=False, build_optimizer=module.build_optimizer,
-                           keep_state=False)
+    options = dict(minibatch_size=MINIBATCH_PER_DEVICE * devices, devices=devices, mode=mode, analytic=spec,
+                   probe=False, compare=False, check_gradients=False, build_optimizer=module.build_optimizer,
+                   keep_state=False)
+    uncapped = harmony.compile(model, module.loss_fn, get_batch, **options)
+    footprint = max(uncapped.estimate["peak_memory"].values())
+    return harmony.compile(model, module.loss_fn, get_batch, device_memory=int(footprint * memory), **options)
 
 
 def run_case(case: Case, plan: Plan, steps: int) -> Case:
@@ -90,23 +83,13 @@ def run_case(case: Case, plan: Plan, steps: int) -> Case:
     timing = Timing.of(tasks, profile, machine, scale_for(est.iteration_time))
     case.estimated = est.iteration_time * timing.scale
     module = MODELS[case.model]
-    graph = plan.graph
-    program = plan.program()
-    store = HostStore.create(graph, tasks.devices, module.build_optimizer, graph.state_dict(),
-                             low_copies=tasks.low_copies,
-                             slots=build_routes(tasks, graph, program).gradient_slots())
-    launcher = Launcher(graph, tasks, program, store, module.loss_fn, module.build_optimizer, device_type="cpu",
-                        timing=timing, timeout=60.0)
-    try:
-        seconds, starts = [], {}
+    with harmony.Trainer(plan, optimizer=module.build_optimizer, loss_fn=module.loss_fn, timeout=60.0,
+                         timing=timing) as trainer:
         for step in range(steps + 1):
-            inputs, target = module.get_batch(tasks.minibatch, step, preset="tiny")
-            result = launcher.step(Batch(inputs=[inputs], target=target, size=tasks.minibatch, seed=0))
-            if step:
-                seconds.append(result.seconds)
-                starts = measured_unit_starts(result)
-    finally:
-        launcher.close()
+            trainer.step(*module.get_batch(tasks.minibatch, step, preset="tiny"))
+    measured = trainer.history[1:]
+    seconds = [result.seconds for result in measured]
+    starts = measured_unit_starts(measured[-1])
     case.measured = statistics.median(seconds)
     case.spread = (max(seconds) - min(seconds)) / case.measured
     case.worst_unit = first_divergence(starts, simulated_unit_starts(est.events or (), timing.scale), tasks)

@@ -57,6 +57,7 @@ from harmony.runtime.context import Batch
 from harmony.runtime.hoststore import HostStore
 from harmony.modelfile import default_optimizer
 from harmony.runtime.launcher import Launcher, StepResult
+from harmony.runtime.timed import Timing
 from harmony.runtime.routes import build_routes
 from harmony.runtime.lr_schedule import Schedule
 
@@ -79,13 +80,15 @@ def _check_functions(optimizer: Callable | None, loss_fn: Callable | None, lr_sc
 class Trainer:
     """Runs a plan's task graph on its devices, one minibatch per ``step``. On emulated CPU devices
     this process computes on one torch thread until ``close`` (the workers have the cores; see
-    ``runtime.launcher.Launcher``), so work it does between steps runs single-threaded."""
+    ``runtime.launcher.Launcher``), so work it does between steps runs single-threaded. ``timing``
+    makes the emulated devices timed ones (``runtime/timed.py``: their work lasts what the cost
+    model says), for measuring the estimate against the run."""
 
     def __init__(self, plan: Plan, optimizer: Callable | None = None, loss_fn: Callable | None = None,
                  state_dict: dict[str, torch.Tensor] | None = None, seed: int = 0, timeout: float = 600.0,
                  prefetch: bool = True, p2p: str = "auto", check_memory: bool | None = None,
                  lr_scheduler: Callable | None = None, clip_grad_norm: float | None = None,
-                 loss_scale: float | None = None) -> None:
+                 loss_scale: float | None = None, timing: Timing | None = None) -> None:
         self.plan = plan
         # the plan's own threshold unless given: a plan that clips is compiled for it (its updates wait for the norm)
         self.clip_grad_norm = clip_grad_norm if clip_grad_norm is not None else plan.options.get("clip_grad_norm")
@@ -112,7 +115,7 @@ class Trainer:
         self.launcher = Launcher(graph, plan.tasks, program, self.store, self.loss_fn, self.build_optimizer,
                                  device_type=device_type, capacity=capacity, seed=seed, timeout=timeout,
                                  prefetch=prefetch, p2p=p2p, check_memory=check_memory,
-                                 clip_grad_norm=self.clip_grad_norm, loss_scale=loss_scale)
+                                 clip_grad_norm=self.clip_grad_norm, loss_scale=loss_scale, timing=timing)
 
     # ------------------------------------------------------------ training
     def step(self, inputs: Any, target: Any) -> float:

@@ -70,7 +70,7 @@ from harmony.decomposer.decompose import decompose
 from harmony.decomposer.layer_graph import LayerGraph
 from harmony.scheduler.costs import task_compute_seconds
 from harmony.scheduler.estimator import estimate, promise
-from harmony.scheduler.lower import lower
+from harmony.scheduler.lower import Program, lower
 from harmony.scheduler.machine import Machine
 from harmony.profiling.profiles import LayerProfile, LayerSample, Profile
 from harmony.scheduler.modes import generate
@@ -232,16 +232,15 @@ def _spans(graph, tasks: TaskGraph, iterations: int, timeout: float,
                      size=size, seed=0)
 
     store = HostStore.create(graph, tasks.devices, _optimizer, graph.state_dict())
-    return _run(graph, tasks, store, _loss, _optimizer, batch, iterations, timeout)
+    return _run(graph, tasks, lower(tasks, None), store, _loss, _optimizer, batch, iterations, timeout)
 
 
-def _run(graph, tasks: TaskGraph, store: HostStore, loss_fn: Callable, build_optimizer: Callable,
+def _run(graph, tasks: TaskGraph, program: Program, store: HostStore, loss_fn: Callable, build_optimizer: Callable,
          batch: Callable[[int], Batch], iterations: int, timeout: float) -> Spans:
-    """``tasks`` on the real launcher, ``batch(step)`` at each step, for ``iterations`` after one
+    """``tasks`` (lowered to ``program`` at compile time, as a plan's are; its edges' byte sizes
+    are not read) on the real launcher, ``batch(step)`` at each step, for ``iterations`` after one
     warm-up; the launcher is closed (and ``store`` with it) whatever happens."""
-    # lowered here, at compile time, as a plan's program is (edges without byte sizes: none are read)
-    launcher = Launcher(graph, tasks, lower(tasks, None), store, loss_fn, build_optimizer, device_type="cpu",
-                        timeout=timeout)
+    launcher = Launcher(graph, tasks, program, store, loss_fn, build_optimizer, device_type="cpu", timeout=timeout)
     try:
         per_task: dict[int, list[float]] = {}
         per_host: dict[int, list[float]] = {}
@@ -454,9 +453,11 @@ def measure_model_scale(graph: LayerGraph, profile: Profile, machine: Machine, g
     state = graph.state_dict()  # every run's store starts from the same weights, copied in
 
     def measure(tasks: TaskGraph) -> dict[int, float]:
+        program = lower(tasks, None)
         store = HostStore.create(graph, tasks.devices, build_optimizer, state, low_copies=tasks.low_copies,
-                                 slots=build_routes(tasks, graph, lower(tasks, None)).gradient_slots())
-        return _run(graph, tasks, store, loss_fn, build_optimizer, batch(tasks.minibatch), iterations, timeout).tasks
+                                 slots=build_routes(tasks, graph, program).gradient_slots())
+        return _run(graph, tasks, program, store, loss_fn, build_optimizer, batch(tasks.minibatch), iterations,
+                    timeout).tasks
 
     return _scaling(runs, rounds, measure, "the model", per_task=True)
 

@@ -71,26 +71,30 @@ class Compute:
         """FWD: each microbatch through the pack without autograd; stashes and outputs sent as the
         program's edges say."""
         state = self.packs.pack_state(task)
-        device = self.ctx.device.torch_device
         ready = self.transport.stream_prefetch(task, ["X"], 0)
         for mb in range(len(task.microbatches)):
             got = self.transport.inputs(task, ["X"], mb, ready)
             ready = self.transport.stream_prefetch(task, ["X"], mb + 1)
             self.packs.unit_starts(mb)
             with self.ctx.device.unit(task.id, mb):
-                values, gen = got["X"]
-                if gen is not None:
-                    rng.restore(device, gen)
-                at = self._sends_by_layer(task, mb)
-                with torch.no_grad():
-                    for layer in range(task.first, task.last + 1):
-                        if layer in at:
-                            self.transport.send(task, mb, at[layer], values, rng.capture(device))
-                        values = self._run_layer(layer, state, values)
-                self.transport.send(task, mb, at.get(task.last + 1, []), values, rng.capture(device))
-                del values, got
+                self._forward_unit(task, state, mb, *got.pop("X"))
+            del got
         self.packs.write_buffers(task, state)
         self.packs.evict_weights(task, state)
+
+    def _forward_unit(self, task: Task, state: dict[str, torch.Tensor], mb: int, values: Values,
+                      gen: torch.Tensor | None) -> None:
+        """Microbatch ``mb`` of a forward, from its inputs ``values`` and their generator state."""
+        device = self.ctx.device.torch_device
+        if gen is not None:
+            rng.restore(device, gen)
+        at = self._sends_by_layer(task, mb)
+        with torch.no_grad():
+            for layer in range(task.first, task.last + 1):
+                if layer in at:
+                    self.transport.send(task, mb, at[layer], values, rng.capture(device))
+                values = self._run_layer(layer, state, values)
+        self.transport.send(task, mb, at.get(task.last + 1, []), values, rng.capture(device))
 
     def _sends_by_layer(self, task: Task, mb: int) -> dict[int, list[Edge]]:
         """A forward microbatch's sends by the layer boundary each is taken at (stashes before a
@@ -114,7 +118,6 @@ class Compute:
         overwrite = self.packs.load_running_gradient(task, params)
         layers = stash_layers(task)
         streams = ["X"] if task.loss else ["dY"] + [f"Xs{l}" for l in layers]
-        device = self.ctx.device.torch_device
         loss_total = 0.0
         ready = self.transport.stream_prefetch(task, streams, 0)
         for mb, (start, size) in enumerate(ranges(task)):
@@ -123,43 +126,11 @@ class Compute:
             self.packs.unit_starts(mb)
             with self.ctx.device.unit(task.id, mb):
                 if task.loss:
-                    xs, gen = got["X"]
-                    xs = _leaves(xs, task.first)
-                    if gen is not None:
-                        rng.restore(device, gen)
-                    outputs = self._run_pack(task, _through_sinks(state, sinks), xs)
-                    target = self._target(start, size)
-                    with autocast(self.ctx.device.torch_device.type, self.ctx.routes.graph.precision):
-                        loss = self.loss_fn(pytree.tree_unflatten(outputs, self._out_spec), target) * (size / self.minibatch)
-                    del outputs
-                    if self.loss_scale is not None:  # as GradScaler.scale: times the scale in float32
-                        (loss * torch.full((), self.loss_scale, dtype=torch.float32, device=device)).backward()
-                    else:
-                        loss.backward()
-                    loss_total += float(loss.detach())
-                    del loss, target
+                    xs, loss = self._loss_unit(task, state, sinks, *got.pop("X"), start, size)
+                    loss_total += loss
                 else:
-                    # the pack's incoming gradient is the last layer's alone: let go once its gradient moved
-                    # on (a plan stepping layer by layer counts it in that layer's step, not in earlier ones)
-                    grads = got.pop("dY")[0]
-                    scratch = {n: (t.clone() if self.ctx.layers.state[n].kind != "parameter" else t) for n, t in state.items()}
-                    scratch = _through_sinks(scratch, sinks)
-                    for layer in reversed(layers):
-                        xs, gen = got[f"Xs{layer}"]
-                        xs = _leaves(xs, layer)
-                        if gen is not None:
-                            rng.restore(device, gen)
-                        stop = task.last if len(layers) == 1 else layer
-                        values = xs
-                        for l in range(layer, stop + 1):
-                            values = self._run_layer(l, scratch, values)
-                        _autograd_backward(values, grads)
-                        del values
-                        grads = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in xs]
-                        # a later layer's stash is done with once its gradient moved on; the first's gives dX
-                        got[f"Xs{layer}"] = (xs, None) if layer == layers[0] else None
-                    xs = got[f"Xs{layers[0]}"][0]
-                    del scratch
+                    xs = self._recompute_unit(task, state, sinks, layers, got)
+                del got
                 if task.first > 0:
                     dx = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in xs]
                     edges = [e for e in self.ctx.routes.program.out_of(task.id, mb) if e.stream == "dY"]
@@ -167,12 +138,58 @@ class Compute:
                     del dx
                 # nothing of this microbatch outlives it but what its sends hold until they have left (the
                 # plan counts its gradients gone then, not alive into the next microbatch)
-                del xs, got
-                grads = None
+                del xs
         if task.loss:
             self.packs.write_buffers(task, state)
         self.updates.after_backward(task, state, params, overwrite)
         return loss_total
+
+    def _loss_unit(self, task: Task, state: dict[str, torch.Tensor], sinks: dict[str, torch.Tensor], xs: Values,
+                   gen: torch.Tensor | None, start: int, size: int) -> tuple[Values, float]:
+        """A loss task's microbatch: the pack's forward recording for autograd, the loss scaled by
+        its share of the minibatch, and the backward. Returns the pack's inputs (their ``.grad``
+        is what flows back) and the microbatch's share of the loss."""
+        device = self.ctx.device.torch_device
+        xs = _leaves(xs, task.first)
+        if gen is not None:
+            rng.restore(device, gen)
+        outputs = self._run_pack(task, _through_sinks(state, sinks), xs)
+        target = self._target(start, size)
+        with autocast(device.type, self.ctx.routes.graph.precision):
+            loss = self.loss_fn(pytree.tree_unflatten(outputs, self._out_spec), target) * (size / self.minibatch)
+        del outputs
+        if self.loss_scale is not None:  # as GradScaler.scale: times the scale in float32
+            (loss * torch.full((), self.loss_scale, dtype=torch.float32, device=device)).backward()
+        else:
+            loss.backward()
+        return xs, float(loss.detach())
+
+    def _recompute_unit(self, task: Task, state: dict[str, torch.Tensor], sinks: dict[str, torch.Tensor],
+                        layers: list[int], got: dict[str, tuple]) -> Values:
+        """A backward's microbatch: from each stash, last first, the recompute and the backward with
+        the gradient arriving from the next pack (``got``'s entries are let go as they are done
+        with). Returns the first stash's inputs, whose ``.grad`` is what flows back."""
+        device = self.ctx.device.torch_device
+        # the pack's incoming gradient is the last layer's alone: let go once its gradient moved
+        # on (a plan stepping layer by layer counts it in that layer's step, not in earlier ones)
+        grads = got.pop("dY")[0]
+        scratch = {n: (t.clone() if self.ctx.layers.state[n].kind != "parameter" else t) for n, t in state.items()}
+        scratch = _through_sinks(scratch, sinks)
+        for layer in reversed(layers):
+            xs, gen = got[f"Xs{layer}"]
+            xs = _leaves(xs, layer)
+            if gen is not None:
+                rng.restore(device, gen)
+            stop = task.last if len(layers) == 1 else layer
+            values = xs
+            for l in range(layer, stop + 1):
+                values = self._run_layer(l, scratch, values)
+            _autograd_backward(values, grads)
+            del values
+            grads = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in xs]
+            # a later layer's stash is done with once its gradient moved on; the first's gives dX
+            got[f"Xs{layer}"] = (xs, None) if layer == layers[0] else None
+        return got[f"Xs{layers[0]}"][0]
 
     def _target(self, start: int, size: int) -> Any:
         """The loss target of samples ``start`` to ``start + size``, on the device."""

@@ -75,7 +75,7 @@ class IterationResult:
     task_peaks: dict[int, int] = field(default_factory=dict)  # device bytes at most while each task ran
     # (stream, task, label, start, end) in time.perf_counter seconds: the compute thread's tasks and
     # the side streams' timed jobs, for the run's timeline (runtime/timeline.py)
-    events: list[tuple[str, int | None, str, float, float]] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
     # what this worker moved, per program stream, in the order it moved it: (op, what, bytes) with
     # ``what`` an edge's key (consumer, stream, first sample) or (task, state tensor); compared with
     # the lowered program's actions (``scheduler/lower.py``) by the tests

@@ -293,7 +293,7 @@ def _worker_main(ctx: _WorkerContext) -> None:
                             ctx.loss_fn, ctx.build_optimizer, ctx.seed, ctx.timeout, ctx.slabs,
                             prefetch=ctx.prefetch, transport=transport)
         # what the worker inherited and built is never garbage: the collector's passes would walk the
-        # launcher's whole heap (a test session's, a notebook's) between the plan's units
+        # launcher's whole heap (a test run's, a notebook's) between the plan's units
         gc.freeze()
         ctx.results.send(("ready", ctx.rank, None))
         batch = None
@@ -353,6 +353,9 @@ class Launcher:
                  timing: Timing | None = None) -> None:
         if tasks.memory is None:
             raise HarmonyError(NO_PROMISE)
+        if program.tasks and program.tasks != tasks.fingerprint():  # once here: every worker gets these two
+            raise HarmonyError("the program was lowered from another task graph than the one to run; lower it from "
+                               "this one (Plan.program)")
         check_clipping(tasks, clip_grad_norm)
         self.keeps = bool(kept_on(tasks))  # whether the devices keep state across iterations
         self._host_work = any(t.device == HOST for t in tasks.tasks)  # updates or a norm on the host

@@ -52,10 +52,8 @@ class Routes:
 
 
 def build_routes(graph: TaskGraph, layers: LayerGraph, program: Program) -> Routes:
-    """The routes of ``graph`` as ``program`` (lowered from it: ``Plan.program``) moves its data."""
-    if program.tasks and program.tasks != graph.fingerprint():
-        raise ValueError("the program was lowered from another task graph than the one to run; lower it from this "
-                         "one (Plan.program)")
+    """The routes of ``graph`` as ``program`` (lowered from it: ``Plan.program``; the launcher
+    checks that it was) moves its data."""
     r = Routes(graph=graph, program=program, by_id={t.id: t for t in graph.tasks})
     for task in graph.tasks:
         r.kept_resident.update(t.task for t in task.inputs

@@ -67,12 +67,10 @@ def timed_machine(machine: Machine) -> Machine:
     link (each worker sleeps for its own copies), no latency, and none of the runtime's measured
     overheads, which a timed run keeps small beside its scaled units rather than models."""
     rate = machine.h2d
-    zero = {name: 0.0 for name in ("task_overhead", "microbatch_overhead", "update_overhead", "iteration_overhead",
-                                   "tensor_overhead", "host_update_overhead", "host_tensor_overhead",
-                                   "p2p_send_overhead", "compute_interference", "compute_task_overhead")}
-    return dataclasses.replace(machine, h2d=rate, d2h=rate, d2d=rate, msg=rate, h2d_all=rate * machine.devices,
-                               d2h_all=rate * machine.devices, host_link_shared=False, latency=0.0, p2p_latency=None,
-                               cpu_cores=None, compute_scale=1.0, compute_scale_range=None, **zero)
+    return dataclasses.replace(machine.without_overheads(), h2d=rate, d2h=rate, d2d=rate, msg=rate,
+                               h2d_all=rate * machine.devices, d2h_all=rate * machine.devices, host_link_shared=False,
+                               latency=0.0, p2p_latency=None, cpu_cores=None, compute_scale=1.0,
+                               compute_scale_range=None, compute_interference=0.0)
 
 
 SPIN = 0.0003  # seconds before a deadline where sleeping stops and the clock is watched: a sleep overshoots
