@@ -1,12 +1,14 @@
-"""Estimate against run on timed devices: how well the estimator simulates what the runtime does.
+"""Estimate against run on timed devices: how well the program's simulation says what the runtime does.
 
 Each case compiles a tiny model with an analytic profile of a real GPU (``--analytic``), at a device
 memory small enough that state moves, then runs the plan on timed devices (``runtime/timed.py``):
-every compute unit and copy lasts what the cost model says, scaled so that the estimated iteration
-lasts about a second (``timed.ITERATION``). The run's time is then set by the runtime's order and
-waits, not by this machine's cores, and is compared with the estimate of the same task graph on
-the same modelled machine (``timed_machine``). A case off by more than the target names the
-compute unit where the run first parts from the simulation (``first_divergence``).
+every compute unit and copy lasts what the cost model says, scaled so that the simulated iteration
+lasts ``timed.ITERATION``. The run's time is then set by the runtime's order and waits, not by this
+machine's cores, and is compared with the simulation of the plan's program on the same modelled
+machine (``timed_machine``, ``scheduler/simulator.py``); beside it, the search's own estimate of the
+task graph (``scheduler/estimator.py``, which ranks candidates and chooses where state is
+prefetched). A case off by more than the target names the compute unit where the run first parts
+from the simulation (``first_divergence``).
 
     python -m bench.timed [--quick] [--models gpt2,bert,llama,resnet] [--devices 2,4,8]
 """
@@ -33,6 +35,7 @@ from harmony.plan import Plan
 from harmony.runtime.timed import Timing, scale_for, timed_machine
 from harmony.scheduler.estimator import estimate
 from harmony.scheduler.machine import nominal_machine
+from harmony.scheduler.simulator import simulate, unit_starts
 
 console = Console(width=140)
 log = logging.getLogger("bench.timed")
@@ -49,7 +52,8 @@ class Case:
     model: str
     mode: str
     devices: int
-    estimated: float = float("nan")  # seconds per iteration, scaled as the run is
+    estimated: float = float("nan")  # seconds per iteration, scaled as the run is: the program's simulation
+    searched: float = float("nan")  # the search's estimate of the task graph, scaled alike
     measured: float = float("nan")  # median over the measured steps
     spread: float = float("nan")  # (slowest - fastest) / median of the measured steps
     worst_unit: str = ""  # where the run first parts from the simulation (``first_divergence``)
@@ -58,6 +62,10 @@ class Case:
     @property
     def relative(self) -> float:
         return self.measured / self.estimated - 1
+
+    @property
+    def search_relative(self) -> float:
+        return self.measured / self.searched - 1
 
 
 def compile_case(name: str, mode: str, devices: int, spec: str, memory: float = MEMORY) -> Plan:
@@ -76,12 +84,18 @@ def compile_case(name: str, mode: str, devices: int, spec: str, memory: float = 
 
 
 def run_case(case: Case, plan: Plan, steps: int) -> Case:
-    """The plan's estimate and its run on timed devices, ``steps`` measured after one warm-up."""
+    """The simulation of the plan's program and its run on timed devices, ``steps`` measured after
+    one warm-up."""
     tasks, profile = plan.tasks, plan.profile
     machine = timed_machine(profile.machine or nominal_machine("cpu", tasks.devices, profile.capacity))
-    est = estimate(tasks, profile, machine, capacity=plan.options.get("planned_memory", profile.capacity))
+    est = simulate(plan.program(), tasks, profile, machine)
+    if est.deadlock:
+        raise RuntimeError(f"the program's simulation does not finish: {est.deadlock}")
+    searched = estimate(tasks, profile, machine, capacity=plan.options.get("planned_memory", profile.capacity),
+                        record_events=False)
     timing = Timing.of(tasks, profile, machine, scale_for(est.iteration_time))
     case.estimated = est.iteration_time * timing.scale
+    case.searched = searched.iteration_time * timing.scale
     module = MODELS[case.model]
     with harmony.Trainer(plan, optimizer=module.build_optimizer, loss_fn=module.loss_fn, timeout=60.0,
                          timing=timing) as trainer:
@@ -89,10 +103,10 @@ def run_case(case: Case, plan: Plan, steps: int) -> Case:
             trainer.step(*module.get_batch(tasks.minibatch, step, preset="tiny"))
     measured = trainer.history[1:]
     seconds = [result.seconds for result in measured]
-    starts = measured_unit_starts(measured[-1])
     case.measured = statistics.median(seconds)
     case.spread = (max(seconds) - min(seconds)) / case.measured
-    case.worst_unit = first_divergence(starts, simulated_unit_starts(est.events or (), timing.scale), tasks)
+    simulated = {key: start * timing.scale for key, start in unit_starts(est).items()}
+    case.worst_unit = first_divergence(measured_unit_starts(measured[-1]), _from_first(simulated), tasks)
     return case
 
 
@@ -129,13 +143,7 @@ def measured_unit_starts(result: Any) -> dict[tuple[int, int], float]:
     return {key: start - origin for key, start in starts.items()}
 
 
-def simulated_unit_starts(events, scale: float) -> dict[tuple[int, int], float]:
-    """The same from the estimate's timeline: a task's compute events are its units, in order."""
-    by_task: dict[int, list[float]] = {}
-    for e in events:
-        if e.stream == "compute" and e.task is not None:
-            by_task.setdefault(e.task, []).append(e.start * scale)
-    starts = {(task, unit): start for task, times in by_task.items() for unit, start in enumerate(sorted(times))}
+def _from_first(starts: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
     origin = min(starts.values(), default=0.0)
     return {key: start - origin for key, start in starts.items()}
 
@@ -158,15 +166,16 @@ def run(models: list[str], modes: list[str], devices: list[int], spec: str, step
 
 def report(cases: list[Case]) -> None:
     table = Table(title="estimate against run on timed devices")
-    for column in ("model", "mode", "devices", "estimated ms", "measured ms", "error", "run spread", "most off"):
+    for column in ("model", "mode", "devices", "estimated ms", "measured ms", "error", "search's error", "run spread",
+                   "most off"):
         table.add_column(column, justify="left" if column in ("model", "mode", "most off") else "right")
     for c in cases:
         if c.error:
-            table.add_row(c.model, c.mode, str(c.devices), "", "", "", "", c.error)
+            table.add_row(c.model, c.mode, str(c.devices), "", "", "", "", "", c.error)
             continue
         off = c.worst_unit if abs(c.relative) > TARGET else ""
         table.add_row(c.model, c.mode, str(c.devices), f"{c.estimated * 1e3:.1f}", f"{c.measured * 1e3:.1f}",
-                      f"{100 * c.relative:+.1f}%", f"{100 * c.spread:.1f}%", off)
+                      f"{100 * c.relative:+.1f}%", f"{100 * c.search_relative:+.1f}%", f"{100 * c.spread:.1f}%", off)
     console.print(table)
     ran = [c for c in cases if not c.error]
     if ran:
@@ -180,14 +189,15 @@ def markdown(cases: list[Case], command: str) -> str:
              f"Measured {datetime.date.today().isoformat()} on torch {torch.__version__}: `{command}` "
              "(tiny presets, analytic H100 profiles, device memory at "
              f"{MEMORY:g} of an uncapped plan's peak, time scaled to about a second per iteration)", "",
-             "| model | mode | devices | estimated ms | measured ms | error | run spread | where it first parts (+: a unit starts later than simulated) |",
-             "|---|---|---:|---:|---:|---:|---:|---|"]
+             "| model | mode | devices | simulated ms | measured ms | error | search's error | run spread | "
+             "where it first parts (+: a unit starts later than simulated) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for c in cases:
         if c.error:
-            lines.append(f"| {c.model} | {c.mode} | {c.devices} | | | | | {c.error} |")
+            lines.append(f"| {c.model} | {c.mode} | {c.devices} | | | | | | {c.error} |")
         else:
             lines.append(f"| {c.model} | {c.mode} | {c.devices} | {c.estimated * 1e3:.1f} | {c.measured * 1e3:.1f} | "
-                         f"{100 * c.relative:+.1f}% | {100 * c.spread:.1f}% | "
+                         f"{100 * c.relative:+.1f}% | {100 * c.search_relative:+.1f}% | {100 * c.spread:.1f}% | "
                          f"{c.worst_unit if abs(c.relative) > TARGET else ''} |")
     ran = [c for c in cases if not c.error]
     if ran:

@@ -70,8 +70,9 @@ class Compute:
     def forward(self, task: Task) -> None:
         """FWD: each microbatch through the pack without autograd; stashes and outputs sent as the
         program's edges say."""
-        state = self.packs.pack_state(task)
+        self.packs.issue_state(task)
         ready = self.transport.stream_prefetch(task, ["X"], 0)
+        state = self.packs.pack_state(task)
         for mb in range(len(task.microbatches)):
             got = self.transport.inputs(task, ["X"], mb, ready)
             ready = self.transport.stream_prefetch(task, ["X"], mb + 1)
@@ -109,6 +110,10 @@ class Compute:
     def backward(self, task: Task) -> float:
         """BWD (and the loss task): per microbatch, the recompute from the stash and the backward;
         returns the task's share of the loss."""
+        layers = stash_layers(task)
+        streams = ["X"] if task.loss else ["dY"] + [f"Xs{l}" for l in layers]
+        self.packs.issue_state(task)
+        ready = self.transport.stream_prefetch(task, streams, 0)
         state = self.packs.pack_state(task)
         params = self.packs.params(state)
         for p in params.values():
@@ -116,10 +121,7 @@ class Compute:
         sinks = {n: p for n, t in state.items()
                  if (p := params.get(self.ctx.layers.canonical(n))) is not None and p is not t}
         overwrite = self.packs.load_running_gradient(task, params)
-        layers = stash_layers(task)
-        streams = ["X"] if task.loss else ["dY"] + [f"Xs{l}" for l in layers]
         loss_total = 0.0
-        ready = self.transport.stream_prefetch(task, streams, 0)
         for mb, (start, size) in enumerate(ranges(task)):
             got = self.transport.inputs(task, streams, mb, ready)
             ready = self.transport.stream_prefetch(task, streams, mb + 1)

@@ -79,6 +79,15 @@ class PackState:
             return
         self._prefetched[task.id] = self.ctx.swap_in.submit(self._try_load_state, task, label="state in", task=task.id)
 
+    def issue_state(self, task: Task) -> None:
+        """The running task's state on the swap-in stream, unless prefetched (or on the device
+        already): the program lists it there, ahead of the task's first inputs, which the compute
+        thread queues next rather than after the state is in."""
+        if task.id in self._prefetched or memory.is_kept(task) or any(
+                t.tensor == "W" and t.channel in (Channel.LOCAL, Channel.KEEP) for t in task.inputs):
+            return
+        self._prefetched[task.id] = self.ctx.swap_in.submit(self._load_state, task, label="state in", task=task.id)
+
     def _try_load_state(self, task: Task) -> dict[str, torch.Tensor] | None:
         """A prefetch of the next task's state that gives up, rather than wait, when it does not
         fit beside the running task: waiting would hold the swap-in stream, and the running task's

@@ -201,9 +201,11 @@ class Transport:
         return self.ctx.local.pop(key)
 
     def stream_prefetch(self, task: Task, streams: list[str], mb: int) -> dict[str, Future]:
-        """Queue microbatch ``mb``'s inputs on their inbound stream (swap-in or p2p-in), to come in
-        while the running microbatch computes; LOCAL pieces are on the device already. Without
-        prefetching (``prefetch=False``) only the first microbatch's are queued."""
+        """Queue microbatch ``mb``'s inputs on their inbound stream (swap-in or p2p-in), as the
+        program lists them: a task's first microbatch's as the task starts (behind its state, on
+        swap-in), each later one's while the microbatch before computes; LOCAL pieces are on the
+        device already. Without prefetching (``prefetch=False``) only the first microbatch's are
+        queued."""
         out = {}
         if mb >= len(task.microbatches) or (mb > 0 and not self.prefetch):
             return out
@@ -213,11 +215,6 @@ class Transport:
             if channel == Channel.LOCAL:
                 continue
             stream = self.ctx.p2p_in if channel == Channel.P2P else self.ctx.swap_in
-            if mb == 0 and not stream.busy():
-                # the task's first inputs: the compute thread waits for them at once, so an idle
-                # stream would only add a thread hand-off each way; ``inputs``
-                # fetches them itself, and nothing else can be queued on the stream meanwhile
-                continue
             out[name] = stream.submit(self._fetch, task, name, mb, label=f"{name} in (mb {mb})", task=task.id)
         return out
 

@@ -1,11 +1,14 @@
-"""The cost model: how long each compute unit of a task keeps its device busy.
+"""The cost model: how long each compute unit of a task keeps its device busy, and each copy its
+stream.
 
 A task is one unit per microbatch (FWD: the pack's forward; BWD: the recompute and the backward,
 or for a ``loss`` task the forward, the loss and the backward), plus one for a fused device
 update; a UPD or NORM task is one unit. A unit lasts its profiled compute (``Profile.pack_time``),
 on a device times ``Machine.compute_scale`` (the runtime's compute over the profiler's), plus the
-runtime's own overheads the machine measured (zero where nobody did). The estimator
-(``estimator.py``) simulates with these durations, and the bounds (``bounds.py``) prune with them.
+runtime's own overheads the machine measured (zero where nobody did). A copy lasts its bytes over
+its channel's bandwidth, plus the fixed latency, plus for a pack's state the runtime's cost per
+tensor it moves (``copy_seconds``). The estimator (``estimator.py``) and the program's simulation
+(``simulator.py``) play with these durations, and the bounds (``bounds.py``) prune with them.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from . import memory
 from .machine import Machine
 from .memory import profile_cache as _profile_cache
 from .tasks import HOST, Kind, Task
+
+STATE_TENSORS = frozenset(("W", "dW", "K", "B"))  # moved one tensor at a time (``Machine.tensor_overhead``)
 
 
 def _task_costs(task: Task, profile: Profile, cache: dict) -> list[float]:
@@ -107,3 +112,18 @@ def unit_seconds(task: Task, profile: Profile, machine: Machine, cache: dict | N
 def task_seconds(task: Task, profile: Profile, machine: Machine) -> float:
     """Seconds the task keeps its device's compute stream busy when nothing else computes."""
     return sum(unit_seconds(task, profile, machine))
+
+
+def copy_seconds(nbytes: int, channel: str, machine: Machine, tensor: str = "", task: Task | None = None,
+                 profile: Profile | None = None) -> float:
+    """Seconds one copy of ``nbytes`` on ``channel`` (``h2d``, ``d2h``, ``d2d``, ``msg``) keeps its
+    stream busy: ``Machine.transfer_time``, and for a pack's state (``tensor`` W, dW, K or B of
+    ``task``'s layers) the runtime's cost per tensor it moves. Host copies are timed alone here:
+    the estimator shares a host link between the copies active at once."""
+    if not nbytes:
+        return 0.0
+    seconds = machine.transfer_time(nbytes, channel)
+    if machine.tensor_overhead and tensor in STATE_TENSORS and task is not None and profile is not None \
+            and channel in ("h2d", "d2h"):
+        seconds += machine.tensor_overhead * profile.state_tensors(tensor, task.first, task.last)
+    return seconds

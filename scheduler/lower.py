@@ -28,7 +28,7 @@ directory as versioned msgpack.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from harmony import serialization
@@ -37,10 +37,11 @@ from harmony.profiling.profiles import Profile
 from harmony.scheduler.tasks import HOST, Channel, Kind, Task, TaskGraph
 from harmony.scheduler.memory import running_gradient_input
 
-__all__ = ["Action", "Edge", "Piece", "Program", "PROGRAM_FILE", "STREAMS", "buffer_chain", "lower", "pieces",
-           "ranges", "stash_layers", "state_sources", "stream_layer", "stream_names", "IN_STREAM", "OUT_STREAM"]
+__all__ = ["Action", "Edge", "Piece", "Program", "PROGRAM_FILE", "STREAMS", "buffer_chain", "gradient_gathers", "lower",
+           "pieces", "ranges", "stash_layers", "state_sources", "stream_layer", "stream_names", "IN_STREAM", "OUT_STREAM"]
 
-SCHEMA_VERSION = 3  # 2: LOADs name their source; Program.sources, Program.after. 3: Program.tasks
+SCHEMA_VERSION = 4  # 2: LOADs name their source; Program.sources, Program.after. 3: Program.tasks. 4: Action.seq,
+# Program.gathers
 PROGRAM_FILE = "program.msgpack"
 NO_PROMISE = ("a task graph without a memory promise (TaskGraph.memory) has no program: where each task's "
               "state is loaded is the promise's choice. Attach one with harmony.scheduler.estimator.promise(graph, "
@@ -221,6 +222,7 @@ class Action:
     nbytes: int = 0
     peer: int | None = None
     src: int | None = None  # a LOAD's: the task whose output it reads (None: the host store's initial copy)
+    seq: int = -1  # its place in its device's issue order, over all streams (``Program.issue_order``)
 
     def __str__(self) -> str:
         where = f"t{self.task}" + (f".{self.unit}" if self.unit is not None else "")
@@ -261,6 +263,8 @@ class Program:
     # task -> the earlier task whose buffers it continues: its state loads once that one is done
     after: dict[int, int] = field(default_factory=dict)
     tasks: str = ""  # the fingerprint of the task graph it was lowered from (``TaskGraph.fingerprint``)
+    # update (UPD) or norm task -> the backward tasks whose gradients it reads: it runs once they are done
+    gathers: dict[int, list[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         into: dict[tuple[int, str, int], list[Edge]] = {}
@@ -300,6 +304,12 @@ class Program:
     def actions(self, device: int, stream: str) -> list[Action]:
         return self.streams.get(device, {}).get(stream, [])
 
+    def issue_order(self, device: int) -> list[Action]:
+        """The device's actions over all its streams in the order its compute thread reaches them:
+        a unit's own reads as it comes to the unit, the next microbatch's and the next task's
+        state as the unit starts, sends and stores once the unit has ended."""
+        return sorted((a for acts in self.streams.get(device, {}).values() for a in acts), key=lambda a: a.seq)
+
     def transfers(self, device: int, stream: str) -> list[tuple[str, int, int]]:
         """(op, edge, bytes) of the edge actions on a stream, in order: what two players of the
         program must agree on."""
@@ -328,7 +338,8 @@ class Program:
                             for d, per in self.streams.items()},
                 "peaks": {str(d): int(p) for d, p in self.peaks.items()},
                 "sources": [[c, i, p, o] for (c, i), (p, o) in sorted(self.sources.items())],
-                "after": [[t, e] for t, e in sorted(self.after.items())], "tasks": self.tasks}
+                "after": [[t, e] for t, e in sorted(self.after.items())], "tasks": self.tasks,
+                "gathers": [[t, list(g)] for t, g in sorted(self.gathers.items())]}
 
     @classmethod
     def from_dict(cls, body: dict) -> "Program":
@@ -337,7 +348,8 @@ class Program:
                             for d, per in body["streams"].items()},
                    peaks={int(d): int(p) for d, p in body.get("peaks", {}).items()},
                    sources={(int(c), int(i)): (int(p), int(o)) for c, i, p, o in body.get("sources", [])},
-                   after={int(t): int(e) for t, e in body.get("after", [])}, tasks=str(body["tasks"]))
+                   after={int(t): int(e) for t, e in body.get("after", [])}, tasks=str(body["tasks"]),
+                   gathers={int(t): [int(b) for b in g] for t, g in body.get("gathers", [])})
 
     def save(self, directory: str | Path) -> Path:
         path = Path(directory) / PROGRAM_FILE
@@ -534,6 +546,23 @@ def buffer_chain(graph: TaskGraph) -> dict[int, int]:
     return after
 
 
+def gradient_gathers(graph: TaskGraph) -> dict[int, list[int]]:
+    """Each update (UPD) and norm (NORM) task -> the backward tasks it waits for: those leaving a
+    gradient of its layers in host memory (every replica's, in data parallel: the update steps
+    their sum), and the tasks it reads through shared memory (the norm an update of a clipped
+    plan scales by). A backward that steps its own pack (``jit_update``) leaves none."""
+    backwards = [b for b in graph.tasks if b.kind == Kind.BWD and not b.jit_update()]
+    out: dict[int, list[int]] = {}
+    for task in graph.tasks:
+        if task.kind not in (Kind.UPD, Kind.NORM):
+            continue
+        waits = {b.id for b in backwards if b.first <= task.last and task.first <= b.last}
+        waits |= {t.task for t in task.inputs if t.channel == Channel.SHM and t.task is not None}
+        waits.discard(task.id)
+        out[task.id] = sorted(waits)
+    return out
+
+
 def lower(graph: TaskGraph, profile: Profile | None, streams: bool = True) -> Program:
     """The program of ``graph``: its edges and, per device and stream, the ordered actions (edge
     bytes from ``profile``; 0 without one). ``streams=False`` lowers the edges alone (no actions):
@@ -549,6 +578,7 @@ def lower(graph: TaskGraph, profile: Profile | None, streams: bool = True) -> Pr
     program._reads = reads
     program.sources = state_sources(graph, reads)
     program.after = buffer_chain(graph)
+    program.gathers = gradient_gathers(graph)
     if not streams:
         return program
     b = _Builder(graph, program, graph.memory.prefetch)
@@ -594,9 +624,13 @@ class _Builder:
         self.program, self.prefetch = program, prefetch
         self.by_id = {t.id: t for t in graph.tasks}
         self.loaded: set[int] = set()  # tasks whose state an earlier action loaded
+        self.seq: dict[int, int] = {}  # per device, actions issued so far
 
     def add(self, device: int, actions: list[Action]) -> None:
         for action in actions:
+            n = self.seq.get(device, 0)
+            self.seq[device] = n + 1
+            action = replace(action, seq=n)
             self.streams[device][action.stream].append(action)
 
     def load(self, task: Task) -> None:
