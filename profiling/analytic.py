@@ -697,15 +697,20 @@ def _update_cost(
     """(K bytes, update time on the device, update time on the host, clipping time on the host) of
     one layer.
 
-    Only the parameters this layer owns count (a tied one is updated by its first user); the update
-    reads W, dW and K and writes W and K, a roofline over those bytes and the optimizer's FLOPs.
-    Clipping reads each gradient for its norm, then reads and writes it to scale it.
+    K counts every trainable parameter the layer holds, as its W and dW do and as a measured profile
+    does (a tied weight's in each layer holding it; the task graph counts it once per pack,
+    ``taskgraph.Sizes``). The times count only the parameters this layer owns (a tied one is
+    updated by its first user): the update reads W, dW and K and writes W and K, a roofline over
+    those bytes and the optimizer's FLOPs. Clipping reads each gradient for its norm, then reads and
+    writes it to scale it.
     """
+    held = _owned_parameters(graph, index, module, {})
+    k = sum(p.numel() for p in held) * n_states * OPTIMIZER_STATE_BYTES
     owned = _owned_parameters(graph, index, module, owner)
     n_params = sum(p.numel() for p in owned)
     w_own = sum(p.numel() * _elem(p, dtype) for p in owned)
-    k = n_params * n_states * OPTIMIZER_STATE_BYTES
-    traffic = (w_own + w_own + k) + (w_own + k)  # read W, dW, K; write W, K
+    k_own = n_params * n_states * OPTIMIZER_STATE_BYTES
+    traffic = (w_own + w_own + k_own) + (w_own + k_own)  # read W, dW, K; write W, K
     upd_flops = n_params * flops_per_param
     device = max(traffic / spec.memory_bandwidth, upd_flops / (spec.flops_for(torch.float32) * spec.efficiency))
     host = max(traffic / spec.host_memory_bandwidth, upd_flops / spec.host_flops)
@@ -798,7 +803,8 @@ def _elem(p: torch.Tensor, dtype: torch.dtype | None) -> int:
 
 
 def _owned_parameters(graph: LayerGraph, index: int, module: torch.nn.Module, owner: dict[str, int]) -> list[torch.Tensor]:
-    """Trainable parameters this layer updates: those whose canonical name it is the first to use."""
+    """Trainable parameters this layer updates: those whose canonical name it is the first to use
+    (with no ``owner``: every trainable parameter it holds, once)."""
     out, seen = [], set()
     for name, p in module.named_parameters(remove_duplicate=False):
         if id(p) in seen or not p.requires_grad:

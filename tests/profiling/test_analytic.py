@@ -10,9 +10,11 @@ import torch
 from torch import nn
 
 import harmony
+from harmony.compiler import tied_weights
 from harmony.errors import HarmonyError
 from harmony.models import gpt2, resnet
 from harmony.profiling.analytic import OPTIMIZERS, analytic_profile, layer_cost_models
+from harmony.scheduler.taskgraph import Sizes
 from harmony.scheduler.devicespec import load_spec
 from harmony.profiling.profiles import Profile
 
@@ -152,11 +154,13 @@ def test_tiny_gpt2_profile(tiny_gpt2, tmp_path):
     assert profile.u_bmax >= 1 and profile.u_bmax <= profile.u_fmax
     assert profile.layers[0].fwd_samples[-1].u == profile.u_fmax
     assert profile.layers[0].bwd_samples[-1].u == profile.u_bmax
-    # lm_head is tied to wte: on the device in both layers, but updated (and stateful) once
+    # lm_head is tied to wte: its weight and optimizer state in both layers (as a measured profile
+    # counts them, and the task graph counts them once per pack), its update's time in the first
     first, last = profile.layers[0], profile.layers[-1]
     wte = tiny_gpt2.state["wte.weight"].nbytes
     assert first.w_bytes >= wte and last.w_bytes >= wte
-    assert last.k_bytes < wte
+    assert first.k_bytes >= wte and last.k_bytes >= wte
+    assert last.upd_time_host < first.upd_time_host
     # identical blocks get identical numbers from one shared cost model
     models = layer_cost_models(tiny_gpt2, "h100")
     assert models[2] is models[3]
@@ -220,3 +224,13 @@ def test_big_models_on_meta_are_fast(module, preset):
         block = layer_cost_models(graph, "v100")[1].at(1)
         assert block.fwd_flops == pytest.approx(24 * d * d * t + 4 * t * t * d, rel=0.01)
         assert block.bwd_flops == pytest.approx(2 * block.fwd_flops, rel=0.01)
+
+
+def test_a_pack_holding_a_tied_weight_it_does_not_own_moves_no_negative_optimizer_state(tiny_gpt2):
+    profile = analytic_profile(tiny_gpt2, "h100")
+    profile.ties = tied_weights(tiny_gpt2, gpt2.build_optimizer)
+    assert profile.ties, "tiny gpt2 ties lm_head to wte"
+    sizes, last = Sizes(profile), len(profile.layers) - 1
+    for first in range(1, last + 1):  # every pack holding lm_head but not wte
+        assert sizes.owned_k(first, last) >= 0
+        assert sizes.owned_k(first, last) == sizes.k(first, last) - profile.ties[0].k_bytes
