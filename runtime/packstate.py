@@ -252,15 +252,25 @@ class PackState:
         starting value of this task's gradient buffer; says whether it did."""
         if not any(running_gradient_input(task, t, self.ctx.routes.by_id) for t in task.inputs):
             return False  # (a tied weight's gradient handed over by another pack is added at the step)
-        # every earlier deposit into this device's slots (a tied weight's slot takes two packs'
-        # deposits) is queued on this device's swap-out stream: wait until it has drained
-        with self.ctx.waiting_for("this device's earlier gradient deposits to reach their host slots"):
-            self.ctx.wait(self.ctx.swap_out.submit(lambda: None), "gradient deposits")
+        # the earlier tasks of this device depositing into these slots (a tied weight's slot takes two
+        # packs' deposits) are done once their deposits have left: not the whole swap-out stream,
+        # which holds later tasks' stashes and evictions too
+        self.ctx.wait_done(self._earlier_deposits(task, params), f"task {task.id} starts from their gradients")
         written = [name for name in params if self.ctx.store.slot_written(self.ctx.rank, name, self.ctx.iteration)]
         slots = [self.ctx.store.grad_slot(self.ctx.rank, name) for name in written]
         for name, grad in zip(written, self.admission.many_to_device(slots, counted="dW")):
             params[name].grad = grad
         return True
+
+    def _earlier_deposits(self, task: Task, params: dict[str, torch.Tensor]) -> list[int]:
+        """The tasks of this device before ``task`` that leave a gradient of ``params`` in its slots."""
+        earlier = []
+        for t in self.ctx.routes.graph.device_tasks(self.ctx.rank):
+            if t.id == task.id:
+                break
+            if any(name in params for name in self.ctx.routes.deposits.get(t.id, ())):
+                earlier.append(t.id)
+        return earlier
 
     def deposit(self, grads: dict[str, torch.Tensor], overwrite: bool) -> None:
         """dW -> SWAP: leave gradients in this device's host slots (added to what an earlier task

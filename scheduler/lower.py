@@ -609,9 +609,15 @@ def _update_loads(task: Task, sources: dict[tuple[int, int], tuple[int, int]]) -
     return _loads(task, ("K",), sources)
 
 
+_STORE_ORDER = {"dW": 0, "B": 0, "W": 1, "K": 2}  # gradients (or buffers) leave first, then a step's W and K
+
+
 def _state_stores(task: Task) -> list[Action]:
-    return [Action("swap-out", "STORE", task.id, tensor=t.tensor, nbytes=t.nbytes)
-            for t in task.outputs if t.tensor in ("W", "K", "dW", "B") and t.channel == Channel.SWAP and t.nbytes]
+    """What a task writes back to host memory once its last unit has ended, in the order the runtime
+    queues it: a backward's gradients (a forward's buffers), then weights, then optimizer state."""
+    outs = sorted((t for t in task.outputs if t.tensor in _STORE_ORDER and t.channel == Channel.SWAP and t.nbytes),
+                  key=lambda t: _STORE_ORDER[t.tensor])
+    return [Action("swap-out", "STORE", task.id, tensor=t.tensor, nbytes=t.nbytes) for t in outs]
 
 
 class _Builder:
