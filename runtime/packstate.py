@@ -83,10 +83,17 @@ class PackState:
         """The running task's state on the swap-in stream, unless prefetched (or on the device
         already): the program lists it there, ahead of the task's first inputs, which the compute
         thread queues next rather than after the state is in."""
-        if task.id in self._prefetched or memory.is_kept(task) or any(
-                t.tensor == "W" and t.channel in (Channel.LOCAL, Channel.KEEP) for t in task.inputs):
+        if memory.is_kept(task) or any(t.tensor == "W" and t.channel in (Channel.LOCAL, Channel.KEEP)
+                                       for t in task.inputs):
             return
-        self._prefetched[task.id] = self.ctx.swap_in.submit(self._load_state, task, label="state in", task=task.id)
+        prefetch = self._prefetched.get(task.id)
+        if prefetch is None:
+            self._prefetched[task.id] = self.ctx.swap_in.submit(self._load_state, task, label="state in", task=task.id)
+        elif not prefetch.done() or prefetch.result() is None:
+            # a prefetch that gives up (no room beside the task before) leaves the load to now, still
+            # ahead of the task's first inputs on the stream
+            self._prefetched[task.id] = self.ctx.swap_in.submit(
+                lambda: prefetch.result() or self._load_state(task), label="state in", task=task.id)
 
     def _try_load_state(self, task: Task) -> dict[str, torch.Tensor] | None:
         """A prefetch of the next task's state that gives up, rather than wait, when it does not
@@ -231,6 +238,7 @@ class PackState:
         def write() -> None:
             self.many_to_host_into([(self.ctx.store.view(f"B/{name}"), t) for name, t in buffers.items()], "B")
 
+        self.ctx.moved("swap-out", "STORE", (task.id, "B"), tensor_bytes(list(buffers.values())))
         self.ctx.after_compute(self.ctx.swap_out, "B out", write)
 
     def evict_weights(self, task: Task, state: dict[str, torch.Tensor]) -> None:
@@ -245,6 +253,7 @@ class PackState:
                 host = self.ctx.device.to_host(t)
                 self.ctx.counters.add("SWAP", "out", "W", host.numel() * host.element_size())
 
+        self.ctx.moved("swap-out", "STORE", (task.id, "W"), tensor_bytes(list(params.values())))
         self.ctx.after_compute(self.ctx.swap_out, "W out", evict)
 
     def load_running_gradient(self, task: Task, params: dict[str, torch.Tensor]) -> bool:

@@ -59,6 +59,8 @@ class Updates:
         deposits = self.ctx.routes.deposits.get(task.id, [])
         if deposits:
             grads = {name: params[name].grad for name in deposits if params[name].grad is not None}
+            if grads:  # logged as queued, as every move is: a stream runs its jobs in that order
+                self.ctx.moved("swap-out", "STORE", (task.id, "dW"), tensor_bytes(list(grads.values())))
             self.ctx.after_compute(self.ctx.swap_out, "dW out", self.packs.deposit, grads, overwrite)
         if task.id in self.ctx.routes.jit:
             owned = {name: params[name] for name in self.ctx.routes.updates.get(task.id, [])}
@@ -218,6 +220,10 @@ class Updates:
             for name in states:
                 self.ctx.store.mark_state_initialized(name)
 
+        optimizer_state = [v for kv in states.values() for v in kv.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+        for tensor, nbytes in (("W", tensor_bytes(list(weights.values()))), ("K", tensor_bytes(optimizer_state))):
+            if nbytes:  # logged as queued, as every move is
+                self.ctx.moved("swap-out", "STORE", (task.id, tensor), nbytes)
         self.ctx.after_compute(self.ctx.swap_out, "W K out", out)
 
 

@@ -1,5 +1,7 @@
-"""The executor moves exactly what the lowered program says: per device and stream, the same
-edges (by key), the same bytes, in the same order; and the same pack-state loads.
+"""Three players of one program agree: the executor moves exactly what the lowered program says
+(per device and stream, the same edges by key, the same bytes, in the same order; the same
+pack-state loads and stores, in the same order), and the simulation (``scheduler/simulator.py``)
+starts each stream's actions in the program's order.
 
 Plans come from the search and from a configuration with U_F != U_B and different packs in the two
 passes (pieces cross microbatch boundaries); each runs under its memory promise (the Trainer
@@ -15,7 +17,9 @@ import torch
 import harmony
 from harmony.models import gpt2
 from harmony.plan import Plan
-from harmony.scheduler.lower import lower
+from harmony.scheduler.lower import Program, lower
+from harmony.scheduler.simulator import stream_order
+from harmony.scheduler.machine import nominal_machine
 from harmony.scheduler.modes import generate
 from harmony.scheduler.tasks import Configuration
 
@@ -41,31 +45,47 @@ def executor_transfers(plan: Plan) -> dict[int, dict[str, list[tuple]]]:
         return {d: w.transfers for d, w in enumerate(trainer.history[-1].workers)}
 
 
-def program_transfers(plan: Plan) -> dict[int, dict[str, list[tuple]]]:
-    program = lower(plan.tasks, plan.profile)
-    edges = program.edges
-    out: dict[int, dict[str, list[tuple]]] = {}
-    for device, per in program.streams.items():
-        for stream, actions in per.items():
-            listed = []
-            for a in actions:
-                if a.edge is not None:
-                    listed.append((a.op, edges[a.edge].key, a.nbytes))
-                elif a.op == "LOAD" and a.tensor in ("W", "B"):
-                    listed.append((a.op, (a.task, a.tensor), a.nbytes))
-            if listed:
-                out.setdefault(device, {})[stream] = listed
+def listed(program: Program, per: dict[str, list]) -> dict[str, list[tuple]]:
+    """A device's actions per stream as the executor logs them: (op, edge key or (task, tensor),
+    bytes); a store's bytes are the runtime's tensors', which the profile's sizes need not be."""
+    out: dict[str, list[tuple]] = {}
+    for stream, actions in per.items():
+        items = []
+        for a in actions:
+            if a.edge is not None:
+                items.append((a.op, program.edges[a.edge].key, a.nbytes))
+            elif a.op == "LOAD" and a.tensor in ("W", "B"):
+                items.append((a.op, (a.task, a.tensor), a.nbytes))
+            elif a.op == "STORE":
+                items.append((a.op, (a.task, a.tensor), None))
+        if items:
+            out[stream] = items
     return out
 
 
+def program_transfers(plan: Plan) -> dict[int, dict[str, list[tuple]]]:
+    program = lower(plan.tasks, plan.profile)
+    return {device: listed(program, per) for device, per in program.streams.items()}
+
+
+def simulated_transfers(plan: Plan) -> dict[int, dict[str, list[tuple]]]:
+    program = lower(plan.tasks, plan.profile)
+    machine = plan.profile.machine or nominal_machine("cpu", plan.tasks.devices, plan.profile.capacity)
+    return {device: listed(program, per)
+            for device, per in stream_order(program, plan.tasks, plan.profile, machine).items()}
+
+
 def assert_agree(plan: Plan) -> None:
-    ran, planned = executor_transfers(plan), program_transfers(plan)
+    ran, planned, simulated = executor_transfers(plan), program_transfers(plan), simulated_transfers(plan)
     for device in set(ran) | set(planned):
         for stream in STREAMS_COMPARED:
-            got = [tuple(x if not isinstance(x, list) else tuple(x) for x in item)
+            got = [tuple(None if item[0] == "STORE" and n == 2 else tuple(x) if isinstance(x, list) else x
+                         for n, x in enumerate(item))
                    for item in ran.get(device, {}).get(stream, [])]
             want = planned.get(device, {}).get(stream, [])
             assert got == want, f"dev{device} {stream}:\n ran     {got}\n planned {want}"
+            played = simulated.get(device, {}).get(stream, [])
+            assert played == want, f"dev{device} {stream}:\n simulated {played}\n planned   {want}"
 
 
 @pytest.mark.parametrize("mode", ["pp", "dp", "gpipe-swap", "dp-swap", "1f1b-swap-r"])
