@@ -133,6 +133,22 @@ class LayerGraph:
                     total += spec.nbytes
         return total
 
+    def parameter_layers(self) -> dict[str, list[int]]:
+        """Each trainable parameter (by canonical name, in the model's order of parameters) and the
+        layers holding it: what a program needs to say who steps it (``scheduler.lower.ownership``).
+        The model's order is the one a sum over all of them (a clipped gradient's norm) follows, as
+        eager code over ``model.parameters()`` does."""
+        holders: dict[str, list[int]] = {}
+        for spec in self.layers:
+            for name in spec.state:
+                state = self.state[name]
+                if state.kind == "parameter" and state.requires_grad:
+                    layers = holders.setdefault(self.canonical(name), [])
+                    if spec.index not in layers:
+                        layers.append(spec.index)
+        ordered = dict.fromkeys(self.canonical(name) for name in self.state)
+        return {name: holders[name] for name in ordered if name in holders}
+
     def canonical(self, name: str) -> str:
         for canon, aliases in self.ties.items():
             if name in aliases:

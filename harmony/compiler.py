@@ -32,7 +32,6 @@ from harmony.scheduler.machine import Machine, nominal_machine
 from harmony.scheduler.memory import fused_update, memory_plan
 from harmony.profiling.casts import low_copies
 from harmony.runtime.hoststore import Layout
-from harmony.runtime.routes import build_routes
 from harmony.profiling.profiles import PackSample, Profile, TiedWeight
 from harmony.scheduler.comparison import comparing, row
 from harmony.scheduler.refusal import DpRefusal, explain_refusal
@@ -199,9 +198,9 @@ def _compile_plan(model, get_batch, build_optimizer, options: CompileOptions, mo
     measure = pack_measurer(graph, get_batch, build_optimizer, loss_fn, options)
     chosen = finish_plan(result, profile, machine, options, planned, bool(same_u), measure)
     est = chosen.estimate
-    program = lower(chosen.graph, profile)
+    program = lower(chosen.graph, profile, params=graph.parameter_layers())
     host = Layout.for_graph(graph, options.devices, build_optimizer, chosen.graph.low_copies,
-                            build_routes(chosen.graph, graph, program).gradient_slots())
+                            program.gradient_slots(chosen.graph))
     plan = Plan(
         graph=graph, profile=profile, tasks=chosen.graph,
         estimate={

@@ -141,7 +141,7 @@ class Plan:
         together in this process is lowered once, with its memory promise."""
         if self.lowered is None or self.lowered.tasks != self.tasks.fingerprint():
             self.promise_memory()
-            self.lowered = lower(self.tasks, self.profile)
+            self.lowered = lower(self.tasks, self.profile, params=self.graph.parameter_layers())
         return self.lowered
 
     @classmethod

@@ -58,7 +58,6 @@ from harmony.runtime.hoststore import HostStore
 from harmony.modelfile import default_optimizer
 from harmony.runtime.launcher import Launcher, StepResult
 from harmony.runtime.timed import Timing
-from harmony.runtime.routes import build_routes
 from harmony.runtime.lr_schedule import Schedule
 
 log = logging.getLogger(__name__)
@@ -108,7 +107,7 @@ class Trainer:
         program = plan.program()  # (with its memory promise)
         self.store = HostStore.create(graph, plan.tasks.devices, self.build_optimizer, state_dict,
                                       low_copies=plan.tasks.low_copies,
-                                      slots=build_routes(plan.tasks, graph, program).gradient_slots())
+                                      slots=program.gradient_slots(plan.tasks))
         self.schedule = None if lr_scheduler is None else Schedule.for_graph(graph, self.build_optimizer, lr_scheduler)
         device_type = plan.options.get("device_type", "cpu")
         capacity = plan.worker_capacity()

@@ -80,7 +80,6 @@ from harmony.runtime.device import CpuDevice
 from harmony.runtime.context import Batch
 from harmony.runtime.hoststore import HostStore
 from harmony.runtime.launcher import Launcher
-from harmony.runtime.routes import build_routes
 from .measure import host_device, measure_layer, measure_update, torch_threads
 
 log = logging.getLogger(__name__)
@@ -232,7 +231,8 @@ def _spans(graph, tasks: TaskGraph, iterations: int, timeout: float,
                      size=size, seed=0)
 
     store = HostStore.create(graph, tasks.devices, _optimizer, graph.state_dict())
-    return _run(graph, tasks, lower(tasks, None), store, _loss, _optimizer, batch, iterations, timeout)
+    program = lower(tasks, None, params=graph.parameter_layers())
+    return _run(graph, tasks, program, store, _loss, _optimizer, batch, iterations, timeout)
 
 
 def _run(graph, tasks: TaskGraph, program: Program, store: HostStore, loss_fn: Callable, build_optimizer: Callable,
@@ -453,9 +453,9 @@ def measure_model_scale(graph: LayerGraph, profile: Profile, machine: Machine, g
     state = graph.state_dict()  # every run's store starts from the same weights, copied in
 
     def measure(tasks: TaskGraph) -> dict[int, float]:
-        program = lower(tasks, None)
+        program = lower(tasks, None, params=graph.parameter_layers())
         store = HostStore.create(graph, tasks.devices, build_optimizer, state, low_copies=tasks.low_copies,
-                                 slots=build_routes(tasks, graph, program).gradient_slots())
+                                 slots=program.gradient_slots(tasks))
         return _run(graph, tasks, program, store, loss_fn, build_optimizer, batch(tasks.minibatch), iterations,
                     timeout).tasks
 

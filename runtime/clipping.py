@@ -31,7 +31,7 @@ from harmony.runtime.flags import Shared
 from harmony.runtime.hoststore import HostStore
 from harmony.runtime.lossscale import unscale
 from harmony.runtime.precision import needs_loss_scaling
-from harmony.runtime.routes import Routes
+from harmony.scheduler.lower import Program
 from harmony.scheduler.tasks import Kind, Task, TaskGraph
 
 EPSILON = 1e-6  # torch.nn.utils.clip_grad_norm_'s guard against a zero norm
@@ -69,14 +69,14 @@ class Verdict(NamedTuple):
     began: float
 
 
-def host_norm(task: Task, routes: Routes, store: HostStore, shared: Shared, max_norm: float | None, iteration: int,
+def host_norm(task: Task, program: Program, store: HostStore, shared: Shared, max_norm: float | None, iteration: int,
               timeout: float, loss_scale: float | None = None) -> Verdict:
     """Run a NORM task: wait for every gradient and sum each parameter's slots into one; with a
     ``loss_scale`` (fp16), unscale them and skip the step if one overflowed (``lossscale.py``); with
     ``max_norm``, clip them by the global norm."""
-    shared.wait_done(sorted(task.deps()), iteration, f"the gradient norm (task {task.id})", timeout)
+    shared.wait_done(program.gathers.get(task.id, []), iteration, f"the gradient norm (task {task.id})", timeout)
     began = time.perf_counter()
-    gradients = [g for g in (store.merge_slots(name, iteration) for name in routes.owner) if g is not None]
+    gradients = [g for g in (store.merge_slots(name, iteration) for name in program.owner) if g is not None]
     skipped = loss_scale is not None and bool(gradients) and unscale(gradients, loss_scale)
     norm = clip_gradients(gradients, max_norm, apply=not skipped) if max_norm is not None else None
     if skipped:

@@ -46,7 +46,7 @@ class Compute:
         self.updates = updates
         self.loss_fn = loss_fn
         self.modules = ctx.layers.modules
-        self.minibatch = ctx.routes.graph.minibatch
+        self.minibatch = ctx.graph.minibatch
         self._out_spec = ctx.layers.out_spec()  # the model's output structure, to give the loss what the model returns
         self.loss_scale: float | None = None  # this iteration's (fp16): the loss is multiplied by it before its backward
 
@@ -58,7 +58,7 @@ class Compute:
         so there is nothing for ``functional_call`` to tie, and its search for ties would cost small
         layers a good part of their forward."""
         names = self.ctx.layers.layers[index].state
-        with autocast(self.ctx.device.torch_device.type, self.ctx.routes.graph.precision):
+        with autocast(self.ctx.device.torch_device.type, self.ctx.graph.precision):
             return list(functional_call(self.modules[index], {n: state[n] for n in names}, tuple(values),
                                         tie_weights=False))
 
@@ -101,7 +101,7 @@ class Compute:
         """A forward microbatch's sends by the layer boundary each is taken at (stashes before a
         layer of the pack, outputs after its last)."""
         at: dict[int, list[Edge]] = {}
-        for e in self.ctx.routes.program.out_of(task.id, mb):
+        for e in self.ctx.program.out_of(task.id, mb):
             if not task.first <= e.layer <= task.last + 1:
                 raise RuntimeError(f"task {task.id} ({task}) is to send {e.stream} at layer {e.layer}, outside its pack")
             at.setdefault(e.layer, []).append(e)
@@ -135,7 +135,7 @@ class Compute:
                 del got
                 if task.first > 0:
                     dx = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in xs]
-                    edges = [e for e in self.ctx.routes.program.out_of(task.id, mb) if e.stream == "dY"]
+                    edges = [e for e in self.ctx.program.out_of(task.id, mb) if e.stream == "dY"]
                     self.transport.send(task, mb, edges, dx, None)
                     del dx
                 # nothing of this microbatch outlives it but what its sends hold until they have left (the
@@ -157,7 +157,7 @@ class Compute:
             rng.restore(device, gen)
         outputs = self._run_pack(task, _through_sinks(state, sinks), xs)
         target = self._target(start, size)
-        with autocast(device.type, self.ctx.routes.graph.precision):
+        with autocast(device.type, self.ctx.graph.precision):
             loss = self.loss_fn(pytree.tree_unflatten(outputs, self._out_spec), target) * (size / self.minibatch)
         del outputs
         if self.loss_scale is not None:  # as GradScaler.scale: times the scale in float32

@@ -27,9 +27,9 @@ from harmony.runtime.device import Device
 from harmony.runtime.flags import Shared
 from harmony.runtime.hoststore import HostStore
 from harmony.runtime.ledger import Ledger
-from harmony.runtime.routes import Routes
 from harmony.runtime.streams import Stream
-from harmony.scheduler.tasks import Task
+from harmony.scheduler.lower import Program
+from harmony.scheduler.tasks import Task, TaskGraph
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,8 @@ class DeviceContext:
     rank: int
     device: Device
     layers: LayerGraph
-    routes: Routes
+    graph: TaskGraph  # the plan's tasks, every device's
+    program: Program  # the plan's program (``scheduler/lower.py``): what moves where, who steps what
     store: HostStore
     shared: Shared  # flags between processes: tasks done, abort, status
     timeout: float
@@ -80,8 +81,12 @@ class DeviceContext:
     waits: list[Event] = field(default_factory=list)  # the compute thread's blocked spans, this iteration
     # what this worker moved, per program stream, in order: see ``IterationResult.transfers``
     transfers: dict[str, list[tuple[str, tuple, int]]] = field(default_factory=dict)
+    by_id: dict[int, Task] = field(init=False)
     _activity: dict[int, str] = field(default_factory=dict)  # thread -> what it waits for
     _activity_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.by_id = {t.id: t for t in self.graph.tasks}
 
     @property
     def streams(self) -> tuple[Stream, Stream, Stream, Stream]:
@@ -150,14 +155,14 @@ class DeviceContext:
         status while it waits."""
         if all(self.shared.is_done(t, self.iteration) for t in task_ids):
             return
-        names = ", ".join(describe(self.routes.by_id[t]) for t in task_ids)
+        names = ", ".join(describe(self.by_id[t]) for t in task_ids)
         with self.waiting_for(f"{names} to finish, before {before}"):
             self.shared.wait_done(task_ids, self.iteration, before, self.timeout)
 
     def wait_replicas(self, replicas: list[int]) -> None:
         """The writer of a replicated update waits until every replica has read the master it is
         about to overwrite."""
-        names = ", ".join(describe(self.routes.by_id[t]) for t in replicas)
+        names = ", ".join(describe(self.by_id[t]) for t in replicas)
         with self.waiting_for(f"the replicas {names} to read the update's inputs"):
             wait_until(lambda: all(self.shared.has_read(t, self.iteration) for t in replicas), self.shared.aborted,
                        self.timeout, f"the replicas {names} to read their inputs")

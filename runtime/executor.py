@@ -55,11 +55,11 @@ from harmony.runtime.ledger import Ledger
 from harmony.runtime.lr_schedule import Rates
 from harmony.runtime.p2p import DistTransport
 from harmony.runtime.packstate import PackState
-from harmony.runtime.routes import Routes
 from harmony.runtime.streams import Stream
 from harmony.runtime.transport import Transport
 from harmony.runtime.updates import Updates
-from harmony.scheduler.tasks import Kind, Task
+from harmony.scheduler.lower import Program
+from harmony.scheduler.tasks import Kind, Task, TaskGraph
 
 log = logging.getLogger(__name__)
 
@@ -93,12 +93,12 @@ class IterationResult:
 class Executor:
     """Runs one device's share of every iteration; see the module docs."""
 
-    def __init__(self, rank: int, device: Device, layers: LayerGraph, routes: Routes, store: HostStore,
+    def __init__(self, rank: int, device: Device, layers: LayerGraph, graph: TaskGraph, program: Program, store: HostStore,
                  shared: Shared, mailbox: Mailbox, peers: list[Any], loss_fn: Callable,
                  build_optimizer: Callable, seed: int, timeout: float = 600.0, slabs: Slabs | None = None,
                  prefetch: bool = True, transport: DistTransport | None = None) -> None:
         self.prefetch = prefetch  # off only to measure what prefetching buys (bench, Fig. 14)
-        self.tasks = [t for t in routes.graph.tasks if t.device == rank]
+        self.tasks = graph.device_tasks(rank)
         threads = torch.get_num_threads()
 
         def setup() -> None:
@@ -112,11 +112,11 @@ class Executor:
         # the ledger follows its tracker's releases
         tracker = getattr(device, "tracker", None)
         ledger = Ledger(count_leaving=device.kind == "cuda", tracker=tracker)
-        self.ctx = ctx = DeviceContext(rank, device, layers, routes, store, shared, timeout, stream("swap-in"),
+        self.ctx = ctx = DeviceContext(rank, device, layers, graph, program, store, shared, timeout, stream("swap-in"),
                                        stream("swap-out"), stream("p2p-in"), stream("p2p-out"), ledger)
         # the plan's promise (scheduler/memory.py): what no prefetch may take this device past, and
         # per task the most it holds at once (the launcher refuses a plan without one)
-        plan = routes.graph.memory
+        plan = graph.memory
         self.admission = Admission(ctx, plan)
         self.packs = PackState(ctx, self.admission, plan)
         self.transport = Transport(ctx, self.admission, mailbox, peers, slabs, transport, prefetch)

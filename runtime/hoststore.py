@@ -78,7 +78,7 @@ class Layout:
                   slots: Iterable[tuple[int, str]] | None = None) -> "Layout":
         """The layout of a store for ``graph`` (see ``HostStore.create``), found without allocating
         it: a compile reports its size, a run checks there is room before mapping it. ``slots``:
-        the (device, parameter) gradient slots the plan deposits into (``Routes.gradient_slots``);
+        the (device, parameter) gradient slots the plan deposits into (``Program.gradient_slots``);
         None: one per device for every trainable parameter."""
         wanted = None if slots is None else set(slots)
         layout = cls(devices=devices)
@@ -279,7 +279,7 @@ class HostStore:
         key = f"G/{device}/{name}"
         if key not in self.layout.entries:
             raise RuntimeError(f"the host store has no slot for device {device}'s gradient of {name}: it was made "
-                               "for another plan (HostStore.create(slots=Routes.gradient_slots()))")
+                               "for another plan (HostStore.create(slots=Program.gradient_slots(tasks)))")
         return self.view(key)
 
     def _stamp_index(self, device: int, name: str) -> int:

@@ -64,7 +64,6 @@ from harmony.runtime.flags import Shared
 from harmony.runtime.hoststore import HostStore
 from harmony.scheduler.lower import Program
 from harmony.scheduler.memory import kept_on
-from harmony.runtime.routes import Routes, build_routes
 from harmony.runtime.lr_schedule import Rates
 from harmony.runtime.streams import SWITCH_INTERVAL
 from harmony.runtime.clipping import Verdict, check_clipping, host_norm
@@ -144,17 +143,18 @@ class _WorkerContext:
     timing: Timing | None = None  # timed devices (``timed.py``): what each unit and copy takes
 
 
-def slab_sizes(tasks: TaskGraph, routes: Routes, p2p: bool = True) -> dict[tuple[int, int], int]:
+def slab_sizes(tasks: TaskGraph, p2p: bool = True) -> dict[tuple[int, int], int]:
     """Bytes per iteration each (sender, receiver) pair of workers exchanges in messages, with room
     to spare: the plan's sizes are interpolated, and pieces are aligned. ``p2p=False``: P2P
     messages go over torch.distributed, not through the slabs."""
     channels = (Channel.P2P, Channel.SWAP, Channel.MSG) if p2p else (Channel.SWAP, Channel.MSG)
     sizes: dict[tuple[int, int], int] = {}
+    device = {t.id: t.device for t in tasks.tasks}
     for task in tasks.tasks:
         for t in task.inputs:
             if t.task is None or t.channel not in channels:
                 continue
-            src = routes.by_id[t.task].device
+            src = device[t.task]
             if src == task.device or src == HOST or task.device == HOST or t.tensor not in ("X", "Xs", "dY"):
                 continue
             sizes[(src, task.device)] = sizes.get((src, task.device), 0) + t.nbytes + 4 * 64
@@ -278,7 +278,6 @@ def _worker_main(ctx: _WorkerContext) -> None:
                 provide_opaque(by_value["modules"])
                 provide_functions(by_value["functions"])
             graph.build_modules(device="meta")
-        routes = build_routes(ctx.tasks, graph, ctx.program)
         device = _make_device(ctx)
         device.warm_up(within_capacity=False)  # this thread computes; the plan keeps all of its capacity
         mailbox = Mailbox(ctx.inboxes[ctx.rank], ctx.shared.aborted)
@@ -289,7 +288,7 @@ def _worker_main(ctx: _WorkerContext) -> None:
                                               ctx.p2p_pairs, ctx.timeout)
             transport = p2p_transport.DistTransport(ctx.rank, device, groups, ctx.inboxes, mailbox, ctx.shared.aborted,
                                                     ctx.shared.set_abort)
-        executor = Executor(ctx.rank, device, graph, routes, ctx.store, ctx.shared, mailbox, ctx.inboxes,
+        executor = Executor(ctx.rank, device, graph, ctx.tasks, ctx.program, ctx.store, ctx.shared, mailbox, ctx.inboxes,
                             ctx.loss_fn, ctx.build_optimizer, ctx.seed, ctx.timeout, ctx.slabs,
                             prefetch=ctx.prefetch, transport=transport)
         # what the worker inherited and built is never garbage: the collector's passes would walk the
@@ -356,6 +355,10 @@ class Launcher:
         if program.tasks and program.tasks != tasks.fingerprint():  # once here: every worker gets these two
             raise HarmonyError("the program was lowered from another task graph than the one to run; lower it from "
                                "this one (Plan.program)")
+        if not program.owner and graph.parameter_layers():
+            raise HarmonyError("the program was lowered without the model's parameters, so it says nobody steps them; "
+                               "lower it with them (Plan.program, or lower(tasks, profile, "
+                               "params=layer_graph.parameter_layers()))")
         check_clipping(tasks, clip_grad_norm)
         self.keeps = bool(kept_on(tasks))  # whether the devices keep state across iterations
         self._host_work = any(t.device == HOST for t in tasks.tasks)  # updates or a norm on the host
@@ -372,7 +375,8 @@ class Launcher:
         self.tasks = tasks
         self.store = store
         self.build_optimizer = build_optimizer
-        self.routes: Routes = build_routes(tasks, graph, program)
+        self.program = program
+        self.by_id = {t.id: t for t in tasks.tasks}
         self.timeout = timeout
         self.devices = tasks.devices
         self.shared = Shared.create(len(tasks.tasks))
@@ -380,7 +384,7 @@ class Launcher:
         pairs = p2p_transport.p2p_pairs(tasks) if self.p2p == "dist" else []
         # the directory of the FileStore the workers' process groups meet at (P2P over torch.distributed)
         self._rendezvous = tempfile.mkdtemp(prefix="harmony-p2p-") if pairs else None
-        self.slabs = Slabs(slab_sizes(tasks, self.routes, p2p=self.p2p == "shm"))
+        self.slabs = Slabs(slab_sizes(tasks, p2p=self.p2p == "shm"))
         self.planned = dict(tasks.memory.tasks)
         self.iteration = 0
         self._closed = False
@@ -490,12 +494,12 @@ class Launcher:
                 if task.device != HOST:
                     continue
                 if task.kind == Kind.NORM:
-                    found = host_norm(task, self.routes, self.store, self.shared, self.clip_grad_norm, iteration,
+                    found = host_norm(task, self.program, self.store, self.shared, self.clip_grad_norm, iteration,
                                       self.timeout, loss_scale)
                     verdict.append(found)
                     began = found.began
                 else:
-                    began = host_update(task, self.graph, self.routes, self.store, self.shared, self.build_optimizer,
+                    began = host_update(task, self.program, self.store, self.shared, self.build_optimizer,
                                         iteration, self.timeout, rates)
                 if self.timing is not None:  # the host's work lasts its modelled time, as a device's does
                     sleep_until(began + self.timing.units.get((task.id, 0), 0.0))
@@ -564,14 +568,14 @@ class Launcher:
             code = p.exitcode
             how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 else \
                 f"exited with code {code}"
-            where = f" while running {describe(self.routes.by_id[task])}" if task is not None else ""
+            where = f" while running {describe(self.by_id[task])}" if task is not None else ""
             raise WorkerError(f"the worker of device {rank} (pid {p.pid}) {how}{where}, without reporting an error; "
                               "if the system ran out of host memory, see the kernel log (dmesg)")
 
     def _failed(self, rank: int, report: dict[str, Any]) -> WorkerError:
         """The launcher's account of a worker's failure: device, task, cause, and the worker's traceback."""
         task = report.get("task")
-        where = f" in {describe(self.routes.by_id[task])}" if task is not None else ""
+        where = f" in {describe(self.by_id[task])}" if task is not None else ""
         log.debug("worker %d failed:\n%s", rank, report.get("traceback"))
         if report["kind"] == "oom":
             return WorkerError(self._oom_message(rank, task, where, report["memory"]))
@@ -594,7 +598,7 @@ class Launcher:
         lines = []
         for rank, p in enumerate(self.processes):
             task = self.shared.current_task(rank)
-            doing = describe(self.routes.by_id[task]) if task is not None else "between tasks"
+            doing = describe(self.by_id[task]) if task is not None else "between tasks"
             waiting = self.shared.get_status(rank) or ("nothing: computing" if task is not None else "its next command")
             state = "alive" if p.is_alive() else f"dead (exit code {p.exitcode})"
             lines.append(f"  device {rank} ({state}): {doing}; waiting for {waiting}")

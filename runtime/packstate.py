@@ -4,7 +4,7 @@ again, and the gradients (dW) its parameters collect across tasks.
 - In: loaded when the task starts, or prefetched on the swap-in stream while the previous task
   computes, at the unit the memory plan names (``MemoryPlan.prefetch``; without one, once the
   running task's own state is in), giving up rather than waiting when it does not fit; or kept
-  resident on the device for a later task (``Routes.kept_resident``).
+  resident on the device for a later task (``Program.resident``).
 - Out: buffers a forward changed (BatchNorm statistics) written back; weights evicted without an
   update, as the per-GPU-swap baselines do.
 - Gradients: the running gradient a baseline's backward starts from (dW <- SWAP) and the deposits a
@@ -72,7 +72,7 @@ class PackState:
         if task.kind == Kind.UPD or any(t.tensor == "W" and t.channel in (Channel.LOCAL, Channel.KEEP)
                                         for t in task.inputs):
             return
-        before = self.ctx.routes.buffers_after.get(task.id)
+        before = self.ctx.program.after.get(task.id)
         if before is not None and not self.ctx.shared.is_done(before, self.ctx.iteration):
             # its buffers are still being updated (maybe by the task running now): a prefetch would
             # hold the swap-in stream, and the running task's inputs queued behind it, until then
@@ -115,7 +115,7 @@ class PackState:
             return state
         if memory.is_kept(task):
             return self.kept_pack_state(task)
-        before = self.ctx.routes.buffers_after.get(task.id)
+        before = self.ctx.program.after.get(task.id)
         if before is not None:
             self.ctx.wait_done([before], f"task {task.id} reads the buffers task {before} updates")
         keys: dict[str, str] = {}  # state name -> the source it is copied from (a tie's names: one)
@@ -160,7 +160,7 @@ class PackState:
     def sync_kept(self) -> None:
         """Write the kept state back to the host store (weights the devices step, buffers and
         optimizer state), for a reader of the host store; it stays on the device."""
-        mine = set(self.ctx.routes.kept_writes(self.ctx.rank))  # trainable: frozen weights never change (and may be low copies)
+        mine = set(self.ctx.program.kept_writes(self.ctx.graph, self.ctx.rank))  # trainable: frozen weights never change (and may be low copies)
         with torch.no_grad(), self.ctx.device.host_side():
             for key, t in self.kept_state.items():
                 if key in self.ctx.layers.state and self.ctx.layers.state[key].kind != "parameter":
@@ -188,7 +188,7 @@ class PackState:
         no device steps (``TaskGraph.low_copies``, ``profiling/casts.py``) its low-precision copy,
         cast on the host (``HostStore.refresh_low_copies``) with the rounding autocast's own cast
         would apply on the device."""
-        if name not in self.ctx.routes.graph.low_copies:
+        if name not in self.ctx.graph.low_copies:
             return self.ctx.store.weight(name)
         copy = self.ctx.store.low_copy(name)
         if copy is None:
@@ -202,7 +202,7 @@ class PackState:
         state = self.ctx.wait(future, "state") if future is not None else None
         if state is None:
             state = self._load_state(task)
-        if task.id in self.ctx.routes.kept_resident:
+        if task.id in self.ctx.program.resident:
             self.ctx.resident[task.id] = state
         return state
 
@@ -216,7 +216,7 @@ class PackState:
             spec = self.ctx.layers.state[name]
             canon = self.ctx.layers.canonical(name)
             if spec.kind == "parameter" and spec.requires_grad and canon not in out:
-                out[canon] = self._grad_sink(canon, t) if canon in self.ctx.routes.graph.low_copies else t
+                out[canon] = self._grad_sink(canon, t) if canon in self.ctx.graph.low_copies else t
         return out
 
     def _grad_sink(self, name: str, copy: torch.Tensor) -> torch.Tensor:
@@ -244,7 +244,7 @@ class PackState:
     def evict_weights(self, task: Task, state: dict[str, torch.Tensor]) -> None:
         """W -> SWAP without an update (per-GPU-swap baselines evict their weights): the copy is
         made, as the baseline makes it, into a scratch buffer, since the master is unchanged."""
-        if task.id in self.ctx.routes.jit or not any(t.tensor == "W" and t.channel == Channel.SWAP for t in task.outputs):
+        if task.jit_update() or not any(t.tensor == "W" and t.channel == Channel.SWAP for t in task.outputs):
             return
         params = {self.ctx.layers.canonical(n): t for n, t in state.items() if self.ctx.layers.state[n].kind == "parameter"}
 
@@ -259,7 +259,7 @@ class PackState:
     def load_running_gradient(self, task: Task, params: dict[str, torch.Tensor]) -> bool:
         """dW <- SWAP: the gradient accumulated so far (per-GPU-swap baselines) becomes the
         starting value of this task's gradient buffer; says whether it did."""
-        if not any(running_gradient_input(task, t, self.ctx.routes.by_id) for t in task.inputs):
+        if not any(running_gradient_input(task, t, self.ctx.by_id) for t in task.inputs):
             return False  # (a tied weight's gradient handed over by another pack is added at the step)
         # the earlier tasks of this device depositing into these slots (a tied weight's slot takes two
         # packs' deposits) are done once their deposits have left: not the whole swap-out stream,
@@ -274,10 +274,10 @@ class PackState:
     def _earlier_deposits(self, task: Task, params: dict[str, torch.Tensor]) -> list[int]:
         """The tasks of this device before ``task`` that leave a gradient of ``params`` in its slots."""
         earlier = []
-        for t in self.ctx.routes.graph.device_tasks(self.ctx.rank):
+        for t in self.ctx.graph.device_tasks(self.ctx.rank):
             if t.id == task.id:
                 break
-            if any(name in params for name in self.ctx.routes.deposits.get(t.id, ())):
+            if any(name in params for name in self.ctx.program.deposits.get(t.id, ())):
                 earlier.append(t.id)
         return earlier
 

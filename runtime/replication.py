@@ -46,9 +46,9 @@ from harmony.decomposer.layer_graph import LayerGraph
 from harmony.runtime.channels import Aborted
 from harmony.runtime.flags import Shared
 from harmony.runtime.hoststore import HostStore
-from harmony.runtime.routes import Routes
 from harmony.scheduler import memory
-from harmony.scheduler.tasks import HOST, Kind, Task
+from harmony.scheduler.lower import Program
+from harmony.scheduler.tasks import HOST, Kind, Task, TaskGraph
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class Writes:
     flags: list[int]  # indices into HostStore.flags
 
 
-def task_writes(task: Task, routes: Routes, layers: LayerGraph, store: HostStore) -> Writes:
+def task_writes(task: Task, program: Program, graph: TaskGraph, layers: LayerGraph, store: HostStore) -> Writes:
     """The regions ``task`` writes, as the executor writes them: buffers (a forward or loss task with
     B outputs), its device's gradient slots and their stamps (deposits), and weights, optimizer
     state (and a host update's low-precision copies of them) and state-initialized flags of the
@@ -80,34 +80,34 @@ def task_writes(task: Task, routes: Routes, layers: LayerGraph, store: HostStore
     if writes_buffers and not kept and any(t.tensor == "B" for t in task.outputs):
         keys += _buffer_keys(task, layers)
     if task.kind == Kind.NORM:  # sums each gradient's slots into the first written, clips it, unstamps the rest
-        for name in routes.owner:
+        for name in program.owner:
             for device in range(layout.devices):
                 if f"G/{device}/{name}" in layout.entries:
                     keys.append(f"G/{device}/{name}")
                     flags.append(_stamp_index(layout.params, index, device, name))
-    for name in routes.deposits.get(task.id, []):
+    for name in program.deposits.get(task.id, []):
         if f"G/{task.device}/{name}" in layout.entries:
             keys.append(f"G/{task.device}/{name}")
             flags.append(_stamp_index(layout.params, index, task.device, name))
-    if _steps_master(task, routes) and not kept:
-        stepped = routes.updates.get(task.id, [])
+    if _steps_master(task, program, graph) and not kept:
+        stepped = program.updates.get(task.id, [])
         keys += _master_keys(stepped, layout)
         flags += [index[name] for name in stepped]
     return _writes(keys, flags, layout)
 
 
-def kept_writes(rank: int, routes: Routes, layers: LayerGraph, store: HostStore) -> Writes:
+def kept_writes(rank: int, program: Program, graph: TaskGraph, layers: LayerGraph, store: HostStore) -> Writes:
     """The regions ``Executor.sync_kept`` writes on device ``rank``: the buffers, and the weights and
     optimizer state its tasks step, of every pack it keeps (``scheduler/keep.py``)."""
     layout = store.layout
     index = {name: i for i, name in enumerate(layout.params)}
     keys: list[str] = []
     flags: list[int] = []
-    for task in routes.graph.tasks:
+    for task in graph.tasks:
         if task.device != rank or not memory.is_kept(task):
             continue
         keys += _buffer_keys(task, layers)
-    stepped = routes.kept_writes(rank)
+    stepped = program.kept_writes(graph, rank)
     keys += _master_keys(stepped, layout)
     flags += [index[name] for name in stepped]
     return _writes(list(dict.fromkeys(keys)), sorted(set(flags)), layout)
@@ -134,15 +134,16 @@ def _writes(keys: list[str], flags: list[int], layout) -> Writes:
     return Writes(spans=_merge(spans), flags=flags)
 
 
-def _steps_master(task: Task, routes: Routes) -> bool:
+def _steps_master(task: Task, program: Program, graph: TaskGraph) -> bool:
     """Whether the task writes the master weights and state of what it updates (a replica of a
     replicated update other than the lowest device's writes a scratch copy)."""
-    if task.id in routes.jit or (task.kind == Kind.UPD and task.device == HOST):
+    if task.jit_update() or (task.kind == Kind.UPD and task.device == HOST):
         return True
     if task.kind != Kind.UPD:
         return False
-    replicas = routes.replicas.get(task.id, [task.id])
-    return task.id == min(replicas, key=lambda t: routes.by_id[t].device)
+    replicas = program.replicas.get(task.id, [task.id])
+    device = {t.id: t.device for t in graph.tasks}
+    return task.id == min(replicas, key=lambda t: device[t])
 
 
 def _stamp_index(params: list[str], index: dict[str, int], device: int, name: str) -> int:

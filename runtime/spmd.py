@@ -63,7 +63,6 @@ from harmony.runtime.lossscale import LossScale
 from harmony.runtime.p2p import DistTransport, backend_for, p2p_pairs, pair_groups, resolve, start_default_group
 from harmony.runtime.precision import needs_loss_scaling
 from harmony.runtime.replication import PeerWatch, ReplicatedShared, Replicator, kept_writes, task_writes
-from harmony.runtime.routes import build_routes
 from harmony.runtime.lr_schedule import Schedule
 from harmony.runtime.updates import host_update
 from harmony.scheduler.memory import kept_on
@@ -241,16 +240,16 @@ def run_spmd(plan, loss_fn: Callable, build_optimizer: Callable, get_batch: Call
     _check_same_plan(plan, topo)
     store = dist.distributed_c10d._get_default_store()
     graph, tasks = plan.graph, plan.tasks
-    routes = build_routes(tasks, graph, plan.program())
+    program = plan.program()
     p2p = resolve(p2p, plan.options.get("device_type", "cpu"), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     token = [uuid.uuid4().hex[:12] if rank == 0 else None]
     dist.broadcast_object_list(token, src=0)
     prefix = os.path.join(SHM_DIR, f"harmony-{token[0]}-node{topo.node}")
-    sizes = {pair: n for pair, n in slab_sizes(tasks, routes, p2p=p2p == "shm").items()
+    sizes = {pair: n for pair, n in slab_sizes(tasks, p2p=p2p == "shm").items()
              if topo.node_of(pair[0]) == topo.node_of(pair[1]) == topo.node}
     files = [f"{prefix}-store", f"{prefix}-flags", f"{prefix}-shared"] + [f"{prefix}-slab-{a}-{b}" for a, b in sizes]
     try:
-        host, shared, slabs = _node_state(topo, plan, routes, build_optimizer, build_model, seed, prefix, sizes)
+        host, shared, slabs = _node_state(topo, plan, program, build_optimizer, build_model, seed, prefix, sizes)
         if topo.leader:
             _remove(files)  # every rank of the node mapped them: the memory lives on, the names go
         schedule = None if lr_scheduler is None else Schedule.for_graph(graph, build_optimizer, lr_scheduler)
@@ -258,11 +257,11 @@ def run_spmd(plan, loss_fn: Callable, build_optimizer: Callable, get_batch: Call
         start = 0
         if resume is not None:
             start, seed = _resume(topo, plan, host, resume, schedule, loss_scale)
-        replicator, watch = _replication(topo, plan, routes, store, host, shared, timeout)
+        replicator, watch = _replication(topo, plan, program, store, host, shared, timeout)
         state = RunState(plan, host, seed, start, schedule, loss_scale)
         checkpoints = _Checkpoints(saves, save if rank == 0 else None, state)
         try:
-            history = _train(topo, plan, routes, host, shared, slabs, store, replicator, loss_fn, build_optimizer,
+            history = _train(topo, plan, program, host, shared, slabs, store, replicator, loss_fn, build_optimizer,
                              get_batch, range(start, iterations), seed, timeout, on_step, p2p, checkpoints,
                              memory_checked(check_memory), clip_grad_norm)
         finally:
@@ -343,7 +342,7 @@ def _check_same_plan(plan, topo: Topology) -> None:
                            "directory (compile once, copy it, and pass --plan DIR on every host)")
 
 
-def _node_state(topo: Topology, plan, routes, build_optimizer: Callable, build_model: Callable, seed: int, prefix: str,
+def _node_state(topo: Topology, plan, program, build_optimizer: Callable, build_model: Callable, seed: int, prefix: str,
                 sizes: dict[tuple[int, int], int]) -> tuple[HostStore, Shared, Slabs]:
     """This node's host store, flags and slabs: made by the node's lowest rank (rank 0 builds the
     initial weights, and sends them to the other nodes' stores), mapped by the others."""
@@ -355,7 +354,7 @@ def _node_state(topo: Topology, plan, routes, build_optimizer: Callable, build_m
     if topo.rank == 0:
         torch.manual_seed(seed)
         host = HostStore.create(graph, world, build_optimizer, build_model().state_dict(), path=prefix,
-                                low_copies=plan.tasks.low_copies, slots=routes.gradient_slots())
+                                low_copies=plan.tasks.low_copies, slots=program.gradient_slots(plan.tasks))
         layout = [host.layout.to_dict()]
     dist.broadcast_object_list(layout, src=0)
     if topo.leader:
@@ -379,13 +378,13 @@ def _node_state(topo: Topology, plan, routes, build_optimizer: Callable, build_m
     return host, shared, slabs
 
 
-def _replication(topo: Topology, plan, routes, store, host: HostStore, shared: Shared,
+def _replication(topo: Topology, plan, program, store, host: HostStore, shared: Shared,
                  timeout: float) -> tuple[Replicator | None, PeerWatch | None]:
     """On more than one node: the replicator of this rank's writes and, in each node's lowest rank,
     the watch on the other nodes' (see ``replication.py``). Nothing on one node."""
     if len(topo.nodes) == 1:
         return None, None
-    writes = {t.id: task_writes(t, routes, plan.graph, host) for t in plan.tasks.tasks}
+    writes = {t.id: task_writes(t, program, plan.tasks, plan.graph, host) for t in plan.tasks.tasks}
     replicator = Replicator(store, topo.rank, topo.node, topo.nodes, host, shared, writes, timeout)
     shared.attach(replicator)
     watch = None
@@ -406,7 +405,7 @@ def _remove(files: list[str]) -> None:
             os.unlink(path)
 
 
-def _train(topo: Topology, plan, routes, host, shared, slabs, store, replicator, loss_fn, build_optimizer, get_batch,
+def _train(topo: Topology, plan, program, host, shared, slabs, store, replicator, loss_fn, build_optimizer, get_batch,
            steps: range, seed, timeout, on_step, p2p: str, checkpoints: _Checkpoints,
            check_memory: bool, clip_grad_norm: float | None = None) -> list[StepResult]:
     rank, world = topo.rank, sum(len(ranks) for ranks in topo.nodes)
@@ -420,7 +419,7 @@ def _train(topo: Topology, plan, routes, host, shared, slabs, store, replicator,
     mailbox = StoreMailbox(store, shared.aborted)
     peers = [StorePeer(store)] * world
     transport = _transport(p2p, tasks, rank, device, peers, mailbox, shared, timeout)
-    executor = Executor(rank, device, plan.graph, routes, host, shared, mailbox, peers,
+    executor = Executor(rank, device, plan.graph, plan.tasks, program, host, shared, mailbox, peers,
                         loss_fn, build_optimizer, seed, timeout, slabs,
                         transport=transport)
     fail = replicator.fail if replicator is not None else lambda reason: shared.set_abort()
@@ -439,7 +438,7 @@ def _train(topo: Topology, plan, routes, host, shared, slabs, store, replicator,
             updater = None
             verdict: list[Verdict] = []
             if rank == 0:
-                updater = threading.Thread(target=_host_tasks, args=(plan, routes, host, shared, build_optimizer,
+                updater = threading.Thread(target=_host_tasks, args=(plan, program, host, shared, build_optimizer,
                                                                      step, timeout, errors, rates, clip_grad_norm,
                                                                      scale, verdict), daemon=True)
                 updater.start()
@@ -469,7 +468,7 @@ def _train(topo: Topology, plan, routes, host, shared, slabs, store, replicator,
             if checkpoints.due(step) and keeps:  # every rank's kept state in rank 0's host store first
                 executor.sync_kept()
                 if replicator is not None:
-                    replicator.synced(kept_writes(rank, routes, plan.graph, host))
+                    replicator.synced(kept_writes(rank, program, plan.tasks, plan.graph, host))
                     replicator.flush()
                 dist.barrier()
             checkpoints.after(step)
@@ -534,7 +533,7 @@ def _peer_gone(exc: BaseException) -> bool:
             or "Connection closed by peer" in text or "Connection reset by peer" in text)
 
 
-def _host_tasks(plan, routes, host, shared, build_optimizer, iteration, timeout, errors, rates=None,
+def _host_tasks(plan, program, host, shared, build_optimizer, iteration, timeout, errors, rates=None,
                 clip_grad_norm: float | None = None, loss_scale: float | None = None,
                 verdict: list[Verdict] | None = None) -> None:
     """Rank 0's host tasks in plan order, as the launcher's: offloaded updates at the schedule's
@@ -544,11 +543,11 @@ def _host_tasks(plan, routes, host, shared, build_optimizer, iteration, timeout,
             if task.device != HOST:
                 continue
             if task.kind == Kind.NORM:
-                found = host_norm(task, routes, host, shared, clip_grad_norm, iteration, timeout, loss_scale)
+                found = host_norm(task, program, host, shared, clip_grad_norm, iteration, timeout, loss_scale)
                 if verdict is not None:
                     verdict.append(found)
             else:
-                host_update(task, plan.graph, routes, host, shared, build_optimizer, iteration, timeout, rates)
+                host_update(task, program, host, shared, build_optimizer, iteration, timeout, rates)
     except BaseException as exc:  # handed to the training loop, which publishes it
         errors.append(exc if isinstance(exc, Aborted) else HarmonyError(f"the host update failed: {exc!r}"))
         Shared.set_abort(shared)  # this node's workers stop waiting now

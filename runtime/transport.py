@@ -96,7 +96,7 @@ class Transport:
                 part = self._cut(values, e.layer, e.start - mb_start, e.stop - mb_start)
             key = self._key(e.consumer, e.stream, e.start)
             tensor = {"X": "Y", "dY": "dX"}.get(e.stream, "Xs")
-            self._route(key, self.ctx.routes.by_id[e.consumer], Channel(e.channel), part, state, tensor)
+            self._route(key, self.ctx.by_id[e.consumer], Channel(e.channel), part, state, tensor)
 
     def _route(self, key: tuple, consumer: Task, channel: Channel, values: Values, state, tensor: str) -> None:
         self.ctx.moved(OUT_STREAM[channel], "SEND", key[1:], tensor_bytes(values))
@@ -156,7 +156,7 @@ class Transport:
     def _fetch(self, task: Task, stream: str, mb: int) -> tuple[Values, torch.Tensor | None]:
         """Microbatch ``mb`` of an input stream on the device, with its generator state: the
         program's edges into it, joined."""
-        edges = self.ctx.routes.program.into(task.id, stream, mb)
+        edges = self.ctx.program.into(task.id, stream, mb)
         start, size = ranges(task)[mb]
         if not edges:
             raise RuntimeError(f"task {task.id} ({task}) has no input for {stream}; the plan is incomplete")
@@ -210,7 +210,7 @@ class Transport:
         if mb >= len(task.microbatches) or (mb > 0 and not self.prefetch):
             return out
         for name in streams:
-            edges = self.ctx.routes.program.into(task.id, name, mb)
+            edges = self.ctx.program.into(task.id, name, mb)
             channel = Channel(edges[0].channel) if edges else Channel.SWAP
             if channel == Channel.LOCAL:
                 continue

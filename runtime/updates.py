@@ -22,18 +22,17 @@ from typing import Callable
 
 import torch
 
-from harmony.decomposer.layer_graph import LayerGraph
 from harmony.runtime.admission import Admission
 from harmony.runtime.channels import tensor_bytes
 from harmony.runtime.context import DeviceContext
 from harmony.runtime.flags import Shared
 from harmony.runtime.hoststore import HostStore
 from harmony.runtime.ledger import KEPT, STATE
-from harmony.runtime.packstate import PackState
-from harmony.runtime.routes import Routes
 from harmony.runtime.lr_schedule import Rates
 from harmony.runtime.lr_schedule import apply as apply_rates
+from harmony.runtime.packstate import PackState
 from harmony.scheduler import memory
+from harmony.scheduler.lower import Program
 from harmony.scheduler.tasks import Channel, Task
 
 
@@ -56,14 +55,14 @@ class Updates:
         self.packs.unit_starts(len(task.microbatches))  # the plan's update unit (a step here or none)
         # the gradients are the task's until it ends, then leaving (deposited) or kept for its update
         self.ctx.ledger.hold([p.grad for p in params.values() if p.grad is not None], (task.id, STATE))
-        deposits = self.ctx.routes.deposits.get(task.id, [])
+        deposits = self.ctx.program.deposits.get(task.id, [])
         if deposits:
             grads = {name: params[name].grad for name in deposits if params[name].grad is not None}
             if grads:  # logged as queued, as every move is: a stream runs its jobs in that order
                 self.ctx.moved("swap-out", "STORE", (task.id, "dW"), tensor_bytes(list(grads.values())))
             self.ctx.after_compute(self.ctx.swap_out, "dW out", self.packs.deposit, grads, overwrite)
-        if task.id in self.ctx.routes.jit:
-            owned = {name: params[name] for name in self.ctx.routes.updates.get(task.id, [])}
+        if task.jit_update():
+            owned = {name: params[name] for name in self.ctx.program.updates.get(task.id, [])}
             self._step(task, owned, len(task.microbatches), write=True)
         self.packs.evict_weights(task, state)
         for p in params.values():
@@ -79,7 +78,7 @@ class Updates:
             self.ctx.ledger.hold(list(state.values()), (task.id, STATE))
         elif memory.is_kept(task):  # kept on the device across iterations
             state = self.packs.kept_pack_state(task)
-        owned = self.ctx.routes.updates.get(task.id, [])
+        owned = self.ctx.program.updates.get(task.id, [])
         if state is not None:
             params = {name: next(t for n, t in state.items() if self.ctx.layers.canonical(n) == name) for name in owned}
         else:  # one admission for the whole pack's weights, as the plan reserves them
@@ -87,8 +86,8 @@ class Updates:
             params = dict(zip(owned, self.admission.many_to_device(weights, counted="W")))
             if params:
                 self.ctx.moved("swap-in", "LOAD", (task.id, "W"), tensor_bytes(list(params.values())))
-        replicas = self.ctx.routes.replicas.get(task.id, [task.id])
-        writer = min(replicas, key=lambda t: self.ctx.routes.by_id[t].device)
+        replicas = self.ctx.program.replicas.get(task.id, [task.id])
+        writer = min(replicas, key=lambda t: self.ctx.by_id[t].device)
         self.packs.unit_starts(0)
         self._step(task, params, 0, write=task.id == writer, replicas=replicas)
 
@@ -120,7 +119,7 @@ class Updates:
         if not params:
             self._write_state(task, {}, {}, write)
             return
-        sources = sorted(_waits_for(task, params, self.ctx.routes))
+        sources = self.ctx.program.gathers.get(task.id, [])
         self.ctx.wait_done(sources, f"updating task {task.id}")
         if self.ctx.shared.step_skipped(self.ctx.iteration):  # fp16 overflowed: nothing steps, nothing changes
             for p in params.values():
@@ -227,14 +226,14 @@ class Updates:
         self.ctx.after_compute(self.ctx.swap_out, "W K out", out)
 
 
-def host_update(task: Task, layers: LayerGraph, routes: Routes, store: HostStore, shared: Shared,
+def host_update(task: Task, program: Program, store: HostStore, shared: Shared,
                 build_optimizer: Callable, iteration: int, timeout: float, rates: Rates | None = None) -> float:
     """A UPD task bound to the host (an offloaded update): the optimizer steps the master weights
     in shared memory in place, with the gradients the devices left in their slots, at the
     iteration's scheduled ``rates`` if any. Returns when (``time.perf_counter``) its gradients were
     all there and the update began."""
-    owned = routes.updates.get(task.id, [])
-    shared.wait_done(sorted(_waits_for(task, owned, routes)), iteration, f"the host update of task {task.id}", timeout)
+    owned = program.updates.get(task.id, [])
+    shared.wait_done(program.gathers.get(task.id, []), iteration, f"the host update of task {task.id}", timeout)
     began = time.perf_counter()
     if shared.step_skipped(iteration):  # fp16 overflowed: nothing steps
         shared.mark_done(task.id, iteration)
@@ -266,10 +265,3 @@ def host_update(task: Task, layers: LayerGraph, routes: Routes, store: HostStore
     shared.mark_done(task.id, iteration)
     return began
 
-
-def _waits_for(task: Task, params, routes: Routes) -> set[int]:
-    """The tasks an update waits for: those leaving a gradient of ``params`` in host memory, and
-    the ones it depends on through shared memory (the gradient norm of a plan that clips)."""
-    sources = {s for name in params for s in routes.sources.get(name, [])}
-    sources |= {t.task for t in task.inputs if t.channel == Channel.SHM and t.task is not None}
-    return sources - {task.id}

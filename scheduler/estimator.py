@@ -411,7 +411,7 @@ class _Simulation:
         self._build_kinds()
         self._build_outputs()
         self._build_inputs(program)
-        self._build_update_dependencies()
+        self._build_update_dependencies(program)
         self._build_unread_outputs()
         self._build_state()
         self._build_kept(graph)
@@ -708,22 +708,28 @@ class _Simulation:
             return self._new_xfer(_IN if ch == Channel.SWAP else _MSG_IN, i, task.id, None, s)
         return None
 
-    def _build_update_dependencies(self) -> None:
-        """An update steps the summed gradient: it waits for every backward that deposits one of its
-        parameters' gradients, on any device, not only the one its dW input names (dp-swap's replicas)
-        (a device runs its tasks in order, so its last such backward per pack is the one to wait for)."""
-        tasks, units_of = self.tasks, self.units_of
-        last_bwd = {(b.device, b.first, b.last): b for b in tasks if b.kind == Kind.BWD and not b.jit_update()}
-        for task in tasks:
+    def _build_update_dependencies(self, program: Program) -> None:
+        """An update steps the summed gradient: it waits for every task the program says it gathers
+        from (``Program.gathers``: each backward depositing one of its parameters' gradients, on any
+        device; dp-swap's replicas), of which, as a device runs its tasks in order, the last per
+        device and pack."""
+        by_id, units_of = self.by_id, self.units_of
+        order = {t.id: i for i, t in enumerate(self.tasks)}
+        for task in self.tasks:
             if task.kind != Kind.UPD:
                 continue
+            last: dict[tuple[int, int, int], Task] = {}
+            for b in program.gathers.get(task.id, ()):
+                bwd = by_id[b]
+                key = (bwd.device, bwd.first, bwd.last)
+                if bwd.kind == Kind.BWD and (key not in last or order[b] > order[last[key].id]):
+                    last[key] = bwd
             cu = units_of[task.id][0]
-            for b in last_bwd.values():
-                if b.first <= task.last and task.first <= b.last:
-                    source = units_of[b.id][-1]
-                    source.end_units.append(cu)
-                    cu.need += 1
-                    cu.waits.append((Transfer("dW", Channel.SWAP, 0, task=b.id), b.id, source))
+            for b in last.values():
+                source = units_of[b.id][-1]
+                source.end_units.append(cu)
+                cu.need += 1
+                cu.waits.append((Transfer("dW", Channel.SWAP, 0, task=b.id), b.id, source))
 
     def _build_unread_outputs(self) -> None:
         """Outputs nobody read: P2P sends still happen; LOCAL tensors stay until their named task ends."""

@@ -35,13 +35,13 @@ from harmony import serialization
 from harmony.errors import FormatError
 from harmony.profiling.profiles import Profile
 from harmony.scheduler.tasks import HOST, Channel, Kind, Task, TaskGraph
-from harmony.scheduler.memory import running_gradient_input
+from harmony.scheduler.memory import is_kept, running_gradient_input
 
 __all__ = ["Action", "Edge", "Piece", "Program", "PROGRAM_FILE", "STREAMS", "buffer_chain", "gradient_gathers", "lower",
-           "pieces", "ranges", "stash_layers", "state_sources", "stream_layer", "stream_names", "IN_STREAM", "OUT_STREAM"]
+           "ownership", "pieces", "ranges", "stash_layers", "state_sources", "stream_layer", "stream_names", "IN_STREAM", "OUT_STREAM"]
 
 SCHEMA_VERSION = 4  # 2: LOADs name their source; Program.sources, Program.after. 3: Program.tasks. 4: Action.seq,
-# Program.gathers
+# Program.gathers, the parameters' ownership (owner, updates, deposits, replicas, resident)
 PROGRAM_FILE = "program.msgpack"
 NO_PROMISE = ("a task graph without a memory promise (TaskGraph.memory) has no program: where each task's "
               "state is loaded is the promise's choice. Attach one with harmony.scheduler.estimator.promise(graph, "
@@ -265,6 +265,13 @@ class Program:
     tasks: str = ""  # the fingerprint of the task graph it was lowered from (``TaskGraph.fingerprint``)
     # update (UPD) or norm task -> the backward tasks whose gradients it reads: it runs once they are done
     gathers: dict[int, list[int]] = field(default_factory=dict)
+    # who steps each trainable parameter and where its gradients go (``ownership``; empty when lowered
+    # without the layer graph's parameters, as a search's edges-only lowering is)
+    owner: dict[str, int] = field(default_factory=dict)  # parameter -> its lowest holding layer (model order)
+    updates: dict[int, list[str]] = field(default_factory=dict)  # task -> parameters it steps
+    deposits: dict[int, list[str]] = field(default_factory=dict)  # task -> parameters whose gradient it leaves in host memory
+    replicas: dict[int, list[int]] = field(default_factory=dict)  # device UPD task -> every UPD task of its pack
+    resident: list[int] = field(default_factory=list)  # tasks whose pack state a later task reads LOCAL
 
     def __post_init__(self) -> None:
         into: dict[tuple[int, str, int], list[Edge]] = {}
@@ -277,6 +284,30 @@ class Program:
         self._into = into
         self._out: dict[tuple[int, int], list[Edge]] | None = None  # built on first use
         self._reads: dict[int, list[tuple[int, str]]] = {}  # task id -> its stream_names, from lowering
+
+    def depositors(self, name: str) -> list[int]:
+        """The tasks leaving a gradient of parameter ``name`` in host memory, in plan order."""
+        return [t for t, names in self.deposits.items() if name in names]
+
+    def gradient_slots(self, graph: TaskGraph) -> set[tuple[int, str]]:
+        """(device, parameter) of every host gradient slot a task deposits into: the host store
+        needs no other (in pp each pack's backward runs on one device, so one slot per parameter,
+        where a slot for every device would hold the weights' size once per device)."""
+        device = {t.id: t.device for t in graph.tasks}
+        return {(device[t], p) for t, params in self.deposits.items() for p in params}
+
+    def kept_writes(self, graph: TaskGraph, rank: int) -> list[str]:
+        """The parameters whose kept state (``scheduler/keep.py``) device ``rank`` writes back to the
+        host store: those its kept tasks step, where it is the lowest of the replicas stepping them
+        (dp keeps a replica on every device; one writes it)."""
+        device = {t.id: t.device for t in graph.tasks}
+        names: list[str] = []
+        for task in graph.tasks:
+            if task.device != rank or not is_kept(task) or task.id not in self.updates:
+                continue
+            if rank == min(device[t] for t in self.replicas.get(task.id, [task.id])):
+                names += [n for n in self.updates[task.id] if n not in names]
+        return names
 
     def reads(self, task: Task) -> list[tuple[int, str]]:
         """(index in ``task.inputs``, stream) of each activation or gradient input of ``task``
@@ -339,7 +370,10 @@ class Program:
                 "peaks": {str(d): int(p) for d, p in self.peaks.items()},
                 "sources": [[c, i, p, o] for (c, i), (p, o) in sorted(self.sources.items())],
                 "after": [[t, e] for t, e in sorted(self.after.items())], "tasks": self.tasks,
-                "gathers": [[t, list(g)] for t, g in sorted(self.gathers.items())]}
+                "gathers": [[t, list(g)] for t, g in sorted(self.gathers.items())],
+                "owner": dict(self.owner), "updates": [[t, list(n)] for t, n in sorted(self.updates.items())],
+                "deposits": [[t, list(n)] for t, n in sorted(self.deposits.items())],
+                "replicas": [[t, list(r)] for t, r in sorted(self.replicas.items())], "resident": list(self.resident)}
 
     @classmethod
     def from_dict(cls, body: dict) -> "Program":
@@ -349,7 +383,12 @@ class Program:
                    peaks={int(d): int(p) for d, p in body.get("peaks", {}).items()},
                    sources={(int(c), int(i)): (int(p), int(o)) for c, i, p, o in body.get("sources", [])},
                    after={int(t): int(e) for t, e in body.get("after", [])}, tasks=str(body["tasks"]),
-                   gathers={int(t): [int(b) for b in g] for t, g in body.get("gathers", [])})
+                   gathers={int(t): [int(b) for b in g] for t, g in body["gathers"]},
+                   owner={str(p): int(l) for p, l in body["owner"].items()},
+                   updates={int(t): [str(n) for n in names] for t, names in body["updates"]},
+                   deposits={int(t): [str(n) for n in names] for t, names in body["deposits"]},
+                   replicas={int(t): [int(r) for r in rs] for t, rs in body["replicas"]},
+                   resident=[int(t) for t in body["resident"]])
 
     def save(self, directory: str | Path) -> Path:
         path = Path(directory) / PROGRAM_FILE
@@ -546,28 +585,79 @@ def buffer_chain(graph: TaskGraph) -> dict[int, int]:
     return after
 
 
-def gradient_gathers(graph: TaskGraph) -> dict[int, list[int]]:
-    """Each update (UPD) and norm (NORM) task -> the backward tasks it waits for: those leaving a
-    gradient of its layers in host memory (every replica's, in data parallel: the update steps
-    their sum), and the tasks it reads through shared memory (the norm an update of a clipped
-    plan scales by). A backward that steps its own pack (``jit_update``) leaves none."""
+def gradient_gathers(graph: TaskGraph, program: Program) -> dict[int, list[int]]:
+    """Each task that steps or sums gradients -> the tasks it waits for, done (their gradients in
+    host memory): a NORM task every task it reads; an update (a UPD task, or the fused step of a
+    backward stepping its own pack) the tasks depositing a gradient of a parameter it steps (every
+    replica's, in data parallel; a tied weight's from another pack), by the program's ownership,
+    or without one (a search's lowering) the backwards over its layers; and the tasks it reads
+    through shared memory (the norm an update of a clipped plan scales by)."""
     backwards = [b for b in graph.tasks if b.kind == Kind.BWD and not b.jit_update()]
     out: dict[int, list[int]] = {}
     for task in graph.tasks:
-        if task.kind not in (Kind.UPD, Kind.NORM):
+        if task.kind == Kind.NORM:
+            waits = task.deps()
+        elif task.kind == Kind.UPD or task.id in program.updates:
+            if program.owner:
+                waits = {d for name in program.updates.get(task.id, ()) for d in program.depositors(name)}
+            else:
+                waits = {b.id for b in backwards if b.first <= task.last and task.first <= b.last}
+            waits |= {t.task for t in task.inputs if t.channel == Channel.SHM and t.task is not None}
+        else:
             continue
-        waits = {b.id for b in backwards if b.first <= task.last and task.first <= b.last}
-        waits |= {t.task for t in task.inputs if t.channel == Channel.SHM and t.task is not None}
         waits.discard(task.id)
         out[task.id] = sorted(waits)
     return out
 
 
-def lower(graph: TaskGraph, profile: Profile | None, streams: bool = True) -> Program:
+def ownership(program: Program, graph: TaskGraph, params: dict[str, list[int]]) -> None:
+    """Who steps each trainable parameter and who leaves its gradient where, from ``params`` (each
+    trainable parameter's canonical name, in the model's order, and the layers holding it):
+
+    - a parameter is its lowest holding layer's (``owner``): the pack holding that layer steps it;
+    - a UPD task steps the parameters its pack owns; a backward stepping its own pack at once
+      (``jit_update``) steps them too, and leaves a tied weight another pack owns in host memory
+      for that pack's update;
+    - every other backward leaves all its parameters' gradients in its device's host slots
+      (``deposits``), which the update sums;
+    - the UPD tasks of one pack on several devices (data parallel) are replicas of one update
+      (``replicas``): each steps, the lowest writes the master;
+    - a pack state a later task reads LOCAL stays resident (``resident``).
+
+    A plan stepping on a device a weight it moves as a low-precision copy is refused: the step
+    needs the float32 master there."""
+    program.owner = {name: min(layers) for name, layers in params.items()}
+    for task in graph.tasks:
+        inside = [p for p, layers in params.items() if any(task.first <= l <= task.last for l in layers)]
+        owned = [p for p in inside if task.first <= program.owner[p] <= task.last]
+        if task.kind == Kind.UPD:
+            program.updates[task.id] = owned
+        elif task.kind == Kind.BWD and task.jit_update():
+            program.updates[task.id] = owned
+            program.deposits[task.id] = [p for p in inside if p not in owned]
+        elif task.kind == Kind.BWD:
+            program.deposits[task.id] = inside
+        low = sorted(set(program.updates.get(task.id, ())) & set(graph.low_copies)) if task.device != HOST else []
+        if low:
+            raise ValueError(f"task {task.id} is to step {', '.join(low)} on a device, but the plan moves them as "
+                             "low-precision copies; the plan is inconsistent: compile it again")
+    packs: dict[tuple[int, int], list[int]] = {}
+    for task in graph.tasks:
+        if task.kind == Kind.UPD and task.device != HOST:
+            packs.setdefault((task.first, task.last), []).append(task.id)
+    program.replicas = {t: ids for ids in packs.values() for t in ids}
+    program.resident = sorted({t.task for task in graph.tasks for t in task.inputs
+                               if t.tensor == "W" and t.channel == Channel.LOCAL and t.task is not None})
+
+
+def lower(graph: TaskGraph, profile: Profile | None, streams: bool = True,
+          params: dict[str, list[int]] | None = None) -> Program:
     """The program of ``graph``: its edges and, per device and stream, the ordered actions (edge
     bytes from ``profile``; 0 without one). ``streams=False`` lowers the edges alone (no actions):
     who sends what to whom, all a player that orders the streams itself needs (the estimator).
-    The actions need the graph's memory promise: it says where each task's state is loaded."""
+    The actions need the graph's memory promise: it says where each task's state is loaded.
+    ``params`` (``LayerGraph.parameter_layers``): the trainable parameters and the layers holding
+    them, whose ownership a program to run needs (``ownership``)."""
     if streams and graph.memory is None:
         raise ValueError(NO_PROMISE)
     reads: dict[int, list[tuple[int, str]]] = {}
@@ -578,7 +668,9 @@ def lower(graph: TaskGraph, profile: Profile | None, streams: bool = True) -> Pr
     program._reads = reads
     program.sources = state_sources(graph, reads)
     program.after = buffer_chain(graph)
-    program.gathers = gradient_gathers(graph)
+    if params is not None:
+        ownership(program, graph, params)
+    program.gathers = gradient_gathers(graph, program)
     if not streams:
         return program
     b = _Builder(graph, program, graph.memory.prefetch)

@@ -77,7 +77,7 @@ def _update_inputs(task: Task) -> int:
 
 def stashes_every_layer(task: Task) -> bool:
     """Whether a BWD task reads a stash of every layer's input (the no-recompute baselines) and so
-    recomputes layer by layer (``runtime/routes.stash_layers``)."""
+    recomputes layer by layer (``lower.stash_layers``)."""
     if task.kind != Kind.BWD or task.loss or task.last == task.first:
         return False
     stashes = [t for t in task.inputs if t.tensor in ("X", "Xs") and t.microbatch in (0, None) and t.channel == Channel.SWAP]

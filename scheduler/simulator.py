@@ -28,8 +28,9 @@ for what the program says it reads. What it models of the runtime:
 - **A state prefetch the runtime would not make**: the next task's state is not prefetched while
   the task whose buffers it continues is still running (``Program.after``); it loads when its
   task starts.
-- **Updates** wait for every backward whose gradients they read (``Program.gathers``): the host's
-  program is its updates (and the norm of a clipped plan), in order.
+- **Updates** (a UPD task, a backward's fused step) and a clipped plan's NORM wait for every task
+  whose gradients they read to be done (``Program.gathers``): the host's program is its updates
+  (and the norm), in order.
 
 Memory is not simulated here: a program's reservations are the promise its graph was lowered with
 (``Program.peaks``, the estimator's). The search ranks candidates with the estimator, which
@@ -217,8 +218,9 @@ class _Player:
             a = node.action
             reads = recvs.get((a.task, a.unit), []) + [n for n in loads.get(a.task, []) if n.action.seq < a.seq]
             self._after(node, reads)
-            for task in program.gathers.get(a.task, []):
-                self._after(node, self.by_task.get(task, []))
+            if a.op in ("UPD", "NORM"):  # a step (or a fused one) sums what its gathers left
+                for task in program.gathers.get(a.task, []):
+                    self._after(node, self.by_task.get(task, []))
 
     @staticmethod
     def _after(node: _Node, before: list[_Node]) -> None:

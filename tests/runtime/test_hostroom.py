@@ -10,7 +10,6 @@ from harmony.errors import HarmonyError
 from harmony.models.gpt2 import GPT, GPTConfig, loss_fn
 from harmony.runtime import hostroom
 from harmony.runtime.channels import Slabs
-from harmony.runtime.routes import build_routes
 
 CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=16)
 
@@ -91,12 +90,12 @@ def test_the_store_keeps_a_gradient_slot_only_where_a_device_deposits_one(plan):
     dp = harmony.compile(GPT(CONFIG), loss_fn, _batch, build_optimizer=_optimizer, minibatch_size=4, devices=2,
                          device_memory="64MiB", mode="dp", compare=False, probe=False, keep_state=False)
     for compiled, per_parameter in ((plan, {0, 1, 2}), (dp, {2})):
-        slots = build_routes(compiled.tasks, compiled.graph, compiled.program()).gradient_slots()
+        slots = compiled.program().gradient_slots(compiled.tasks)
         with harmony.Trainer(compiled, optimizer=_optimizer, loss_fn=loss_fn) as trainer:
             layout = trainer.store.layout
             assert {k for k in layout.entries if k.startswith("G/")} == {f"G/{d}/{n}" for d, n in slots}
             assert {sum(1 for _, n in slots if n == p) for p in layout.params} <= per_parameter
             assert layout.size == compiled.estimate["host_store_bytes"]
             trainer.step(*_batch(4, 0))
-    routes = build_routes(plan.tasks, plan.graph, plan.program())
-    assert len(routes.gradient_slots()) < 2 * len(routes.owner)  # fewer than a slot per parameter per device
+    program = plan.program()
+    assert len(program.gradient_slots(plan.tasks)) < 2 * len(program.owner)  # fewer than a slot per parameter per device

@@ -26,7 +26,6 @@ from harmony.modelfile import load_model_file, parse_options
 from harmony.plan import Plan
 from harmony.runtime.hoststore import HostStore
 from harmony.runtime.replication import _merge, _stamp_index, task_writes
-from harmony.runtime.routes import build_routes
 from harmony.scheduler.search import search
 from harmony.trainer import Trainer
 
@@ -278,9 +277,9 @@ def test_replicated_regions_cover_every_host_store_write(base_plan, tmp_path, mo
     with Trainer(plan, optimizer=mf.build_optimizer, loss_fn=mf.loss_fn,
                  state_dict=mf.build_model().state_dict()) as trainer:
         store: HostStore = trainer.store
-        routes = build_routes(plan.tasks, plan.graph, plan.program())
-        named = [span for t in plan.tasks.tasks for span in task_writes(t, routes, plan.graph, store).spans]
-        flags = {i for t in plan.tasks.tasks for i in task_writes(t, routes, plan.graph, store).flags}
+        program = plan.program()
+        named = [span for t in plan.tasks.tasks for span in task_writes(t, program, plan.tasks, plan.graph, store).spans]
+        flags = {i for t in plan.tasks.tasks for i in task_writes(t, program, plan.tasks, plan.graph, store).flags}
         for step in range(2):
             buffer, stamps = store.buffer.clone(), store.flags.clone()
             trainer.step(*mf.get_batch(MINIBATCH, step))

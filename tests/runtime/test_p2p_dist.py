@@ -102,7 +102,7 @@ def test_the_launcher_uses_the_transport_it_was_given():
         assert launcher.p2p == "dist" and Path(rendezvous).is_dir()
         # no slab carries P2P messages: they travel over gloo
         p2p_pairs = set(p2p.p2p_pairs(plan.tasks))
-        others = {(trainer.launcher.routes.by_id[t.task].device, task.device)
+        others = {(trainer.launcher.by_id[t.task].device, task.device)
                   for task in plan.tasks.tasks for t in task.inputs
                   if t.task is not None and t.channel in (Channel.SWAP, Channel.MSG)}
         assert not (set(launcher.slabs.buffers) & (p2p_pairs - others))
