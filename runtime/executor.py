@@ -59,7 +59,7 @@ from harmony.runtime.streams import Stream
 from harmony.runtime.transport import Transport
 from harmony.runtime.updates import Updates
 from harmony.scheduler.lower import Program
-from harmony.scheduler.tasks import Kind, Task, TaskGraph
+from harmony.scheduler.tasks import Task, TaskGraph
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,14 @@ class Executor:
                  build_optimizer: Callable, seed: int, timeout: float = 600.0, slabs: Slabs | None = None,
                  prefetch: bool = True, transport: DistTransport | None = None) -> None:
         self.prefetch = prefetch  # off only to measure what prefetching buys (bench, Fig. 14)
-        self.tasks = graph.device_tasks(rank)
+        # the tasks in the order of the device's compute program, each with the op its first unit runs
+        self.tasks: list[Task] = []
+        self._ops: dict[int, str] = {}
+        by_id = {t.id: t for t in graph.tasks}
+        for action in program.actions(rank, "compute"):
+            if action.op not in ("SEND", "RECV") and action.task not in self._ops:
+                self._ops[action.task] = action.op
+                self.tasks.append(by_id[action.task])
         threads = torch.get_num_threads()
 
         def setup() -> None:
@@ -118,10 +125,13 @@ class Executor:
         # per task the most it holds at once (the launcher refuses a plan without one)
         plan = graph.memory
         self.admission = Admission(ctx, plan)
-        self.packs = PackState(ctx, self.admission, plan)
+        self.packs = PackState(ctx, self.admission)
+        self.packs.prefetching = prefetch
         self.transport = Transport(ctx, self.admission, mailbox, peers, slabs, transport, prefetch)
         self.updates = Updates(ctx, self.admission, self.packs, build_optimizer)
         self.compute = Compute(ctx, self.packs, self.transport, self.updates, loss_fn)
+        self._handlers: dict[str, Callable[[Task], float]] = {
+            "FWD": self._forward, "BWD": self.compute.backward, "BWD+loss": self.compute.backward, "UPD": self._update}
         if tracker is not None:
             tracker.reclaim = self.admission.reclaim
             tracker.budget = plan.devices.get(rank)
@@ -172,18 +182,16 @@ class Executor:
         events: list[Event] = []
         start = time.perf_counter()
         with device.memory_scope():
-            for i, task in enumerate(self.tasks):
+            for task in self.tasks:
                 t0 = time.perf_counter()
                 ctx.shared.set_current(ctx.rank, task.id)
                 ctx.task = task.id
                 device.reset_peak()
-                self.packs.next_task = self.tasks[i + 1] if self.prefetch and i + 1 < len(self.tasks) else None
                 # the task's first unit is reserved before its state loads (the state counts inside it)
                 # and before the next task's state may be prefetched beside it
                 self.admission.ledger_unit(task.id, 0)
                 loss += self._run_task(task)
                 ctx.ledger.idle(self.admission.kept)
-                self.packs.next_task = None
                 self.admission.headroom = 0
                 t1 = time.perf_counter()
                 task_seconds[task.id] = t1 - t0
@@ -220,18 +228,24 @@ class Executor:
                                unit_starts=device.take_unit_starts())
 
     def _run_task(self, task: Task) -> float:
-        """Run one task on the compute thread; returns its share of the loss (0 but for a loss task)."""
+        """Run one task's units on the compute thread, by the op the program gives its first (one
+        handler per op); returns its share of the loss (0 but for a loss task)."""
         log.debug("dev%d runs %s", self.ctx.rank, task)
-        if task.kind == Kind.FWD:
-            self.compute.forward(task)
-            loss = 0.0
-        elif task.kind == Kind.BWD:
-            loss = self.compute.backward(task)
-        else:
-            self.updates.update_task(task)
-            loss = 0.0
+        handler = self._handlers.get(self._ops[task.id])
+        if handler is None:
+            raise RuntimeError(f"dev{self.ctx.rank}'s program runs {self._ops[task.id]} for {task}, which a device "
+                               "does not run")
+        loss = handler(task)
         self._finish(task)
         return loss
+
+    def _forward(self, task: Task) -> float:
+        self.compute.forward(task)
+        return 0.0
+
+    def _update(self, task: Task) -> float:
+        self.updates.update_task(task)
+        return 0.0
 
     def _finish(self, task: Task) -> None:
         """Mark the task done once every output it queued has left (stream order guarantees it:

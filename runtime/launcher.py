@@ -71,7 +71,7 @@ from harmony.runtime.lossscale import LossScale
 from harmony.runtime.precision import needs_loss_scaling
 from harmony.runtime.timed import TimedDevice, Timing, sleep_until
 from harmony.runtime.updates import host_update
-from harmony.scheduler.tasks import HOST, Channel, Kind, TaskGraph
+from harmony.scheduler.tasks import HOST, Channel, TaskGraph
 
 log = logging.getLogger(__name__)
 
@@ -361,7 +361,7 @@ class Launcher:
                                "params=layer_graph.parameter_layers()))")
         check_clipping(tasks, clip_grad_norm)
         self.keeps = bool(kept_on(tasks))  # whether the devices keep state across iterations
-        self._host_work = any(t.device == HOST for t in tasks.tasks)  # updates or a norm on the host
+        self._host_work = bool(program.actions(HOST, "compute"))  # updates or a norm on the host
         self._synced = 0  # the iteration after which the host store last held every kept state
         self.clip_grad_norm = clip_grad_norm
         self.timing = timing
@@ -487,20 +487,22 @@ class Launcher:
 
     def _host_tasks(self, iteration: int, errors: list, events: list, rates: Rates | None, loss_scale: float | None,
                     verdict: list) -> None:
-        """The host's tasks in plan order: offloaded updates, and the NORM task of a plan that clips
-        or scales the loss (its norm and whether the step is skipped go to ``verdict``)."""
+        """The host's program (``Program.actions(HOST, "compute")``), in order: offloaded updates, and
+        the NORM of a plan that clips or scales the loss (its norm and whether the step is skipped go
+        to ``verdict``)."""
         try:
-            for task in self.tasks.tasks:
-                if task.device != HOST:
-                    continue
-                if task.kind == Kind.NORM:
+            for action in self.program.actions(HOST, "compute"):
+                task = self.by_id[action.task]
+                if action.op == "NORM":
                     found = host_norm(task, self.program, self.store, self.shared, self.clip_grad_norm, iteration,
                                       self.timeout, loss_scale)
                     verdict.append(found)
                     began = found.began
-                else:
+                elif action.op == "UPD":
                     began = host_update(task, self.program, self.store, self.shared, self.build_optimizer,
                                         iteration, self.timeout, rates)
+                else:
+                    raise HarmonyError(f"the host's program has {action}, which the host does not run")
                 if self.timing is not None:  # the host's work lasts its modelled time, as a device's does
                     sleep_until(began + self.timing.units.get((task.id, 0), 0.0))
                 events.append((task.id, str(task), began, time.perf_counter()))

@@ -1,10 +1,11 @@
 """A pack's state on the device: its parameters (W) and buffers (B) in from the host store and out
 again, and the gradients (dW) its parameters collect across tasks.
 
-- In: loaded when the task starts, or prefetched on the swap-in stream while the previous task
-  computes, at the unit the memory plan names (``MemoryPlan.prefetch``; without one, once the
-  running task's own state is in), giving up rather than waiting when it does not fit; or kept
-  resident on the device for a later task (``Program.resident``).
+- In: on the swap-in stream where the program lists its LOAD: ahead of the task's first inputs as
+  the task starts, or while the task before computes, at the unit the program names
+  (``Program.prefetches``, from the memory promise), a prefetch giving up rather than waiting when
+  it does not fit (the task then loads it as it starts); or kept resident on the device for a
+  later task (``Program.resident``).
 - Out: buffers a forward changed (BatchNorm statistics) written back; weights evicted without an
   update, as the per-GPU-swap baselines do.
 - Gradients: the running gradient a baseline's backward starts from (dW <- SWAP) and the deposits a
@@ -31,18 +32,18 @@ from harmony.runtime.context import DeviceContext
 from harmony.runtime.ledger import KEPT, STATE
 from harmony.scheduler import memory
 from harmony.scheduler.memory import running_gradient_input
-from harmony.scheduler.tasks import Channel, Kind, MemoryPlan, Task
+from harmony.scheduler.tasks import Channel, Task
 
 
 class PackState:
     """A pack's W, B and dW between the host store and the device; see the module docs."""
 
-    def __init__(self, ctx: DeviceContext, admission: Admission, plan: MemoryPlan) -> None:
+    def __init__(self, ctx: DeviceContext, admission: Admission) -> None:
         self.ctx = ctx
         self.admission = admission
         self._prefetched: dict[int, Future] = {}  # task -> its state, prefetched
-        self._prefetches = dict(plan.prefetch)  # per task loaded ahead, the unit of the task before it loads at
-        self.next_task: Task | None = None  # the next task, while its state may still be prefetched
+        self._prefetches = ctx.program.prefetches(ctx.rank)  # (task, unit) -> the task whose state loads then
+        self.prefetching = True  # off only to measure what prefetching buys (``Executor(prefetch=False)``)
         self._zeros: dict[torch.dtype, torch.Tensor] = {}  # per dtype, the element gradient sinks broadcast
         self.kept_state: dict[str, torch.Tensor] = {}  # weights (canonical name) and buffers kept across iterations
         self.kept_optim: dict[str, dict[str, torch.Tensor]] = {}  # canonical name -> its optimizer state, kept likewise
@@ -57,21 +58,16 @@ class PackState:
 
     def unit_starts(self, unit: int) -> None:
         """Unit ``unit`` of the running task (a microbatch, or its update) is about to compute: the
-        moment the plan may load the next task's state (``MemoryPlan.prefetch``), its memory counted
-        beside this unit's."""
+        moment the program loads the next task's state where it does (``Program.prefetches``), its
+        memory counted beside this unit's."""
         self.admission.ledger_unit(self.ctx.task, unit)
-        nxt = self.next_task
-        if nxt is None or self._prefetches.get(nxt.id, -1) != unit:
-            return
-        self.next_task = None
-        self._prefetch_state(nxt)
+        nxt = self._prefetches.get((self.ctx.task, unit))
+        if nxt is not None and self.prefetching:
+            self._prefetch_state(self.ctx.by_id[nxt])
 
     def _prefetch_state(self, task: Task) -> None:
         """Load the next task's state while the running one computes, where the plan does (its
         memory counts it beside the running task)."""
-        if task.kind == Kind.UPD or any(t.tensor == "W" and t.channel in (Channel.LOCAL, Channel.KEEP)
-                                        for t in task.inputs):
-            return
         before = self.ctx.program.after.get(task.id)
         if before is not None and not self.ctx.shared.is_done(before, self.ctx.iteration):
             # its buffers are still being updated (maybe by the task running now): a prefetch would

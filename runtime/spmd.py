@@ -66,7 +66,7 @@ from harmony.runtime.replication import PeerWatch, ReplicatedShared, Replicator,
 from harmony.runtime.lr_schedule import Schedule
 from harmony.runtime.updates import host_update
 from harmony.scheduler.memory import kept_on
-from harmony.scheduler.tasks import HOST, Kind
+from harmony.scheduler.tasks import HOST
 
 log = logging.getLogger(__name__)
 
@@ -536,13 +536,13 @@ def _peer_gone(exc: BaseException) -> bool:
 def _host_tasks(plan, program, host, shared, build_optimizer, iteration, timeout, errors, rates=None,
                 clip_grad_norm: float | None = None, loss_scale: float | None = None,
                 verdict: list[Verdict] | None = None) -> None:
-    """Rank 0's host tasks in plan order, as the launcher's: offloaded updates at the schedule's
+    """Rank 0's host program in order, as the launcher's: offloaded updates at the schedule's
     ``rates``, and the NORM task of a plan that clips or scales the loss (its verdict to ``verdict``)."""
+    by_id = {t.id: t for t in plan.tasks.tasks}
     try:
-        for task in plan.tasks.tasks:
-            if task.device != HOST:
-                continue
-            if task.kind == Kind.NORM:
+        for action in program.actions(HOST, "compute"):
+            task = by_id[action.task]
+            if action.op == "NORM":
                 found = host_norm(task, program, host, shared, clip_grad_norm, iteration, timeout, loss_scale)
                 if verdict is not None:
                     verdict.append(found)

@@ -341,6 +341,21 @@ class Program:
         state as the unit starts, sends and stores once the unit has ended."""
         return sorted((a for acts in self.streams.get(device, {}).values() for a in acts), key=lambda a: a.seq)
 
+    def prefetches(self, device: int) -> dict[tuple[int, int], int]:
+        """(task, unit) -> the task whose state (W, B) the device loads ahead while that unit
+        computes: a LOAD listed before another task's unit. The runtime issues it as the unit starts."""
+        out: dict[tuple[int, int], int] = {}
+        loads: list[Action] = []
+        for a in self.issue_order(device):
+            if a.op == "LOAD" and a.tensor in ("W", "B"):
+                loads.append(a)
+            elif a.stream == "compute" and a.op not in ("SEND", "RECV"):
+                for load in loads:
+                    if load.task != a.task:
+                        out[(a.task, a.unit)] = load.task
+                loads = []
+        return out
+
     def transfers(self, device: int, stream: str) -> list[tuple[str, int, int]]:
         """(op, edge, bytes) of the edge actions on a stream, in order: what two players of the
         program must agree on."""
