@@ -3,7 +3,7 @@
 Each case compiles a tiny model with an analytic profile of a real GPU (``--analytic``), at a device
 memory small enough that state moves, then runs the plan on timed devices (``runtime/timed.py``):
 every compute unit and copy lasts what the cost model says, scaled so that the simulated iteration
-lasts ``timed.ITERATION``. The run's time is then set by the runtime's order and waits, not by this
+lasts ``timed.ITERATION`` (``--seconds``). The run's time is then set by the runtime's order and waits, not by this
 machine's cores, and is compared with the simulation of the plan's program on the same modelled
 machine (``timed_machine``, ``scheduler/simulator.py``); beside it, the search's own estimate of the
 task graph (``scheduler/estimator.py``, which ranks candidates and chooses where state is
@@ -32,7 +32,7 @@ from rich.table import Table
 import harmony
 from harmony.models import bert, gpt2, llama, resnet
 from harmony.plan import Plan
-from harmony.runtime.timed import Timing, scale_for, timed_machine
+from harmony.runtime.timed import ITERATION, Timing, scale_for, timed_machine
 from harmony.scheduler.estimator import estimate
 from harmony.scheduler.machine import nominal_machine
 from harmony.scheduler.simulator import simulate, unit_starts
@@ -83,7 +83,7 @@ def compile_case(name: str, mode: str, devices: int, spec: str, memory: float = 
     return harmony.compile(model, module.loss_fn, get_batch, device_memory=int(footprint * memory), **options)
 
 
-def run_case(case: Case, plan: Plan, steps: int) -> Case:
+def run_case(case: Case, plan: Plan, steps: int, seconds: float = ITERATION) -> Case:
     """The simulation of the plan's program and its run on timed devices, ``steps`` measured after
     one warm-up."""
     tasks, profile = plan.tasks, plan.profile
@@ -93,7 +93,7 @@ def run_case(case: Case, plan: Plan, steps: int) -> Case:
         raise RuntimeError(f"the program's simulation does not finish: {est.deadlock}")
     searched = estimate(tasks, profile, machine, capacity=plan.options.get("planned_memory", profile.capacity),
                         record_events=False)
-    timing = Timing.of(tasks, profile, machine, scale_for(est.iteration_time))
+    timing = Timing.of(tasks, profile, machine, scale_for(est.iteration_time, seconds))
     case.estimated = est.iteration_time * timing.scale
     case.searched = searched.iteration_time * timing.scale
     module = MODELS[case.model]
@@ -149,7 +149,7 @@ def _from_first(starts: dict[tuple[int, int], float]) -> dict[tuple[int, int], f
 
 
 def run(models: list[str], modes: list[str], devices: list[int], spec: str, steps: int,
-        progress: Callable[[str], None] = log.info) -> list[Case]:
+        progress: Callable[[str], None] = log.info, seconds: float = ITERATION) -> list[Case]:
     cases = []
     for name in models:
         for count in devices:
@@ -157,7 +157,7 @@ def run(models: list[str], modes: list[str], devices: list[int], spec: str, step
                 case = Case(name, mode, count)
                 progress(f"{name} {mode} on {count} timed devices")
                 try:
-                    run_case(case, compile_case(name, mode, count, spec), steps)
+                    run_case(case, compile_case(name, mode, count, spec), steps, seconds)
                 except Exception as exc:  # noqa: BLE001 - one case's failure is reported in the table
                     case.error = f"{type(exc).__name__}: {str(exc).splitlines()[0].split(';')[0][:100]}"
                 cases.append(case)
@@ -183,12 +183,13 @@ def report(cases: list[Case]) -> None:
         console.print(f"max |error| {100 * worst:.1f}% over {len(ran)} runs (target {100 * TARGET:.0f}%)")
 
 
-def markdown(cases: list[Case], command: str) -> str:
+def markdown(cases: list[Case], command: str, seconds: float = ITERATION) -> str:
     """The table for ``bench/results/timed.md``, dated, with the command that reproduces it."""
     lines = ["# Estimate against run on timed devices", "",
              f"Measured {datetime.date.today().isoformat()} on torch {torch.__version__}: `{command}` "
              "(tiny presets, analytic H100 profiles, device memory at "
-             f"{MEMORY:g} of an uncapped plan's peak, time scaled to about a second per iteration)", "",
+             f"{MEMORY:g} of an uncapped plan's peak, time scaled so that the simulated iteration lasts {seconds:g} s)",
+             "",
              "| model | mode | devices | simulated ms | measured ms | error | search's error | run spread | "
              "where it first parts (+: a unit starts later than simulated) |",
              "|---|---|---:|---:|---:|---:|---:|---:|---|"]
@@ -213,6 +214,8 @@ def main() -> None:
     parser.add_argument("--devices", default="2,4,8")
     parser.add_argument("--analytic", default="h100")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=ITERATION,
+                        help="what the simulated iteration is scaled to last: the runtime's own Python weighs less in longer runs")
     parser.add_argument("--quick", action="store_true", help="gpt2 and bert, pp and dp, on 2 and 4 devices")
     parser.add_argument("--out", help="also write the table as markdown to this file")
     ns = parser.parse_args()
@@ -220,10 +223,10 @@ def main() -> None:
     if ns.quick:
         ns.models, ns.modes, ns.devices = "gpt2,bert", "pp,dp", "2,4"
     cases = run(ns.models.split(","), ns.modes.split(","), [int(d) for d in ns.devices.split(",")], ns.analytic,
-                ns.steps)
+                ns.steps, seconds=ns.seconds)
     report(cases)
     if ns.out:
-        Path(ns.out).write_text(markdown(cases, "python -m bench.timed " + " ".join(sys.argv[1:])))
+        Path(ns.out).write_text(markdown(cases, "python -m bench.timed " + " ".join(sys.argv[1:]), ns.seconds))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Timed devices (``runtime/timed.py``): work lasts what the cost model says, so a run's time is the
-runtime's order and waits, comparable with the estimator's simulation of the same plan."""
+runtime's order and waits, comparable with the simulation of the plan's program
+(``scheduler/simulator.py``)."""
 
 from __future__ import annotations
 
@@ -59,10 +60,10 @@ def test_a_timing_scales_every_unit_and_copy_alike_to_make_an_iteration_last_a_s
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["pp", "dp"])
-def test_a_two_device_timed_run_takes_its_estimate_within_five_percent(mode):
-    """A plan with one pack per device and nothing but state moving: the runtime's own Python (a
-    few hundred microseconds a unit, more on a loaded machine) is all that separates run and
-    estimate. Plans whose packs swap across devices part further (``python -m bench.timed``)."""
-    plan = bench_timed.compile_case("gpt2", mode, 2, "h100", memory=SIMPLE)
+def test_a_two_device_timed_run_takes_its_simulated_time_within_three_percent(mode):
+    """Packs that swap their state in and out of two devices: the run plays the program the
+    simulation plays, and the runtime's own Python (a millisecond or two a task on this machine,
+    which the timed machine does not model) is what separates them (``python -m bench.timed``)."""
+    plan = bench_timed.compile_case("gpt2", mode, 2, "h100")
     case = bench_timed.run_case(bench_timed.Case("gpt2", mode, 2), plan, steps=2)
-    assert abs(case.relative) < 0.05, (case.estimated, case.measured, case.worst_unit)
+    assert abs(case.relative) < 0.03, (case.estimated, case.measured, case.worst_unit)
