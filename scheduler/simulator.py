@@ -26,16 +26,22 @@ for what the program says it reads. What it models of the runtime:
   device's shared-memory slab, whose copy in is the receiver's); LOCAL pieces stay on the device
   and cost nothing.
 - **A state prefetch the runtime would not make**: the next task's state is not prefetched while
-  the task whose buffers it continues is still running (``Program.after``); it loads when its
-  task starts.
+  the task whose buffers it continues is still running (``Program.after``), nor where it does not
+  fit: the device's memory is counted as the runtime's ledger counts it (``_Ledger``: the running
+  unit's planned bytes from the memory promise, its task's state and its microbatch's inputs inside
+  them; beside them the copies made ahead and the outputs still leaving, until their sends and
+  stores are done), and a prefetch that would take it past the plan's peak for the device gives up,
+  as the runtime's does rather than hold its stream. Either loads when its task starts, ahead of
+  the task's first inputs.
 - **Updates** (a UPD task, a backward's fused step) and a clipped plan's NORM wait for every task
   whose gradients they read to be done (``Program.gathers``): the host's program is its updates
   (and the norm), in order.
 
-Memory is not simulated here: a program's reservations are the promise its graph was lowered with
+Peaks are not reported here: a program's reservations are the promise its graph was lowered with
 (``Program.peaks``, the estimator's). The search ranks candidates with the estimator, which
 chooses where each state is prefetched; the program lowered from the winner is what this module
-plays and what the runtime runs.
+plays and what the runtime runs. A copy of the next microbatch's inputs waits for room in the
+runtime (until the compute thread waits for it); here it does not.
 """
 
 from __future__ import annotations
@@ -82,7 +88,7 @@ class _Node:
 class _Thread:
     """A device's compute thread: its units in order, each with the actions listed before it."""
 
-    __slots__ = ("segments", "tail", "k", "reads_issued", "running", "deferred")
+    __slots__ = ("segments", "tail", "k", "reads_issued", "running", "deferred", "waiting")
 
     def __init__(self, order: list[_Node]) -> None:
         self.segments: list[tuple[_Node, list[_Node]]] = []
@@ -97,7 +103,44 @@ class _Thread:
         self.k = 0  # the unit it is at
         self.reads_issued = False  # the unit's reads (and what it issues at once) are issued
         self.running = False
+        self.waiting = False  # blocked on a unit's reads: every copy it waits for may take the margin
         self.deferred: dict[int, list[_Node]] = {}  # task -> state loads put off to its start
+
+
+class _Ledger:
+    """A device's memory as the runtime's ledger counts it (``runtime/ledger.py``): the running
+    unit's planned bytes (its own buffers inside them), every other buffer beside them (copies made
+    ahead, outputs still leaving), against the plan's peak for the device."""
+
+    __slots__ = ("budget", "held", "running", "planned")
+
+    def __init__(self, budget: int | None) -> None:
+        self.budget = budget
+        self.held: dict[tuple, int] = {}
+        self.running: frozenset = frozenset()
+        self.planned = 0
+
+    def occupied(self) -> int:
+        inside = outside = 0
+        for owner, n in self.held.items():
+            if owner in self.running:
+                inside += n
+            else:
+                outside += n
+        return outside + max(self.planned, inside)
+
+    def fits(self, nbytes: int) -> bool:
+        return self.budget is None or self.occupied() + nbytes <= self.budget
+
+    def hold(self, owner: tuple, nbytes: int) -> None:
+        self.held[owner] = self.held.get(owner, 0) + nbytes
+
+    def free(self, owner: tuple, nbytes: int | None = None) -> None:
+        left = 0 if nbytes is None else self.held.get(owner, 0) - nbytes
+        if left > 0:
+            self.held[owner] = left
+        else:
+            self.held.pop(owner, None)
 
 
 def _reads(node: _Node, unit: _Node) -> bool:
@@ -124,11 +167,19 @@ class _Player:
         self.threads: dict[int, _Thread] = {}
         self.queues: dict[tuple[int, str], deque[_Node]] = {}
         self.busy: dict[tuple[int, str], bool] = {}
+        memory = graph.memory
+        self.memory = memory
+        self.ledgers = {d: _Ledger(memory.devices.get(d) if memory is not None else None)
+                        for d in program.streams if d != HOST}
+        self.last_unit: dict[int, int] = {}  # task -> its last compute unit
+        self.gave_up: list[int] = []  # tasks whose state prefetch found no room (loaded as they started)
         self.heap: list = []
         self.ran: dict[int, dict[str, list[Action]]] = {}  # per device and stream, the actions as they started
         self.seq = 0
         self.now = 0.0
         costs = {t.id: unit_seconds(t, profile, machine) for t in graph.tasks}
+        for task, times in costs.items():
+            self.last_unit[task] = len(times) - 1
         sends = self._p2p_sends()
         for device in program.streams:
             order = [self._node(a, device, costs, sends, profile) for a in program.issue_order(device)]
@@ -201,6 +252,8 @@ class _Player:
             elif a.op == "RECV":
                 recvs.setdefault((a.task, a.unit), []).append(node)
                 producer = program.edges[a.edge].producer
+                if producer is not None and a.edge not in sends:
+                    raise ValueError(f"{a} receives edge e{a.edge}, which no action of the program sends")
                 if producer is not None:
                     self._after(node, [sends[a.edge]])
             elif a.op == "STORE":
@@ -254,10 +307,19 @@ class _Player:
         unit, before = thread.segments[thread.k]
         if not thread.reads_issued:
             thread.reads_issued = True
-            self._issue_all([n for n in before if _reads(n, unit)], thread)
+            if unit.action.unit == 0:  # the task's first unit is reserved as it starts, before its state loads
+                self._reserve(unit)
+            # a state load put off to the task's start goes first, ahead of its first inputs
             self._issue_all(thread.deferred.pop(unit.action.task, []), thread)
+            self._issue_all([n for n in before if _reads(n, unit)], thread)
         if unit.need:
+            if not thread.waiting:  # copies waiting for room are now what the thread waits for
+                thread.waiting = True
+                self._serve_inbound(device)
             return  # woken when its last read is done
+        thread.waiting = False
+        if unit.action.unit:
+            self._reserve(unit)
         self._issue_all([n for n in before if not _reads(n, unit)], thread)
         thread.k += 1
         thread.reads_issued = False
@@ -290,10 +352,14 @@ class _Player:
     def _serve(self, key: tuple[int, str]) -> None:
         """The stream's head starts if the stream is free and the head's data exists."""
         queue = self.queues[key]
-        if self.busy[key] or not queue or queue[0].need:
+        if self.busy[key] or not queue or queue[0].need or self._waits_for_room(queue[0]):
             return
         node = queue.popleft()
+        if self._gives_up(node):
+            self._serve(key)
+            return
         self.busy[key] = True
+        self._hold(node)
         self._start(node)
 
     def _start(self, node: _Node) -> None:
@@ -304,6 +370,7 @@ class _Player:
     def _finish(self, node: _Node) -> None:
         node.done = True
         node.end = self.now
+        self._release(node)
         a = node.action
         if node.compute:
             self.threads[node.device].running = False
@@ -326,6 +393,94 @@ class _Player:
             woken.update(self.threads)
         for device in sorted(woken):
             self._advance(device)
+
+    # ------------------------------------------------------------------------------ memory
+    def _reserve(self, unit: _Node) -> None:
+        """A unit starts: the ledger reserves its planned bytes, its task's state and its own
+        microbatch's buffers counted inside them."""
+        ledger = self.ledgers.get(unit.device)
+        a = unit.action
+        if ledger is None or self.memory is None:
+            return
+        ledger.running = frozenset(((a.task, "S"), (a.task, a.unit)))
+        ledger.planned = self.memory.unit_bytes(a.task, a.unit)
+        self._serve_inbound(unit.device)  # a copy for this unit, or one that fits beside it now, may go
+
+    def _gives_up(self, node: _Node) -> bool:
+        """A state prefetch (a LOAD of a task not yet running) that does not fit beside what the
+        device holds gives up, as the runtime's does rather than hold its stream: the task loads
+        its state as it starts."""
+        a = node.action
+        ledger = self.ledgers.get(node.device)
+        if a.op != "LOAD" or a.tensor not in ("W", "B") or ledger is None or (a.task, "S") in ledger.running:
+            return False
+        if ledger.fits(self._state_bytes(node)):
+            return False
+        self.gave_up.append(a.task)
+        thread = self.threads[node.device]
+        for n in self.by_task[a.task]:  # its state (W and B, loaded together) waits for the task's start
+            if n.action.op == "LOAD" and n.action.tensor in ("W", "B") and not n.done:
+                queue = self.queues[(n.device, n.action.stream)]
+                if n in queue:
+                    queue.remove(n)
+                n.issued = False
+                if n not in thread.deferred.get(a.task, []):
+                    thread.deferred.setdefault(a.task, []).append(n)
+        return True
+
+    def _waits_for_room(self, node: _Node) -> bool:
+        """A later microbatch's inputs copied in ahead wait (holding their stream) while they do not
+        fit beside what the device holds, until the compute thread waits for something: then every
+        copy may take the margin, as in the runtime's admission."""
+        a = node.action
+        ledger = self.ledgers.get(node.device)
+        if a.op != "RECV" or ledger is None or (a.task, a.unit) in ledger.running:
+            return False
+        return not self.threads[node.device].waiting and not ledger.fits(a.nbytes)
+
+    def _serve_inbound(self, device: int) -> None:
+        for stream in ("swap-in", "p2p-in"):
+            self._serve((device, stream))
+
+    def _state_bytes(self, node: _Node) -> int:
+        return sum(n.action.nbytes for n in self.by_task[node.action.task]
+                   if n.action.op == "LOAD" and n.action.tensor in ("W", "B") and not n.done)
+
+    def _hold(self, node: _Node) -> None:
+        """A copy onto the device holds its bytes from its start: a LOAD under its task's state, a
+        RECV under its microbatch."""
+        ledger = self.ledgers.get(node.device)
+        a = node.action
+        if ledger is None or a.op not in ("LOAD", "RECV"):
+            return
+        ledger.hold((a.task, "S") if a.op == "LOAD" else (a.task, a.unit), a.nbytes)
+
+    def _release(self, node: _Node) -> None:
+        """What an ended action lets go: a unit its inputs, its outputs left beside the next units
+        until their sends are done, and at its task's end the state, but for what the task's
+        stores still copy out; a send or a store its bytes."""
+        ledger = self.ledgers.get(node.device)
+        a = node.action
+        if ledger is None:
+            return
+        if node.compute:
+            ledger.free((a.task, a.unit))
+            out = sum(n.action.nbytes for n in node.then if n.action.op == "SEND" and n.action.stream != "compute")
+            if out:
+                ledger.hold((a.task, a.unit, "out"), out)
+            if a.unit == self.last_unit.get(a.task):
+                ledger.free((a.task, "S"))
+                stores = sum(n.action.nbytes for n in self.by_task[a.task] if n.action.op == "STORE")
+                if stores:
+                    ledger.hold((a.task, "stores"), stores)
+                ledger.running, ledger.planned = frozenset(), 0
+        elif a.op == "SEND" and a.stream != "compute":
+            ledger.free((a.task, a.unit, "out"), a.nbytes)
+        elif a.op == "STORE":
+            ledger.free((a.task, "stores"), a.nbytes)
+        else:
+            return
+        self._serve_inbound(node.device)  # a copy waiting for room may fit now
 
     # ------------------------------------------------------------------------------ result
     def estimate(self) -> Estimate:
