@@ -25,7 +25,7 @@ from harmony.errors import DeviceOutOfMemoryError, HarmonyError
 from harmony.plan import Plan
 from harmony.profiling.sweep import Profiler, default_capacity
 from harmony.runtime.device import check_gpus, make_devices, parse_bytes
-from harmony.profiling.analytic import analytic_profile
+from harmony.profiling.analytic import analytic_profile, optimizer_name
 from harmony.scheduler.devicespec import load_spec
 from harmony.scheduler.estimator import chrome_trace, estimate
 from harmony.scheduler.machine import Machine, nominal_machine
@@ -398,6 +398,7 @@ def profile_graph(graph, get_batch, build_optimizer, options: CompileOptions, on
             spec = type(spec)(**{**spec.to_dict(), "capacity": capacity})
         on_progress(f"analytic profile on {spec.name}")
         profile = analytic_profile(graph, spec, max_microbatch=options.minibatch,
+                                   optimizer=optimizer_name(build_optimizer),
                                    compute=precision.compute_dtype(options.precision))
         machine = Machine.from_spec(spec, options.devices)
         host_bandwidth = spec.host_memory_bandwidth

@@ -607,6 +607,25 @@ def default_microbatch_sizes(u_max: int) -> list[int]:
     return sorted(sizes | {u_max})
 
 
+def optimizer_name(build_optimizer: Callable) -> str:
+    """The ``OPTIMIZERS`` entry describing the optimizer ``build_optimizer`` makes: by its class (SGD
+    by its momentum), else by the state one step leaves per parameter (none, one or more tensors of
+    its shape: ``sgd``, ``momentum``, ``adam``). What an analytic profile sizes the optimizer state
+    (K) and times the step with; a profile assuming Adam for an SGD with momentum moves twice the
+    state it has."""
+    param = torch.nn.Parameter(torch.zeros(2))
+    opt = build_optimizer([param])
+    name = type(opt).__name__.lower()
+    if name == "sgd":
+        return "sgd-momentum" if opt.defaults.get("momentum") else "sgd"
+    if name in OPTIMIZERS:
+        return name
+    param.grad = torch.zeros_like(param)
+    opt.step()
+    states = sum(1 for v in opt.state[param].values() if isinstance(v, torch.Tensor) and v.shape == param.shape)
+    return {0: "sgd", 1: "momentum"}.get(states, "adam")
+
+
 def _optimizer_entry(optimizer: str) -> tuple[str, int, int]:
     """(name, state numbers, FLOPs per parameter) of ``optimizer``, checked before any counting so
     that a typo fails at once rather than after the layers have been run on meta tensors."""

@@ -13,7 +13,7 @@ import harmony
 from harmony.compiler import tied_weights
 from harmony.errors import HarmonyError
 from harmony.models import gpt2, resnet
-from harmony.profiling.analytic import OPTIMIZERS, analytic_profile, layer_cost_models
+from harmony.profiling.analytic import OPTIMIZERS, analytic_profile, layer_cost_models, optimizer_name
 from harmony.scheduler.taskgraph import Sizes
 from harmony.scheduler.devicespec import load_spec
 from harmony.profiling.profiles import Profile
@@ -234,3 +234,22 @@ def test_a_pack_holding_a_tied_weight_it_does_not_own_moves_no_negative_optimize
     for first in range(1, last + 1):  # every pack holding lm_head but not wte
         assert sizes.owned_k(first, last) >= 0
         assert sizes.owned_k(first, last) == sizes.k(first, last) - profile.ties[0].k_bytes
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda ps: torch.optim.Adam(ps), "adam"), (lambda ps: torch.optim.AdamW(ps), "adamw"),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1), "sgd"), (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "sgd-momentum"),
+    (lambda ps: torch.optim.RMSprop(ps), "rmsprop"), (lambda ps: torch.optim.Adamax(ps), "adam")])
+def test_an_analytic_profile_sizes_the_optimizer_state_the_model_file_builds(make, name):
+    """Adamax is no entry of its own: two state tensors per parameter, as Adam's."""
+    assert optimizer_name(make) == name
+
+
+def test_a_compile_on_an_analytic_gpu_sizes_sgd_momentum_state_at_one_tensor_per_parameter():
+    torch.manual_seed(0)
+    model = resnet.build_model("tiny")
+    plan = harmony.compile(model, resnet.loss_fn, lambda n, step: resnet.get_batch(n, step, preset="tiny"),
+                           minibatch_size=4, devices=1, analytic="h100", probe=False, compare=False,
+                           check_gradients=False, build_optimizer=resnet.build_optimizer)
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert sum(layer.k_bytes for layer in plan.profile.layers) == sum(p.numel() * 4 for p in params)
