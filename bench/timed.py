@@ -138,9 +138,7 @@ def first_divergence(measured: dict[tuple[int, int], float], simulated: dict[tup
 def measured_unit_starts(result: Any) -> dict[tuple[int, int], float]:
     """When each (task, unit) began computing in one step, in seconds from the first (the workers'
     clocks are one monotonic clock)."""
-    starts = {key: start for worker in result.workers for key, start in worker.unit_starts.items()}
-    origin = min(starts.values(), default=0.0)
-    return {key: start - origin for key, start in starts.items()}
+    return _from_first({key: start for worker in result.workers for key, start in worker.unit_starts.items()})
 
 
 def _from_first(starts: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:

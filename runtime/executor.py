@@ -98,14 +98,6 @@ class Executor:
                  build_optimizer: Callable, seed: int, timeout: float = 600.0, slabs: Slabs | None = None,
                  prefetch: bool = True, transport: DistTransport | None = None) -> None:
         self.prefetch = prefetch  # off only to measure what prefetching buys (bench, Fig. 14)
-        # the tasks in the order of the device's compute program, each with the op its first unit runs
-        self.tasks: list[Task] = []
-        self._ops: dict[int, str] = {}
-        by_id = {t.id: t for t in graph.tasks}
-        for action in program.actions(rank, "compute"):
-            if action.op not in ("SEND", "RECV") and action.task not in self._ops:
-                self._ops[action.task] = action.op
-                self.tasks.append(by_id[action.task])
         threads = torch.get_num_threads()
 
         def setup() -> None:
@@ -121,6 +113,12 @@ class Executor:
         ledger = Ledger(count_leaving=device.kind == "cuda", tracker=tracker)
         self.ctx = ctx = DeviceContext(rank, device, layers, graph, program, store, shared, timeout, stream("swap-in"),
                                        stream("swap-out"), stream("p2p-in"), stream("p2p-out"), ledger)
+        # the tasks in the order of the device's compute program, each with the op its first unit runs
+        self._ops: dict[int, str] = {}
+        for action in program.actions(rank, "compute"):
+            if action.op not in ("SEND", "RECV"):
+                self._ops.setdefault(action.task, action.op)
+        self.tasks = [ctx.by_id[t] for t in self._ops]
         # the plan's promise (scheduler/memory.py): what no prefetch may take this device past, and
         # per task the most it holds at once (the launcher refuses a plan without one)
         plan = graph.memory

@@ -22,7 +22,6 @@ from .tasks import HOST, Kind, Task
 
 STATE_TENSORS = frozenset(("W", "dW", "K", "B"))  # moved one tensor at a time (``Machine.tensor_overhead``)
 
-
 def _task_costs(task: Task, profile: Profile, cache: dict) -> list[float]:
     """Durations of the task's units."""
     key = (task.kind, task.loss, memory.fused_update(task), task.device == HOST, task.first, task.last,

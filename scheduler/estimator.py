@@ -108,6 +108,7 @@ from typing import NamedTuple
 from . import memory
 from .memory import cached_task_memory as _task_memory
 from .memory import profile_cache as _profile_cache
+from .costs import STATE_TENSORS as _STATE_TENSORS
 from .costs import unit_seconds
 from .lower import STREAMS, Program, lower
 from .machine import Machine
@@ -127,7 +128,6 @@ _E_UNIT, _E_XFER, _E_JOIN, _E_LINK, _E_CPU = range(5)
 
 _STATE = ("W", "B")  # a pack's state, loaded before its first unit
 _P2P_CHANNEL = Channel.P2P.value  # an edge's channel, as lowering writes it
-_STATE_TENSORS = frozenset(("W", "dW", "K", "B"))  # moved one tensor at a time (``Machine.tensor_overhead``)
 # outputs that are activations or gradients: their readers are paired with them by the program's edges
 _ACTIVATIONS = frozenset(("X", "Y", "Xs", "dX", "dY"))
 _HOSTLIKE = (Channel.SWAP, Channel.MSG, Channel.SHM)

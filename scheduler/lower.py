@@ -285,10 +285,6 @@ class Program:
         self._out: dict[tuple[int, int], list[Edge]] | None = None  # built on first use
         self._reads: dict[int, list[tuple[int, str]]] = {}  # task id -> its stream_names, from lowering
 
-    def depositors(self, name: str) -> list[int]:
-        """The tasks leaving a gradient of parameter ``name`` in host memory, in plan order."""
-        return [t for t, names in self.deposits.items() if name in names]
-
     def gradient_slots(self, graph: TaskGraph) -> set[tuple[int, str]]:
         """(device, parameter) of every host gradient slot a task deposits into: the host store
         needs no other (in pp each pack's backward runs on one device, so one slot per parameter,
@@ -608,13 +604,17 @@ def gradient_gathers(graph: TaskGraph, program: Program) -> dict[int, list[int]]
     or without one (a search's lowering) the backwards over its layers; and the tasks it reads
     through shared memory (the norm an update of a clipped plan scales by)."""
     backwards = [b for b in graph.tasks if b.kind == Kind.BWD and not b.jit_update()]
+    depositors: dict[str, set[int]] = {}
+    for t, names in program.deposits.items():
+        for name in names:
+            depositors.setdefault(name, set()).add(t)
     out: dict[int, list[int]] = {}
     for task in graph.tasks:
         if task.kind == Kind.NORM:
             waits = task.deps()
         elif task.kind == Kind.UPD or task.id in program.updates:
             if program.owner:
-                waits = {d for name in program.updates.get(task.id, ()) for d in program.depositors(name)}
+                waits = set().union(*(depositors.get(name, ()) for name in program.updates.get(task.id, ())))
             else:
                 waits = {b.id for b in backwards if b.first <= task.last and task.first <= b.last}
             waits |= {t.task for t in task.inputs if t.channel == Channel.SHM and t.task is not None}

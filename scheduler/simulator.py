@@ -389,8 +389,6 @@ class _Player:
                 self._start(nxt)
             elif nxt.issued:
                 self._serve((nxt.device, nxt.action.stream))
-        if a.op == "LOAD" or not node.compute:  # a task may be done now: a deferred load may go
-            woken.update(self.threads)
         for device in sorted(woken):
             self._advance(device)
 
