@@ -156,6 +156,7 @@ class Admission:
                 else:
                     stalled_since = None
                 time.sleep(RETRY)
+                self.ctx.device.ready(time.perf_counter())
 
     def _ahead_limit(self, room: int | None) -> int:
         """What the ledger's count (the running unit's planned bytes, the buffers beside it, outputs

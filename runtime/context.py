@@ -27,7 +27,7 @@ from harmony.runtime.device import Device
 from harmony.runtime.flags import Shared
 from harmony.runtime.hoststore import HostStore
 from harmony.runtime.ledger import Ledger
-from harmony.runtime.streams import Stream
+from harmony.runtime.streams import Job, Stream
 from harmony.scheduler.lower import Program
 from harmony.scheduler.tasks import Task, TaskGraph
 
@@ -125,6 +125,7 @@ class DeviceContext:
                     raise Aborted("the run was aborted by another worker's failure")
             if blocked is not None:
                 self.waits.append(("compute", self.task, f"wait: {what}", blocked, time.perf_counter()))
+            self.device.ready(future.ended if isinstance(future, Job) and future.ended else time.perf_counter())
             return self.adopt(future.result())
         finally:
             self.waiting = False
@@ -153,11 +154,11 @@ class DeviceContext:
     def wait_done(self, task_ids: list[int], before: str) -> None:
         """Wait until tasks (of any worker) are done this iteration, naming them in this worker's
         status while it waits."""
-        if all(self.shared.is_done(t, self.iteration) for t in task_ids):
-            return
-        names = ", ".join(describe(self.by_id[t]) for t in task_ids)
-        with self.waiting_for(f"{names} to finish, before {before}"):
-            self.shared.wait_done(task_ids, self.iteration, before, self.timeout)
+        if not all(self.shared.is_done(t, self.iteration) for t in task_ids):
+            names = ", ".join(describe(self.by_id[t]) for t in task_ids)
+            with self.waiting_for(f"{names} to finish, before {before}"):
+                self.shared.wait_done(task_ids, self.iteration, before, self.timeout)
+        self.device.ready(self.shared.done_at(task_ids))
 
     def wait_replicas(self, replicas: list[int]) -> None:
         """The writer of a replicated update waits until every replica has read the master it is
@@ -166,3 +167,4 @@ class DeviceContext:
         with self.waiting_for(f"the replicas {names} to read the update's inputs"):
             wait_until(lambda: all(self.shared.has_read(t, self.iteration) for t in replicas), self.shared.aborted,
                        self.timeout, f"the replicas {names} to read their inputs")
+        self.device.ready(time.perf_counter())

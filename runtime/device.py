@@ -191,8 +191,21 @@ class Device(ABC):
     def stream_setup(self) -> None:
         """Called once on each stream thread: give the thread a stream of its own (CUDA)."""
 
-    def stream_sync(self) -> None:
-        """Called at the end of each stream job: its copies are complete before its result is used."""
+    def stream_sync(self) -> float | None:
+        """Called at the end of each stream job: its copies are complete before its result is used.
+        Returns when the job's work was done where the device knows that better than the clock
+        (``time.perf_counter``; a timed device's modelled end), else None."""
+        return None
+
+    def work_done(self) -> float | None:
+        """When the work the calling thread issued was done, where the device models it (a timed
+        device); None: when it is asked."""
+        return None
+
+    def job_begins(self, queued: float) -> None:
+        """Called on a stream's thread before each job, with when the job was queued
+        (``time.perf_counter``): its work cannot have started before (a timed device starts its
+        copies no earlier, and no later for the thread's own hand-off, ``timed.py``)."""
 
     def mark(self) -> object | None:
         """An event on the calling thread's stream (CUDA), for another stream to wait on."""
@@ -202,6 +215,10 @@ class Device(ABC):
         """The compute thread runs unit ``unit`` of ``task`` inside this block (a timed device
         makes it last its modelled time, ``timed.py``)."""
         return nullcontext()
+
+    def ready(self, at: float) -> None:
+        """The calling thread waited for something done at ``at`` (``time.perf_counter``): the next
+        unit it runs depends on it (a timed device starts that unit no earlier, ``timed.py``)."""
 
     def take_unit_starts(self) -> dict[tuple[int, int], float]:
         """When each (task, unit) the device timed began (``time.perf_counter``) since the last

@@ -37,7 +37,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -55,7 +54,7 @@ from harmony.runtime.ledger import Ledger
 from harmony.runtime.lr_schedule import Rates
 from harmony.runtime.p2p import DistTransport
 from harmony.runtime.packstate import PackState
-from harmony.runtime.streams import Stream
+from harmony.runtime.streams import Job, Stream
 from harmony.runtime.transport import Transport
 from harmony.runtime.updates import Updates
 from harmony.scheduler.lower import Program
@@ -105,7 +104,7 @@ class Executor:
             device.stream_setup()
 
         def stream(kind: str) -> Stream:
-            return Stream(f"dev{rank}-{kind}", device.memory_scope, setup, device.stream_sync)
+            return Stream(f"dev{rank}-{kind}", device.memory_scope, setup, device.stream_sync, device.job_begins)
 
         # leaving outputs counted as the estimator counts them; where the device counts every op,
         # the ledger follows its tracker's releases
@@ -179,6 +178,7 @@ class Executor:
         task_peaks: dict[int, int] = {}
         events: list[Event] = []
         start = time.perf_counter()
+        device.ready(start)  # the iteration's first unit waits for the iteration to be handed out
         with device.memory_scope():
             for task in self.tasks:
                 t0 = time.perf_counter()
@@ -256,19 +256,21 @@ class Executor:
         iteration = ctx.iteration
         busy = [stream for stream in (ctx.p2p_out, ctx.swap_out) if stream.busy()]
         if not busy:  # nothing of it is still leaving: done now, without waking a stream thread
-            ctx.shared.mark_done(task.id, iteration)
+            ctx.shared.mark_done(task.id, iteration, ctx.device.work_done())
             return
         lock = threading.Lock()
         pending = [len(busy)]
+        ended = [0.0]  # when the markers' streams had done the task's work (``Job.ended``)
 
-        def one_left(marker: Future) -> None:
+        def one_left(marker: Job) -> None:
             if marker.cancelled():
                 return
             with lock:
                 pending[0] -= 1
+                ended[0] = max(ended[0], marker.ended or 0.0)
                 last = pending[0] == 0
             if last:
-                ctx.shared.mark_done(task.id, iteration)
+                ctx.shared.mark_done(task.id, iteration, ended[0] or None)
 
         for stream in busy:
             stream.submit(lambda: None).add_done_callback(one_left)

@@ -7,6 +7,7 @@ worker was doing (``runtime/replication.py`` keeps them in step across hosts).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +31,9 @@ class Shared:
     current: torch.Tensor | None = None  # int64 [MAX_WORKERS]: task id + 1 running now, 0 between tasks
     status: torch.Tensor | None = None  # uint8 [MAX_WORKERS, STATUS_BYTES]: NUL-padded text
     skips: torch.Tensor | None = None  # int64 [1]: iteration + 1 once fp16's check skips that iteration's step
+    # int64 [tasks]: when each task's work was done (``time.perf_counter`` in ns, one clock for every
+    # process of a host), which can precede its flag: a timed device's modelled end
+    done_ns: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         # numpy views of the same shared memory: polled from threads inside a device's memory scope,
@@ -40,10 +44,11 @@ class Shared:
         self._current = self.current.numpy() if self.current is not None else None
         self._status = self.status.numpy() if self.status is not None else None
         self._skips = self.skips.numpy() if self.skips is not None else np.zeros(1, dtype=np.int64)
+        self._done_ns = self.done_ns.numpy() if self.done_ns is not None else np.zeros(len(self._done), dtype=np.int64)
 
     def __getstate__(self) -> dict:
         return {"done": self.done, "reads": self.reads, "abort": self.abort, "current": self.current,
-                "status": self.status, "skips": self.skips}
+                "status": self.status, "skips": self.skips, "done_ns": self.done_ns}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -52,8 +57,16 @@ class Shared:
     def is_done(self, task: int, iteration: int) -> bool:
         return int(self._done[task]) == iteration + 1
 
-    def mark_done(self, task: int, iteration: int) -> None:
+    def mark_done(self, task: int, iteration: int, at: float | None = None) -> None:
+        """``task`` finished ``iteration``; its work was done ``at`` (``time.perf_counter``; default
+        now), written before the flag that shows it."""
+        self._done_ns[task] = round((time.perf_counter() if at is None else at) * 1e9)
         self._done[task] = iteration + 1
+
+    def done_at(self, task_ids: list[int]) -> float:
+        """When the last of ``task_ids``, all done, had done its work (``time.perf_counter``; 0.0
+        for none)."""
+        return max((int(self._done_ns[t]) for t in task_ids), default=0) / 1e9
 
     def skip_step(self, iteration: int) -> None:
         """No update of ``iteration`` steps: its fp16 gradient overflowed (set before the NORM task
@@ -102,19 +115,22 @@ class Shared:
         names it: torchrun's workers are not forked from one parent)."""
         n = max(tasks, 1)
         status_words = MAX_WORKERS * STATUS_BYTES // 8
-        size = 2 * n + 1 + MAX_WORKERS + status_words + 1
+        skips = 2 * n + 1 + MAX_WORKERS + status_words  # where each part starts in one flat int64 buffer
+        size = skips + 1 + n
         if path is None:
             flat = torch.zeros(size, dtype=torch.int64).share_memory_()
         else:
             flat = torch.from_file(path, shared=True, size=size, dtype=torch.int64)
-        status = flat[2 * n + 1 + MAX_WORKERS:size - 1].view(torch.uint8).view(MAX_WORKERS, STATUS_BYTES)
+        status = flat[2 * n + 1 + MAX_WORKERS:skips].view(torch.uint8).view(MAX_WORKERS, STATUS_BYTES)
         return cls(flat[:n], flat[n:2 * n], flat[2 * n:2 * n + 1], flat[2 * n + 1:2 * n + 1 + MAX_WORKERS], status,
-                   flat[size - 1:])
+                   flat[skips:skips + 1], flat[skips + 1:])
 
     def aborted(self) -> bool:
         return bool(self._abort[0])
 
-    def wait_done(self, task_ids: list[int], iteration: int, what: str, timeout: float) -> None:
+    def wait_done(self, task_ids: list[int], iteration: int, what: str, timeout: float) -> float:
+        """Wait until ``task_ids`` are done this iteration; returns when the last did its work
+        (``done_at``)."""
         pending = list(task_ids)
 
         def ready() -> bool:
@@ -122,4 +138,5 @@ class Shared:
             return not pending
 
         wait_until(ready, self.aborted, timeout, lambda: f"task(s) {pending} before {what}")
+        return self.done_at(task_ids)
 

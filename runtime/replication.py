@@ -172,8 +172,8 @@ class ReplicatedShared(Shared):
     def attach(self, replicator: "Replicator") -> None:
         self.replicator = replicator
 
-    def mark_done(self, task: int, iteration: int) -> None:
-        super().mark_done(task, iteration)
+    def mark_done(self, task: int, iteration: int, at: float | None = None) -> None:
+        super().mark_done(task, iteration, at)
         if self.replicator is not None:
             self.replicator.done(task, iteration)
 

@@ -27,14 +27,26 @@ log = logging.getLogger(__name__)
 SWITCH_INTERVAL = 0.0002
 
 
+class Job(Future):
+    """A stream job's future, with when the job ended (``time.perf_counter``): whoever waits on it
+    depends on what was done then, not on when it woke up to see it."""
+
+    ended: float | None = None
+
+
 class Stream:
     """One in-order queue of jobs run by its own thread. Jobs submitted with a ``label`` are timed
     (``take_events``) for the run's measured timeline."""
 
     def __init__(self, name: str, scope: Callable[[], AbstractContextManager] = nullcontext,
-                 setup: Callable[[], None] = lambda: None, sync: Callable[[], None] = lambda: None) -> None:
+                 setup: Callable[[], None] = lambda: None, sync: Callable[[], float | None] = lambda: None,
+                 begin: Callable[[float], None] = lambda queued: None) -> None:
+        """``setup`` runs once on the stream's thread; ``begin(queued)`` before each job, with when
+        it was queued; ``sync()`` after it, returning when its work was done if the device knows
+        that better than the clock (a timed device's modelled end)."""
         self.name = name
         self._sync = sync
+        self._begin = begin
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._scope = scope
         self._setup = setup
@@ -44,12 +56,12 @@ class Stream:
         self._thread = threading.Thread(target=self._run, name=f"harmony-{name}", daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[..., Any], *args: Any, label: str | None = None, task: int | None = None) -> Future:
+    def submit(self, fn: Callable[..., Any], *args: Any, label: str | None = None, task: int | None = None) -> Job:
         """Queue ``fn(*args)``; with a ``label``, its span is recorded as work of ``task``."""
-        future: Future = Future()
+        future = Job()
         with self._pending_lock:
             self._pending += 1
-        self._jobs.put((fn, args, future, label, task))
+        self._jobs.put((fn, args, future, label, task, time.perf_counter()))
         return future
 
     def run_here(self, fn: Callable[[], Any], label: str, task: int | None = None) -> None:
@@ -85,14 +97,16 @@ class Stream:
                 item = self._jobs.get()
                 if item is None:
                     return
-                fn, args, future, label, task = item
+                fn, args, future, label, task, queued = item
                 if not future.set_running_or_notify_cancel():
                     self._finished()
                     continue
                 start = time.perf_counter()
                 try:
+                    self._begin(queued)
                     result = fn(*args)
-                    self._sync()  # its copies are complete (CUDA) before anyone uses the result
+                    ended = self._sync()  # its copies are complete (CUDA) before anyone uses the result
+                    future.ended = time.perf_counter() if ended is None else ended
                     if label is not None:
                         self._events.append((task, label, start, time.perf_counter()))
                     future.set_result(result)

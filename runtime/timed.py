@@ -97,21 +97,46 @@ class TimedDevice(UncheckedCpuDevice):
         super().__init__(name, capacity)
         self.timing = timing
         self._unit_end: float | None = None  # the running unit's modelled end (the compute thread's)
+        self._last_end = 0.0  # when the compute stream's last unit ended
+        self._last_length = 0.0  # how long it lasted: the time the host had to issue the next one
         self._started: dict[tuple[int, int], float] = {}  # (task, unit) -> when it began
-        self._copies = threading.local()  # per thread, when its last copy ends (``transferred``)
+        self._local = threading.local()  # per thread: when its last copy ends, when what it waited for was done
 
     @contextlib.contextmanager
     def unit(self, task: int, unit: int) -> Iterator[None]:
-        """The compute thread runs unit ``unit`` of ``task``: it lasts the modelled time from now
-        (or what the real work takes, if more)."""
+        """The compute thread runs unit ``unit`` of ``task``: it starts once the unit before it has
+        ended and what the thread waited for is done (``ready``, its own copies), and lasts its
+        modelled time (or what the real work takes, if more).
+
+        The host's Python between two units is hidden behind the first of them, as a GPU's queue
+        hides it: the host issues a unit while the one before it still runs, so a unit starts late
+        only by what the host took beyond the length of the unit before it."""
         now = time.perf_counter()
-        self._started[(task, unit)] = now
-        self._unit_end = now + self.timing.units.get((task, unit), 0.0)
+        start = max(self._last_end, self._ready(), now - self._last_length)
+        length = self.timing.units.get((task, unit), 0.0)
+        self._started[(task, unit)] = start
+        self._unit_end = start + length
+        finished = None
         try:
             yield
+            finished = time.perf_counter()
             sleep_until(self._unit_end)
         finally:
+            # it ended at its modelled end, or where the real work took longer; not when this thread
+            # woke up from sleeping until then, which is the host's scheduling, not the device's
+            self._last_end = max(self._unit_end, finished or time.perf_counter())
+            self._last_length = length
             self._unit_end = None
+            self.ready(self._last_end)  # what the thread does next comes after the unit
+
+    def ready(self, at: float) -> None:
+        """The calling thread's next unit depends on something done at ``at``: it starts no
+        earlier."""
+        self._local.ready = max(getattr(self._local, "ready", 0.0), at)
+
+    def _ready(self) -> float:
+        """When what the calling thread waited for, and the copies it made itself, were done."""
+        return max(getattr(self._local, "ready", 0.0), getattr(self._local, "clock", 0.0))
 
     def take_unit_starts(self) -> dict[tuple[int, int], float]:
         started, self._started = self._started, {}
@@ -123,16 +148,31 @@ class TimedDevice(UncheckedCpuDevice):
 
     def wait(self, event: object | None) -> None:
         if isinstance(event, float):
+            self.ready(event)
             sleep_until(event)
 
+    def job_begins(self, queued: float) -> None:
+        """A stream job's copies start once it was queued and the stream's copies before it are
+        done, not when its thread, sharing the cores, got round to it."""
+        self._local.ready = queued
+
+    def stream_sync(self) -> float:
+        """A stream job was done when its last copy was (or what it waited for, if that was later)."""
+        return self._ready()
+
+    def work_done(self) -> float:
+        """The calling thread's work was done with its last unit or copy, or what it waited for."""
+        return self._ready()
+
     def transferred(self, nbytes: int, began: float) -> None:
-        """A copy of ``nbytes`` that began at ``began`` lasts its modelled time. Copies one thread
-        makes back to back (a state, tensor by tensor) follow one another on its clock, so that
-        the Python between them is not added to what they take."""
-        clock = getattr(self._copies, "clock", 0.0)
-        start = clock if began - clock < SPIN else began
-        self._copies.clock = start + self.timing.copy_seconds(nbytes)
-        sleep_until(self._copies.clock)
+        """A copy of ``nbytes`` lasts its modelled time from when the calling thread could start it:
+        after its copy before it and what it waited for (``ready``, ``job_begins``). The Python
+        between a thread's copies (a state, tensor by tensor) and the thread's hand-offs are the
+        host's, not the copy engine's, and are not added to what the copies take. On a thread that
+        is neither the compute thread nor a stream's, the copy starts when it ``began``."""
+        start = self._ready() if hasattr(self._local, "ready") else max(self._ready(), began)
+        self._local.clock = start + self.timing.copy_seconds(nbytes)
+        sleep_until(self._local.clock)
 
     def to_device(self, t: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
         began = time.perf_counter()

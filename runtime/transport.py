@@ -142,6 +142,7 @@ class Transport:
         began = time.perf_counter()
         with self.ctx.waiting_for(what):
             message = self.mailbox.take(key, what, self.ctx.timeout)
+        self.ctx.device.ready(time.perf_counter())
         if on_compute_thread():  # not prefetched: the compute thread waited for it
             self.ctx.waits.append(("compute", self.ctx.task, f"wait: {what.split(' (')[0]}", began, time.perf_counter()))
         if isinstance(message, Received):
@@ -198,6 +199,7 @@ class Transport:
             with self.ctx.waiting_for(what):
                 wait_until(lambda: key in self.ctx.local, self.ctx.shared.aborted, self.ctx.timeout,
                            f"{what} to become resident")
+            self.ctx.device.ready(time.perf_counter())
         return self.ctx.local.pop(key)
 
     def stream_prefetch(self, task: Task, streams: list[str], mb: int) -> dict[str, Future]:
