@@ -8,7 +8,8 @@ of every gradient of it, as one-process eager training steps it (``reference.py`
   Replicas of one update (data parallel with per-GPU swap) all compute it; the lowest one writes
   the master after every replica has read it;
 - ``host_update``: a UPD task bound to the host steps the master weights in shared memory in place
-  (run by the launcher, not by a worker).
+  (run by the launcher, not by a worker), with torch's fused CPU kernel where the user's optimizer
+  has one (``host_step.py``).
 
 ``Updates`` is one of the executor's parts (``executor.py``); ``host_update`` is a plain function.
 Copies into the device go through ``admission.py``; gradient deposits and evictions are
@@ -26,6 +27,7 @@ from harmony.runtime.admission import Admission
 from harmony.runtime.channels import tensor_bytes
 from harmony.runtime.context import DeviceContext
 from harmony.runtime.flags import Shared
+from harmony.runtime.host_step import host_step
 from harmony.runtime.hoststore import HostStore
 from harmony.runtime.ledger import KEPT, STATE
 from harmony.runtime.lr_schedule import Rates
@@ -228,18 +230,24 @@ class Updates:
 
 def host_update(task: Task, program: Program, store: HostStore, shared: Shared,
                 build_optimizer: Callable, iteration: int, timeout: float, rates: Rates | None = None) -> float:
-    """A UPD task bound to the host (an offloaded update): the optimizer steps the master weights
-    in shared memory in place, with the gradients the devices left in their slots, at the
-    iteration's scheduled ``rates`` if any. Returns when (``time.perf_counter``) its gradients were
-    all there and the update began."""
-    owned = program.updates.get(task.id, [])
+    """A UPD task bound to the host (an offloaded update): once the devices have left their
+    gradients, ``step_on_host`` steps its parameters. Returns when (``time.perf_counter``) its
+    gradients were all there and the update began."""
     shared.wait_done(program.gathers.get(task.id, []), iteration, f"the host update of task {task.id}", timeout)
     began = time.perf_counter()
-    if shared.step_skipped(iteration):  # fp16 overflowed: nothing steps
-        shared.mark_done(task.id, iteration)
-        return began
+    if not shared.step_skipped(iteration):  # fp16 overflowed: nothing steps
+        step_on_host(store, program.updates.get(task.id, []), build_optimizer, iteration, rates)
+    shared.mark_done(task.id, iteration)
+    return began
+
+
+def step_on_host(store: HostStore, names: list[str], build_optimizer: Callable, iteration: int,
+                 rates: Rates | None = None) -> None:
+    """The optimizer step of an offloaded update: the master weights of ``names`` in the host store
+    stepped in place (``host_step``: fused where torch has its kernel), with the gradients the
+    devices left in their slots in ``iteration``, at the scheduled ``rates`` if any."""
     leaves = {}
-    for name in owned:
+    for name in names:
         # summed into the first slot rather than a new tensor: the optimizer only reads a gradient,
         # and a copy of every gradient on the host's critical path costs what the step itself does
         grad = store.merge_slots(name, iteration)
@@ -248,20 +256,17 @@ def host_update(task: Task, program: Program, store: HostStore, shared: Shared,
         leaf = torch.nn.Parameter(store.weight(name), requires_grad=True)
         leaf.grad = grad
         leaves[name] = leaf
-    if leaves:
-        opt = build_optimizer(list(leaves.values()))
-        apply_rates(opt, leaves, rates)
-        for name, leaf in leaves.items():
-            if store.state_initialized(name):
-                opt.state[leaf] = dict(store.state(name))  # in place: the state lives in the slots
-        opt.step()
-        for name, leaf in leaves.items():
-            slots = store.state(name)
-            for key, v in opt.state[leaf].items():
-                if isinstance(v, torch.Tensor) and v.data_ptr() != slots[key].data_ptr():
-                    slots[key].copy_(v)
-            store.mark_state_initialized(name)
-        store.refresh_low_copies(leaves)  # the devices receive the new weights as these copies
-    shared.mark_done(task.id, iteration)
-    return began
-
+    if not leaves:
+        return
+    opt = build_optimizer(list(leaves.values()))
+    apply_rates(opt, leaves, rates)
+    # in place: the state lives in the slots (a first step makes its own, copied in below)
+    stored = {leaf: dict(store.state(name)) for name, leaf in leaves.items() if store.state_initialized(name)}
+    after = host_step(opt, stored)
+    for name, leaf in leaves.items():
+        slots = store.state(name)
+        for key, v in after.get(leaf, {}).items():
+            if isinstance(v, torch.Tensor) and v.data_ptr() != slots[key].data_ptr():
+                slots[key].copy_(v)
+        store.mark_state_initialized(name)
+    store.refresh_low_copies(leaves)  # the devices receive the new weights as these copies
