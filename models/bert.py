@@ -6,15 +6,19 @@ design: ``LayerNorm(x + Dropout(sublayer(x)))``.
 
 Only the MLM head is kept (no pooler / next-sentence head): every parameter then receives a
 gradient from the loss, which the equivalence tests rely on. The MLM decoder's weight is tied to
-the word embedding, as in BERT, so it is a single Parameter. ``forward`` takes only token ids:
-every token is in segment 0 and none is padding.
+the word embedding, as in BERT, so it is a single Parameter. ``forward`` takes token ids and,
+optionally, Hugging Face's padding mask (1 for a token, 0 for padding); every token is in segment 0.
+The model file's batches hold no padding.
+
+Attention is one ``F.scaled_dot_product_attention`` call with the padding mask as its boolean
+``attn_mask`` (none without padding), as Hugging Face's sdpa attention for BERT calls it: on a GPU a
+fused kernel that never stores the sequence x sequence scores.
 
 Usage as a model file: ``harmony compile models/bert.py --arg preset=large``.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -87,18 +91,18 @@ class BertSelfAttention(nn.Module):
         self.query = nn.Linear(config.hidden, config.hidden)
         self.key = nn.Linear(config.hidden, config.hidden)
         self.value = nn.Linear(config.hidden, config.hidden)
-        self.attn_dropout = nn.Dropout(config.dropout)
+        self.attn_dropout = config.dropout  # on the attention weights, inside the fused kernel
         self.output = nn.Linear(config.hidden, config.hidden)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``attn_mask``: boolean, broadcastable to (B, heads, T, T), True where a query may attend."""
         B, T, C = x.size(0), x.size(1), x.size(2)
         q = self.query(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.key(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
         v = self.value(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
-        att = self.attn_dropout(F.softmax(att, dim=-1))
-        y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)
-        return self.output(y)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
+                                           dropout_p=self.attn_dropout if self.training else 0.0)
+        return self.output(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
 class BertLayer(nn.Module):
@@ -115,8 +119,8 @@ class BertLayer(nn.Module):
         self.output_dropout = nn.Dropout(config.dropout)
         self.output_norm = nn.LayerNorm(config.hidden, eps=config.layer_norm_eps)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.attention_norm(x + self.attention_dropout(self.attention(x)))
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.attention_norm(x + self.attention_dropout(self.attention(x, attn_mask)))
         h = self.output(self.intermediate_act(self.intermediate(x)))
         return self.output_norm(x + self.output_dropout(h))
 
@@ -158,10 +162,13 @@ class BertForMaskedLM(nn.Module):
                 nn.init.ones_(module.weight)
                 nn.init.zeros_(module.bias)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of ``input_ids`` (B, T); ``attention_mask`` (B, T), 1 for a token and 0 for padding,
+        keeps every query from attending to the padding (no mask: nothing is padding)."""
+        attn_mask = None if attention_mask is None else attention_mask[:, None, None, :].bool()
         x = self.embeddings(input_ids)
         for layer in self.encoder:
-            x = layer(x)
+            x = layer(x, attn_mask)
         return self.cls(x)
 
 

@@ -6,11 +6,10 @@ not list the shapes of the customized models; ``10b``, ``20b`` and ``40b`` below
 the ZeRO papers' GPT-2 scaling tables (10B: 50 layers x 4096; 40B: 50 layers x 8192; 20B: 25
 layers x 8192, the same width at half the depth).
 
-Attention is written out (matmul, causal mask, softmax) rather than calling
-``F.scaled_dot_product_attention`` so that every operation is visible to torch.fx and the profiler
-and the layer code Harmony generates stays readable. The causal mask is built in ``forward`` from
-the sequence length: a registered (block_size x block_size) buffer would be 1M elements per layer
-to swap for nothing.
+Attention is one ``F.scaled_dot_product_attention`` call with ``is_causal=True``, as Hugging Face's
+``GPT2LMHeadModel`` computes it with its sdpa attention: on a GPU that is a fused kernel (flash
+attention) that never stores the sequence x sequence scores, and no mask buffer of the longest
+sequence's size is kept to be swapped for nothing.
 
 Usage as a model file: ``harmony compile models/gpt2.py --arg preset=1.5b``.
 """
@@ -69,7 +68,7 @@ class CausalSelfAttention(nn.Module):
         self.head_dim = config.n_embd // config.n_head
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
-        self.attn_dropout = nn.Dropout(config.dropout)
+        self.attn_dropout = config.dropout  # on the attention weights, inside the fused kernel
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -79,14 +78,8 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = k.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
-        # new_ones, not torch.ones(T, T): torch.fx can trace a method call on a traced tensor but
-        # not a factory function whose size arguments are traced values.
-        mask = att.new_ones((T, T), dtype=torch.bool).tril()
-        att = att.masked_fill(~mask, float("-inf"))
-        att = F.softmax(att, dim=-1)
-        att = self.attn_dropout(att)
-        y = att @ v  # (B, n_head, T, head_dim)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_dropout if self.training else 0.0,
+                                           is_causal=True)  # (B, n_head, T, head_dim)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 

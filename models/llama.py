@@ -11,10 +11,12 @@ so a checkpoint of one loads into the other with ``load_state_dict`` and gives t
 (tests/models/test_llama.py checks it against ``transformers``), and adapters that name those
 modules (LoRA's ``q_proj``, ``v_proj``) find them.
 
-As in ``gpt2.py``, attention is written out (matmul, causal mask, softmax) so that every operation
-is visible to torch.fx and the analytic profiler, and what depends on the sequence length (the
-mask, the rotary angles) is built in ``forward``: buffers of the longest sequence's size would be
-swapped for nothing.
+Attention is one ``F.scaled_dot_product_attention`` call, causal, with ``enable_gqa=True``: what
+Hugging Face's sdpa attention calls when there is no padding mask, so the logits are the same to
+the bit, and on a GPU a fused kernel (flash attention) that reads each key/value head once for its
+group of query heads instead of copying it ``n_head // n_kv_head`` times. The rotary angles depend
+on the sequence length and are built in ``forward``: a buffer of the longest sequence's size would
+be swapped for nothing.
 
 Usage as a model file: ``harmony compile models/llama.py --arg preset=8b --analytic h100``.
 """
@@ -69,7 +71,7 @@ PRESETS: dict[str, LlamaConfig] = {
 
 
 def _at_least_float32(dtype: torch.dtype) -> torch.dtype:
-    """Where Llama computes in float32 (norms, softmax, rotary angles): low precision goes up, float64
+    """Where Llama computes in float32 (norms, rotary angles): low precision goes up, float64
     stays (the exactness tests train in float64). A torch call rather than a branch, so that
     torch.fx records it instead of having to decide it while tracing."""
     return torch.promote_types(dtype, torch.float32)
@@ -127,15 +129,10 @@ class Attention(nn.Module):
         cos, sin = self._rotary(x)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        group = self.n_head // self.n_kv_head  # each key/value head serves this many query heads
-        k = k[:, :, None].expand(B, self.n_kv_head, group, T, self.head_dim).reshape(B, self.n_head, T, self.head_dim)
-        v = v[:, :, None].expand(B, self.n_kv_head, group, T, self.head_dim).reshape(B, self.n_head, T, self.head_dim)
-        att = (q @ k.transpose(-2, -1)) * (self.head_dim ** -0.5)
-        mask = att.new_ones((T, T), dtype=torch.bool).tril()
-        att = att.masked_fill(~mask, float("-inf"))
-        att = F.softmax(att, dim=-1, dtype=_at_least_float32(q.dtype)).to(q.dtype)
-        y = (att @ v).transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
-        return self.o_proj(y)
+        # each key/value head serves n_head // n_kv_head query heads (enable_gqa); scale as Llama's
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.head_dim ** -0.5,
+                                           enable_gqa=self.n_kv_head != self.n_head)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 
 
 class MLP(nn.Module):

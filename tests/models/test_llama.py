@@ -26,14 +26,14 @@ PARAM_COUNTS = {"tiny": 24_736, "1b": 1_235_814_400, "3b": 3_212_749_824, "7b": 
 MINIBATCH = 8
 
 
-def hf_config(config: llama.LlamaConfig):
+def hf_config(config: llama.LlamaConfig, attention: str = "sdpa"):
     from transformers import LlamaConfig
 
     return LlamaConfig(vocab_size=config.vocab_size, hidden_size=config.dim, intermediate_size=config.ffn_hidden,
                        num_hidden_layers=config.n_layer, num_attention_heads=config.n_head,
                        num_key_value_heads=config.n_kv_head, max_position_embeddings=config.block_size,
                        rope_theta=config.rope_theta, rms_norm_eps=config.norm_eps,
-                       tie_word_embeddings=config.tie_embeddings, attn_implementation="eager")
+                       tie_word_embeddings=config.tie_embeddings, attn_implementation=attention)
 
 
 @pytest.mark.parametrize("preset", sorted(llama.PRESETS))
@@ -51,16 +51,22 @@ def test_the_tiny_preset_uses_grouped_query_attention_and_tied_presets_share_one
 
 
 def test_logits_equal_hugging_face_llama_with_the_same_weights():
+    """Bit for bit against Hugging Face's sdpa attention (the same scaled_dot_product_attention
+    call); to rounding against its eager attention, which writes the scores out."""
     from transformers import LlamaForCausalLM
 
     config = llama.PRESETS["tiny"]
     torch.manual_seed(0)
     ours = llama.build_model("tiny")
-    theirs = LlamaForCausalLM(hf_config(config))
-    theirs.load_state_dict(ours.state_dict(), strict=True)  # the same names, every one
     tokens, _ = llama.get_batch(3, 0)
-    with torch.no_grad():
-        assert torch.equal(ours(tokens), theirs(tokens).logits)
+    for attention in ("sdpa", "eager"):
+        theirs = LlamaForCausalLM(hf_config(config, attention))
+        theirs.load_state_dict(ours.state_dict(), strict=True)  # the same names, every one
+        with torch.no_grad():
+            if attention == "sdpa":
+                assert torch.equal(ours(tokens), theirs(tokens).logits)
+            else:
+                torch.testing.assert_close(ours(tokens), theirs(tokens).logits, rtol=1e-5, atol=1e-6)
 
 
 def test_rotary_embeddings_make_the_output_depend_on_the_order_of_the_context():

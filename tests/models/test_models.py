@@ -204,6 +204,19 @@ def test_tied_weights_are_one_parameter():
     assert big.lm_head.weight is big.wte.weight
 
 
+def test_bert_attends_to_no_padding():
+    """Padding tokens change no other position's logits; a mask of ones is no mask."""
+    model = tiny("bert", dtype="float64").eval()
+    x, _ = bert.get_batch(3, 0, preset="tiny")
+    mask = padding_mask(x)
+    other = torch.where(mask.bool(), x, (x + 1) % model.config.vocab_size)
+    assert not torch.equal(other, x)
+    keep = mask.bool()
+    torch.testing.assert_close(model(x, mask)[keep], model(other, mask)[keep], rtol=0, atol=0)
+    assert not torch.allclose(model(x)[keep], model(other)[keep])
+    torch.testing.assert_close(model(x, torch.ones_like(x)), model(x), rtol=0, atol=0)
+
+
 def test_gpt2_is_causal():
     """Changing a later token must not change the logits of earlier positions."""
     model = tiny("gpt2", dtype="float64").eval()
@@ -234,13 +247,22 @@ def test_resnet_has_batchnorm_buffers_that_train_updates():
     assert int(model.bn.num_batches_tracked) == 1
 
 
+def padding_mask(ids: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's attention mask for ``ids`` whose sample i ends in i padding tokens."""
+    mask = torch.ones_like(ids)
+    for i in range(ids.size(0)):
+        mask[i, ids.size(1) - i:] = 0
+    return mask
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_fx_symbolic_trace_reproduces_output(name):
     mod = MODELS[name]
     model = tiny(name, dtype="float64").eval()
     traced = torch.fx.symbolic_trace(model)
     x, _ = mod.get_batch(3, 0, preset="tiny", dtype="float64")
-    torch.testing.assert_close(traced(x), model(x), rtol=0, atol=0)
+    args = (x, padding_mask(x)) if name == "bert" else (x,)  # BERT's padding mask traced as an input
+    torch.testing.assert_close(traced(*args), model(*args), rtol=0, atol=0)
     if name == "gpt2":  # the tie survives tracing
         assert traced.lm_head.weight is traced.wte.weight
 
@@ -333,5 +355,7 @@ def test_bert_matches_huggingface():
             state[f"cls.{head_names[prefix.split('.', 1)[1]]}.{leaf}"] = v
     state["cls.predictions.bias"] = state["cls.predictions.decoder.bias"]
     hf.load_state_dict(state, strict=False)
-    x, _ = bert.get_batch(2, 0, preset="tiny")
+    x, _ = bert.get_batch(3, 0, preset="tiny")
     torch.testing.assert_close(model(x), hf(x).logits)
+    mask = padding_mask(x)  # the padding mask, as HF's sdpa attention takes it
+    torch.testing.assert_close(model(x, mask), hf(x, attention_mask=mask).logits)
