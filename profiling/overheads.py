@@ -78,6 +78,7 @@ from harmony.scheduler.tasks import HOST, Configuration, Kind, TaskGraph
 
 from harmony.runtime.device import CpuDevice
 from harmony.runtime.context import Batch
+from harmony.runtime.host_step import host_optimizer
 from harmony.runtime.hoststore import HostStore
 from harmony.runtime.launcher import Launcher
 from .measure import host_device, measure_layer, measure_update, torch_threads
@@ -185,7 +186,7 @@ def _profile(graph, device: CpuDevice, shape: tuple[int, ...] = (WIDTH,)) -> Pro
                                           act_bytes=m.act_bytes))
     for i, module in enumerate(graph.modules):
         params = [p for p in module.parameters() if p.requires_grad]
-        upd_host, k_bytes, k_tensors = measure_update(params, _optimizer, host_device(), 3)
+        upd_host, k_bytes, k_tensors = measure_update(params, host_optimizer(_optimizer), host_device(), 3)
         upd_device = measure_update(params, _optimizer, device, 3).seconds
         nbytes = sum(p.numel() * p.element_size() for p in params)
         layers.append(LayerProfile(index=i, name=graph.layers[i].name, w_bytes=nbytes, dw_bytes=nbytes,

@@ -235,6 +235,27 @@ def test_host_updates_are_timed_on_host_memory_nobody_watches(monkeypatch):
     assert any(d.measures_memory for d in devices if d.name != "host")  # the device's own step stays watched
 
 
+def test_host_updates_are_timed_with_the_fused_step_a_host_update_runs(monkeypatch):
+    """A host update steps torch's SGD by its fused twin (runtime/host_step.py); the profile must
+    time that step, not the loop a device runs, or the plan's host updates would be estimated
+    several times too long."""
+    import harmony.profiling.sweep as sweep
+
+    built = {}
+    real = sweep.measure_update
+
+    def spy(params, build_optimizer, device, trials=3):
+        if params:
+            built.setdefault(device.name, []).append(build_optimizer([torch.nn.Parameter(p.detach().clone())
+                                                                       for p in params]))
+        return real(params, build_optimizer, device, trials)
+
+    monkeypatch.setattr(sweep, "measure_update", spy)
+    _profiler(capacity=200_000).profile(u_cap=4, samples=2)
+    assert built["host"] and all(all(g["fused"] for g in opt.param_groups) for opt in built["host"])
+    assert not any(g["fused"] for opt in built["emu"] for g in opt.param_groups)
+
+
 class _Scaled(torch.nn.Module):
     """Two buffers, no parameters."""
 
