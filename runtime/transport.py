@@ -110,7 +110,7 @@ class Transport:
                 return
 
             def send() -> None:
-                self.peers[dst].put((key, (self._encode(values, dst), state_bytes(state), self.ctx.rank)))
+                self.peers[dst].put((key, (self._encode(values, dst), state_bytes(state), self.ctx.rank, self._sent_at())))
 
             if self.ctx.device.synchronous:  # nothing to order against: the compute thread's work is done
                 self.ctx.p2p_out.run_here(send, f"{tensor} to dev{dst}", self.ctx.task)
@@ -123,11 +123,17 @@ class Transport:
             self.ctx.counters.add(channel.value, "out", tensor, tensor_bytes(values))
             if dst == self.ctx.rank:
                 host = [self.ctx.device.to_host(v) if isinstance(v, torch.Tensor) else v for v in values]
-                self.mailbox.put_local(key, (host, state))
+                self.mailbox.put_local(key, (host, state, self._sent_at()))
             else:
-                self.peers[dst].put((key, (self._encode(values, dst), state_bytes(state), self.ctx.rank)))
+                self.peers[dst].put((key, (self._encode(values, dst), state_bytes(state), self.ctx.rank, self._sent_at())))
 
         self.ctx.after_compute(self.ctx.swap_out, f"{tensor} out", park)
+
+    def _sent_at(self) -> float:
+        """When a message being sent left (``time.perf_counter``): the sending thread's work done,
+        where the device models it. Its receiver's copy depends on that, not on when it noticed."""
+        done = self.ctx.device.work_done()
+        return time.perf_counter() if done is None else done
 
     def _encode(self, values: Values, dst: int) -> list:
         with self.ctx.device.host_side():
@@ -142,14 +148,15 @@ class Transport:
         began = time.perf_counter()
         with self.ctx.waiting_for(what):
             message = self.mailbox.take(key, what, self.ctx.timeout)
-        self.ctx.device.ready(time.perf_counter())
         if on_compute_thread():  # not prefetched: the compute thread waited for it
             self.ctx.waits.append(("compute", self.ctx.task, f"wait: {what.split(' (')[0]}", began, time.perf_counter()))
         if isinstance(message, Received):
+            self.ctx.device.ready(time.perf_counter())
             return message.values, message.state, True
-        if len(message) == 2:  # parked by this worker for itself
-            return *message, False
-        items, state, src = message
+        self.ctx.device.ready(message[-1])  # when it was sent
+        if len(message) == 3:  # parked by this worker for itself
+            return *message[:2], False
+        items, state, src, _ = message
         if self.slabs is None:
             return [item[1] for item in items], state_tensor(state), False
         return self.slabs.decode(items, src, self.ctx.rank), state_tensor(state), False
