@@ -64,7 +64,9 @@ class _MetaProp(fx.Interpreter):
     def call_function(self, target, args, kwargs):
         if target is tracing.device_of:
             return torch.device("cpu") if self.convert is _to_real_copy else torch.device("meta")
-        return super().call_function(target, args, kwargs)
+        if self.memo is None or not self.memo.memoizable_function(target):
+            return super().call_function(target, args, kwargs)
+        return self.memo.call_function(target, args, kwargs, lambda: target(*args, **kwargs))
 
     def call_module(self, target, args, kwargs):
         module = self.fetch_attr(target)

@@ -23,6 +23,7 @@ from torch.utils import _pytree as pytree
 
 from harmony import serialization
 from harmony.decomposer.layer_support import function_class
+from harmony.decomposer.meta_init import on_meta
 from harmony.errors import DecomposeError, FormatError
 
 log = logging.getLogger(__name__)
@@ -353,7 +354,7 @@ class LayerGraph:
         modules = []
         for spec in self.layers:
             cls = _import_layer_class(spec, self.sources[spec.code_file], origin)
-            with torch.device(device):
+            with on_meta() if torch.device(device).type == "meta" else torch.device(device):
                 modules.append(cls(source=source))
         if source is None:
             _retie(modules, self.ties)

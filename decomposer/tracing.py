@@ -25,6 +25,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from harmony.decomposer import autograd_guard, grad_mode
+from harmony.decomposer.meta_init import on_meta
 from harmony.errors import DecomposeError
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ def constructor_source(module: torch.nn.Module) -> str | None:
         return _CONSTRUCTOR_CACHE[key]
     result = None
     try:
-        with torch.device("meta"):
+        with on_meta():
             rebuilt = eval(source, {"torch": torch, "inf": math.inf, "nan": math.nan})  # noqa: S307 - our own repr
         shapes = lambda m: [(n, tuple(t.shape)) for n, t in list(m.named_parameters()) + list(m.named_buffers())]  # noqa: E731
         if (

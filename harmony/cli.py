@@ -62,14 +62,16 @@ def _add_granularity_args(p: argparse.ArgumentParser) -> None:
 
 
 def _load_and_decompose(ns: argparse.Namespace, meta: bool, check_loss: bool = True):
-    """The model file, its model (on the meta device when asked) and its layer graph; the file's
+    """The model file, its model (on the meta device when asked, without running its initialisers:
+    ``decomposer/meta_init.py``) and its layer graph; the file's
     ``loss_fn`` checked on the model's output first where it is to train (``harmony.inputs``)."""
     from harmony.decomposer.decompose import decompose
+    from harmony.decomposer.meta_init import on_meta
     from harmony.inputs import check_loss_on_model
     from harmony.modelfile import load_model_file, parse_options
 
     mf = load_model_file(ns.model_file, parse_options(ns.args))
-    with torch.device("meta") if meta else contextlib.nullcontext():
+    with on_meta() if meta else contextlib.nullcontext():
         model = mf.build_model()
     inputs, target = mf.get_batch(ns.batch_size, 0)
     if check_loss:
