@@ -8,9 +8,22 @@ emulated device), then sleeps until the work has taken what the cost model
 machine's bandwidth. Sleeping threads use no core, so four or eight timed devices run on two cores,
 and a run's time is that of the plan as the runtime plays it: what the estimator simulates.
 
-The device behaves as an asynchronous accelerator would: work issued inside a unit
-(``TimedDevice.unit``) is done at the unit's modelled end, so a copy ordered after it
-(``mark``/``wait``, as a GPU's copy streams wait for an event on the compute stream) starts then.
+The device behaves as an asynchronous accelerator would, so that the host's Python, which shares
+two cores with every worker's threads, is not taken for the device's time:
+
+- work issued inside a unit (``TimedDevice.unit``) is done at the unit's modelled end, so a copy
+  ordered after it (``mark``/``wait``, as a GPU's copy streams wait for an event on the compute
+  stream) starts then;
+- a unit starts when the unit before it ended and what the compute thread waited for was done
+  (``ready``: a stream job's modelled end, ``Job.ended``; a message's sending; another worker's
+  task, ``Shared.done_at``), as a kernel queued behind an event starts when the event fires. The
+  host's Python between two units is hidden behind the first, as a GPU's launch queue hides it,
+  as long as it takes less than that unit;
+- a stream's copy starts when its job was queued and the stream's copies before it were done
+  (``job_begins``), not when its thread got round to it.
+
+What a run then adds to the simulation is the runtime's order and waits, and the host only where it
+falls behind the devices.
 
 ``Timing`` is plain data built where the plan is (``Timing.of``) and handed to every worker.
 """

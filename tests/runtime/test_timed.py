@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from bench import timed as bench_timed
+from harmony.runtime.flags import Shared
+from harmony.runtime.streams import Stream
 from harmony.runtime.timed import ITERATION, TimedDevice, Timing, scale_for, timed_machine
 from harmony.scheduler.machine import nominal_machine
 
@@ -46,6 +48,66 @@ def test_a_copy_lasts_its_bytes_over_the_bandwidth_and_moves_the_values():
     assert device.mark() is None  # outside a unit nothing is pending
 
 
+def test_the_hosts_python_between_two_units_is_hidden_behind_the_first():
+    device = _device({(1, 0): 0.2, (1, 1): 0.05})
+    with device.unit(1, 0):
+        pass
+    first = device.take_unit_starts()[(1, 0)]
+    time.sleep(0.03)  # the host's work between the units, shorter than the first unit
+    with device.unit(1, 1):
+        pass
+    assert device.take_unit_starts()[(1, 1)] == pytest.approx(first + 0.2, abs=1e-9)
+
+
+def test_a_unit_starts_late_by_what_the_host_took_beyond_the_unit_before_it():
+    device = _device({(1, 0): 0.01, (1, 1): 0.01})
+    with device.unit(1, 0):
+        pass
+    first = device.take_unit_starts()[(1, 0)]
+    time.sleep(0.1)
+    with device.unit(1, 1):
+        pass
+    assert device.take_unit_starts()[(1, 1)] >= first + 0.01 + 0.09
+
+
+def test_a_unit_starts_no_earlier_than_what_its_thread_waited_for():
+    device = _device({(1, 0): 0.05, (1, 1): 0.05})
+    with device.unit(1, 0):
+        pass
+    first = device.take_unit_starts()[(1, 0)]
+    device.ready(first + 0.08)  # an input that arrived after the first unit ended
+    with device.unit(1, 1):
+        pass
+    assert device.take_unit_starts()[(1, 1)] == pytest.approx(first + 0.08, abs=1e-9)
+
+
+def test_a_stream_job_copies_from_when_it_was_queued_and_ends_at_its_modelled_end():
+    device = _device({}, bandwidth=8_000 / 0.1)
+    stream = Stream("timed-test", setup=lambda: None, sync=device.stream_sync, begin=device.job_begins)
+    try:
+        t = torch.zeros(1000, dtype=torch.float64)
+        before = time.perf_counter()
+        first = stream.submit(device.to_device, t)
+        second = stream.submit(device.to_device, t)  # behind the first: starts at its end
+        after = time.perf_counter()
+        first.result(), second.result()
+    finally:
+        stream.close()
+    assert before + 0.1 <= first.ended <= after + 0.1
+    assert second.ended == pytest.approx(first.ended + 0.1, abs=1e-9)
+
+
+def test_a_task_marked_done_says_when_its_work_was_done():
+    shared = Shared.create(3)
+    shared.mark_done(0, 0, at=12.5)
+    shared.mark_done(2, 0, at=13.25)
+    assert shared.done_at([0, 2]) == pytest.approx(13.25)
+    assert shared.wait_done([0, 2], 0, "a test", timeout=1.0) == pytest.approx(13.25)
+    before = time.perf_counter()
+    shared.mark_done(1, 0)  # no time given: now
+    assert before <= shared.done_at([1]) <= time.perf_counter()
+
+
 def test_a_timing_scales_every_unit_and_copy_alike_to_make_an_iteration_last_a_second():
     machine = timed_machine(nominal_machine("cpu", 2, 1 << 20))
     assert machine.d2h == machine.h2d == machine.d2d == machine.msg and not machine.host_link_shared
@@ -62,8 +124,7 @@ def test_a_timing_scales_every_unit_and_copy_alike_to_make_an_iteration_last_a_s
 @pytest.mark.parametrize("mode", ["pp", "dp"])
 def test_a_two_device_timed_run_takes_its_simulated_time_within_three_percent(mode):
     """Packs that swap their state in and out of two devices: the run plays the program the
-    simulation plays, and the runtime's own Python (a millisecond or two a task on this machine,
-    which the timed machine does not model) is what separates them (``python -m bench.timed``)."""
+    simulation plays (``python -m bench.timed``)."""
     plan = bench_timed.compile_case("gpt2", mode, 2, "h100")
     case = bench_timed.run_case(bench_timed.Case("gpt2", mode, 2), plan, steps=2)
     assert abs(case.relative) < 0.03, (case.estimated, case.measured, case.worst_unit)
