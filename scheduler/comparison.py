@@ -49,6 +49,13 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
+_SEARCH: tuple = ()  # a worker's arguments of ``_search_row`` after the mode, inherited at its fork
+
+
+def _worker_row(mode: str) -> tuple[dict[str, Any], str | None]:
+    return _search_row(mode, *_SEARCH)
+
+
 def _search_row(mode: str, profile: Profile, machine: Machine, devices: int, minibatch: int, capacity: int,
                 same_u: bool, gated: bool = False, coarse: bool = False) -> tuple[dict[str, Any], str | None]:
     """The mode's row, and why it fits nothing (None where it fits)."""
@@ -61,11 +68,15 @@ def _search_row(mode: str, profile: Profile, machine: Machine, devices: int, min
         return {"mode": mode, "iteration_time": None, "config": DOES_NOT_FIT}, str(exc)
 
 
-def _start_worker() -> None:
-    """A forked worker logs nothing: a handler writing to a console (rich's) may have been locked
-    by another thread of the parent at the fork, and would stay locked in the child for good.
-    And its collector leaves the parent's heap alone (``search.freeze_heap``): the search's task graphs
+def _start_worker(search_args: tuple) -> None:
+    """A forked worker keeps the search's arguments it inherited (the profile is not pickled to it:
+    a pickle taken while the compile's own search fills the profile's caches would race with it).
+    It logs nothing: a handler writing to a console (rich's) may have been locked by another
+    thread of the parent at the fork, and would stay locked in the child for good. And its
+    collector leaves the parent's heap alone (``search.freeze_heap``): the search's task graphs
     trigger collections, which would otherwise walk torch's and the model's objects each time."""
+    global _SEARCH
+    _SEARCH = search_args
     logging.disable(logging.CRITICAL)
     freeze_heap()
 
@@ -113,10 +124,11 @@ def comparing(modes: list[str], profile: Profile, machine: Machine, devices: int
             return ordered()
         yield serially
         return
+    # forked, the workers receive the initializer's arguments as they are in memory, unpickled
     pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
-                                                  initializer=_start_worker)
+                                                  initializer=_start_worker, initargs=(args,))
     try:
-        futures = {pool.submit(_search_row, mode, *args): mode for mode in modes}
+        futures = {pool.submit(_worker_row, mode): mode for mode in modes}
 
         def collected() -> list[dict[str, Any]]:
             for future in concurrent.futures.as_completed(futures):

@@ -4,12 +4,14 @@ processes as one after the other, and modes that fit nothing last."""
 from __future__ import annotations
 
 import logging
+import pickle
 
 import pytest
 
-from harmony.scheduler.comparison import DOES_NOT_FIT, compare_modes
+from harmony.profiling.profiles import Profile
+from harmony.scheduler.comparison import DOES_NOT_FIT, compare_modes, comparing
 from harmony.scheduler.machine import Machine
-from harmony.scheduler.search import pack_doublings
+from harmony.scheduler.search import pack_doublings, search
 from harmony.scheduler.modes import MODES
 
 from test_search import skewed_profile
@@ -32,6 +34,26 @@ def test_modes_compared_in_worker_processes_give_the_table_of_one_process():
     assert [r["mode"] for r in serial] == MODES_COMPARED
     assert all(r["iteration_time"] > 0 and r["config"] != DOES_NOT_FIT for r in serial)
     assert progress == [(i, len(MODES_COMPARED)) for i in range(1, len(MODES_COMPARED) + 1)]
+
+
+def test_the_workers_search_the_profile_they_inherit_unpickled_while_the_caller_searches_it(monkeypatch):
+    """A profile pickled to the workers while the compile's own search filled its caches raced with
+    that search ("dictionary changed size during iteration"): the workers inherit it at their fork."""
+    profile = skewed_profile(capacity=12_000_000)
+    machine = Machine.from_spec("1080ti", 2)
+    serial = compare_modes(MODES_COMPARED, profile, machine, 2, 6, profile.capacity, False, workers=1)
+
+    def refuse(self):
+        raise pickle.PicklingError("the profile was pickled")
+
+    monkeypatch.setattr(Profile, "__getstate__", refuse, raising=False)
+    with pytest.raises(pickle.PicklingError):
+        pickle.dumps(profile)
+    with comparing(MODES_COMPARED, profile, machine, 2, 6, profile.capacity, False, workers=2) as rows:
+        search(profile, machine, "pp", 2, 6)  # fills the profile's caches meanwhile
+        parallel = rows()
+    assert [{k: v for k, v in r.items() if k != "search_seconds"} for r in parallel] == \
+        [{k: v for k, v in r.items() if k != "search_seconds"} for r in serial]
 
 
 @pytest.mark.parametrize("workers", [1, 2])
