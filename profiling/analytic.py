@@ -13,7 +13,11 @@ the measuring profiler does (``source="analytic"``), without running anything re
    bytes alive after it (every new storage is tracked until its last tensor dies, through weakref
    finalizers). A mixed-precision profile counts each layer under ``torch.autocast`` instead, on
    fake tensors of an autocast device type: low-precision outputs and the weights' casts are
-   counted as eager autocast makes them.
+   counted as eager autocast makes them. ``F.scaled_dot_product_attention`` is counted as the
+   target runs it (``attention.py``): on a GPU (every ``DeviceSpec``) the fused kernel CUDA picks,
+   whose forward keeps the output and a log-sum-exp per query row where the math path that meta
+   tensors would run writes out and keeps the sequence x sequence scores; ``device_type="cpu"``
+   counts on fake CPU tensors what torch runs there.
 2. **Time** is a roofline summed *per op*: ``max(flops / (peak(dtype) * efficiency), bytes /
    memory_bandwidth)``, so a layer's matmuls may be compute-bound while its layer norm, softmax and
    element-wise ops are bandwidth-bound. ``fwd_time`` is the no-grad forward, ``bwd_time`` only the
@@ -68,6 +72,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from harmony.decomposer.layer_graph import LayerGraph, dtype_from_str
 from harmony.errors import HarmonyError
+from harmony.profiling import attention
 from harmony.scheduler.devicespec import DeviceSpec, load_spec
 from harmony.profiling.profiles import LayerProfile, LayerSample, Profile
 from harmony.runtime.hostroom import gib
@@ -321,13 +326,17 @@ class _LayerRunner:
     ``autocast`` (mixed precision's low dtype) the layer is counted as it runs under autocast: on
     fake tensors of an autocast device type (CUDA's op lists where CUDA is here, else the CPU's,
     as ``casts.py`` does), so that the ops autocast runs low move and keep half the bytes, and the
-    weights' casts are counted as eager autocast makes them."""
+    weights' casts are counted as eager autocast makes them. ``target``: the device type the count
+    stands for, which decides the attention kernels (``attention.py``); a ``"cpu"`` target is
+    counted on fake CPU tensors, whose dispatch is the CPU's."""
 
     def __init__(self, graph: LayerGraph, index: int, module: torch.nn.Module, dtype: torch.dtype | None,
-                 batch: int | None, device: str = "meta", autocast: torch.dtype | None = None) -> None:
+                 batch: int | None, device: str = "meta", autocast: torch.dtype | None = None,
+                 target: str = "cuda") -> None:
         self.graph, self.index, self.module, self.dtype, self.batch = graph, index, module, dtype, batch
         self.device = device
         self.autocast = autocast
+        self.target = target
         self.spec = graph.layers[index]
 
     def _cast(self, dt: torch.dtype) -> torch.dtype:
@@ -373,6 +382,9 @@ class _LayerRunner:
         try:
             if self.autocast is not None:
                 return self._count_autocast(u)
+            if self.target == "cpu" and self.device == "meta":
+                with FakeTensorMode(allow_non_fake_inputs=True):
+                    return self._on_fake("cpu")._count(u)
             return self._count(u)
         except AnalyticProfileError:
             raise
@@ -382,11 +394,17 @@ class _LayerRunner:
                 f"{type(exc).__name__}: {exc}"
             ) from exc
 
+    def _on_fake(self, device: str) -> "_LayerRunner":
+        """This runner with its tensors made on fake ``device`` tensors (enter a FakeTensorMode to
+        count with it)."""
+        return _LayerRunner(self.graph, self.index, self.module, self.dtype, self.batch, device=device,
+                            target=self.target)
+
     def _count_autocast(self, u: int) -> _Counts:
         """``_count`` under autocast on fake tensors; a layer fake tensors cannot run is counted
         without autocast (logged): float32 sizes, an upper bound of what it holds."""
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        runner = _LayerRunner(self.graph, self.index, self.module, self.dtype, self.batch, device=device)
+        device = "cuda" if torch.cuda.is_available() and self.target == "cuda" else "cpu"
+        runner = self._on_fake(device)
         try:
             with FakeTensorMode(allow_non_fake_inputs=True), torch.autocast(device, dtype=self.autocast):
                 return runner._count(u)
@@ -394,14 +412,15 @@ class _LayerRunner:
             log.info("layer %d (%s): not countable under autocast on fake tensors (%s: %s); counted in float32",
                      self.index, self.spec.name, type(exc).__name__, exc)
             self.autocast = None
-            return self._count(u)
+            return self.count(u)
 
     def _count(self, u: int) -> _Counts:
         # forward, as the FWD task runs it: no autograd, outputs and temporaries only
         state = self.meta_state()
         xs = self.meta_inputs(u, grad=False)
         x_tensors = _tensors(xs)
-        with torch.no_grad(), FlopCounterMode(display=False) as counter, _OpRecorder(counter, list(state.values()) + x_tensors) as fwd:
+        with torch.no_grad(), _counter() as counter, _OpRecorder(counter, list(state.values()) + x_tensors) as fwd, \
+                attention.run_on(self.target):
             ys = functional_call(self.module, state, tuple(xs))
             y_tensors = _tensors(ys)
             y_bytes = _unique_bytes(y_tensors)
@@ -416,7 +435,8 @@ class _LayerRunner:
         x_tensors = _tensors(xs)
         dx_bytes = _unique_bytes([t for t in x_tensors if t.requires_grad])
         dys = [torch.empty(shape, dtype=dt, device=self.device) for shape, dt in y_meta]
-        with FlopCounterMode(display=False) as counter, _OpRecorder(counter, list(state.values()) + x_tensors + dys) as bwd:
+        with _counter() as counter, _OpRecorder(counter, list(state.values()) + x_tensors + dys) as bwd, \
+                attention.run_on(self.target):
             ys = _tensors(functional_call(self.module, state, tuple(xs)))
             pairs = [(y, dy) for y, dy in zip(ys, dys) if y.requires_grad]
             start = len(bwd.names)
@@ -429,6 +449,11 @@ class _LayerRunner:
             bwd.names, np.array(bwd.flops), np.array(bwd.bytes), np.array(bwd.lives), start,
             float(x_bytes), float(y_bytes), float(dx_bytes), float(dy_bytes),
         )
+
+
+def _counter() -> FlopCounterMode:
+    """torch's FLOP counter, with formulas for the attention kernels it has none for."""
+    return FlopCounterMode(display=False, custom_mapping=attention.FLOP_FORMULAS)
 
 
 def _unique_bytes(tensors: Sequence[torch.Tensor]) -> int:
@@ -519,9 +544,15 @@ def layer_cost_models(
     dtype: torch.dtype | str | None = None,
     modules: Sequence[torch.nn.Module] | None = None,
     compute: torch.dtype | None = None,
+    device_type: str = "cuda",
 ) -> list[LayerCostModel]:
     """One cost model per layer (identical layers share the same object); ``compute``: the dtype
-    autocast computes in (mixed precision), whose peak rate the FLOPs run at."""
+    autocast computes in (mixed precision), whose peak rate the FLOPs run at. ``device_type``: what
+    the spec describes, which decides how attention is counted (``attention.py``): ``"cuda"``, as
+    every preset, or ``"cpu"``."""
+    if device_type not in attention.DEVICE_TYPES:
+        raise AnalyticProfileError(f"device type {device_type!r} cannot be counted; choose one of "
+                                   f"{', '.join(attention.DEVICE_TYPES)}")
     spec = load_spec(spec)
     override = _as_dtype(dtype)
     compute_dtype = compute or override or _training_dtype(graph)
@@ -534,7 +565,7 @@ def layer_cost_models(
         key = _signature(graph, i, module, override, batch)
         model = cache.get(key)
         if model is None:
-            runner = _LayerRunner(graph, i, module, override, batch, autocast=_autocast_dtype(compute))
+            runner = _LayerRunner(graph, i, module, override, batch, autocast=_autocast_dtype(compute), target=device_type)
             w, dw, b = _state_bytes(graph, i, module, override)
             model = LayerCostModel(runner.count, w + b, peak, spec.memory_bandwidth, graph.layers[i].name, grad_bytes=dw)
             cache[key] = model
