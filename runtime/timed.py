@@ -166,8 +166,9 @@ class TimedDevice(UncheckedCpuDevice):
 
     def job_begins(self, queued: float) -> None:
         """A stream job's copies start once it was queued and the stream's copies before it are
-        done, not when its thread, sharing the cores, got round to it."""
-        self._local.ready = queued
+        done, not when its thread, sharing the cores, got round to it. When it was queued bounds
+        its copies only: a job that copies nothing (a marker) is done with the jobs before it."""
+        self._local.queued = queued
 
     def stream_sync(self) -> float:
         """A stream job was done when its last copy was (or what it waited for, if that was later)."""
@@ -183,7 +184,9 @@ class TimedDevice(UncheckedCpuDevice):
         between a thread's copies (a state, tensor by tensor) and the thread's hand-offs are the
         host's, not the copy engine's, and are not added to what the copies take. On a thread that
         is neither the compute thread nor a stream's, the copy starts when it ``began``."""
-        start = self._ready() if hasattr(self._local, "ready") else max(self._ready(), began)
+        local = self._local
+        known = hasattr(local, "ready") or hasattr(local, "queued")
+        start = max(self._ready(), getattr(local, "queued", 0.0) if known else began)
         self._local.clock = start + self.timing.copy_seconds(nbytes)
         sleep_until(self._local.clock)
 

@@ -97,6 +97,20 @@ def test_a_stream_job_copies_from_when_it_was_queued_and_ends_at_its_modelled_en
     assert second.ended == pytest.approx(first.ended + 0.1, abs=1e-9)
 
 
+def test_a_job_that_copies_nothing_is_done_with_the_copies_before_it_not_when_it_was_queued():
+    device = _device({}, bandwidth=8_000 / 0.05)
+    stream = Stream("timed-test", setup=lambda: None, sync=device.stream_sync, begin=device.job_begins)
+    try:
+        copy = stream.submit(device.to_device, torch.zeros(1000, dtype=torch.float64))
+        copy.result()
+        time.sleep(0.05)
+        marker = stream.submit(lambda: None)
+        marker.result()
+    finally:
+        stream.close()
+    assert marker.ended == copy.ended
+
+
 def test_a_task_marked_done_says_when_its_work_was_done():
     shared = Shared.create(3)
     shared.mark_done(0, 0, at=12.5)
