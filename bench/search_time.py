@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 import harmony
+from harmony.decomposer.meta_init import on_meta
 from harmony.modelfile import ModelFile, load_model_file
 from harmony.profiling.analytic import analytic_profile
 from harmony.scheduler.machine import Machine
@@ -36,12 +37,13 @@ CASES = [("BERT96", "bert", "96"), ("GPT-2 1.5B", "gpt2", "1.5b"), ("VGG416", "v
 
 
 def _models(names: tuple[str, ...] | None) -> Iterator[tuple[str, ModelFile, torch.nn.Module]]:
-    """(name, model file, model built on the meta device) of each case, or of those ``names`` gives."""
+    """(name, model file, model built on the meta device, without its initialisers) of each case, or
+    of those ``names`` gives."""
     for name, file, preset in CASES:
         if names is not None and name not in names:
             continue
         mf = load_model_file(MODELS / f"{file}.py", {"preset": preset})
-        with torch.device("meta"):
+        with on_meta():
             model = mf.build_model()
         yield name, mf, model
 

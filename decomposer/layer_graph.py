@@ -13,7 +13,7 @@ import importlib.util
 import logging
 import re
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -37,6 +37,21 @@ _DTYPES = {str(d): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
 )}
+
+
+_NOT_DATA = ("modules", "_out_spec", "sources")  # the graph's fields that ``to_dict`` leaves out
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as ``asdict`` copies a field: dataclasses as dicts, lists and dicts copied, the
+    rest (strings, numbers, bytes) as it is."""
+    if is_dataclass(value):
+        return asdict(value)
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
 def dtype_from_str(name: str) -> torch.dtype:
@@ -252,8 +267,10 @@ class LayerGraph:
 
     # ---------------------------------------------------------------- files
     def to_dict(self) -> dict:
-        body = {k: v for k, v in asdict(self).items() if k not in ("modules", "_out_spec", "sources")}
-        return body
+        """The data half as plain Python: what ``graph.msgpack`` holds and ``fingerprint`` hashes.
+        Field by field, as ``asdict`` would give them, leaving out the live half and the sources
+        (``asdict`` of the whole graph would deep-copy its layer modules only to drop them)."""
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name not in _NOT_DATA}
 
     def save(self, directory: str | Path) -> Path:
         """Write ``graph.msgpack`` and the generated code under ``layers/``; returns the directory."""

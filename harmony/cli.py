@@ -27,6 +27,7 @@ from rich.table import Table
 
 from harmony import checkpoint
 from harmony.errors import HarmonyError
+from harmony import timing
 from harmony.scheduler.modes import MODES
 from harmony.runtime.device import SHARE_GPUS, visible_gpus
 
@@ -70,16 +71,18 @@ def _load_and_decompose(ns: argparse.Namespace, meta: bool, check_loss: bool = T
     from harmony.inputs import check_loss_on_model
     from harmony.modelfile import load_model_file, parse_options
 
-    mf = load_model_file(ns.model_file, parse_options(ns.args))
-    with on_meta() if meta else contextlib.nullcontext():
-        model = mf.build_model()
+    with timing.stage("model build"):
+        mf = load_model_file(ns.model_file, parse_options(ns.args))
+        with on_meta() if meta else contextlib.nullcontext():
+            model = mf.build_model()
     inputs, target = mf.get_batch(ns.batch_size, 0)
     if check_loss:
         check_loss_on_model(model, mf.loss_fn, inputs, target)
-    graph = decompose(
-        model, inputs, depth=ns.depth, modules=ns.modules.split(",") if ns.modules else None,
-        opaque_modules=ns.opaque, method=ns.method,
-    )
+    with timing.stage("decompose"):
+        graph = decompose(
+            model, inputs, depth=ns.depth, modules=ns.modules.split(",") if ns.modules else None,
+            opaque_modules=ns.opaque, method=ns.method,
+        )
     return mf, model, graph
 
 
@@ -187,7 +190,8 @@ def _cmd_compile(ns: argparse.Namespace) -> int:
             model, mf.get_batch, mf.build_optimizer, options, model_file=str(ns.model_file),
             model_sha256=mf.source_hash, graph=graph, on_progress=report, loss_fn=mf.loss_fn,
         )
-    plan.save(ns.out, trace=trace)
+    with timing.stage("write plan"):
+        plan.save(ns.out, trace=trace)
     if ns.gantt:
         from harmony.scheduler.gantt import write_gantt
 

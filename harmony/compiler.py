@@ -41,6 +41,7 @@ from harmony.scheduler.modes import MODES
 from harmony.scheduler.tasks import HOST, Kind
 from harmony.runtime import precision
 from harmony.runtime.clipping import check_threshold
+from harmony import timing
 
 log = logging.getLogger(__name__)
 
@@ -149,12 +150,14 @@ def compile_plan(
         example = get_batch(min(2, options.minibatch), 0)
         if graph is None:  # traced as written: autocast applies when the layers run, not to the graph
             report("decomposing")
-            graph = decompose(model, example[0])
+            with timing.stage("decompose"):
+                graph = decompose(model, example[0])
         inputs = (example[0],) if isinstance(example[0], torch.Tensor) else tuple(example[0])
         check_forward_state(model, inputs)
         if options.check_gradients:
             report("checking the layers' gradients against eager autograd")
-            check_gradients(model, graph, inputs, example[1], loss_fn)
+            with timing.stage("gradient check"):
+                check_gradients(model, graph, inputs, example[1], loss_fn)
         with precision.autocast(options.device_type, options.precision, cache=False):
             plan, trace = _compile_plan(model, get_batch, build_optimizer, options, model_file, model_sha256, graph,
                                         report, loss_fn)
@@ -173,11 +176,13 @@ def _compile_plan(model, get_batch, build_optimizer, options: CompileOptions, mo
                   loss_fn: Callable | None) -> tuple[Plan, dict]:
     _check_batch_sizes(graph, options.minibatch)
     _check_something_trains(graph)
-    profile, machine = profile_graph(graph, get_batch, build_optimizer, options, on_progress, loss_fn)
+    with timing.stage("profile"):
+        profile, machine = profile_graph(graph, get_batch, build_optimizer, options, on_progress, loss_fn)
     capacity = profile.capacity
     _check_smallest_layer(profile, capacity)
     planned = int(capacity * (1 - options.memory_margin))
-    same_u = batch_coupled(graph, _two_samples(graph, get_batch, options.minibatch))
+    with timing.stage("sample-mixing check"):
+        same_u = batch_coupled(graph, _two_samples(graph, get_batch, options.minibatch))
     if same_u:
         log.info("U_F = U_B: %s", same_u)
     others = [m for m in MODES if m != options.mode] if options.compare else []
@@ -192,15 +197,21 @@ def _compile_plan(model, get_batch, build_optimizer, options: CompileOptions, mo
             refusal = explain_refusal(exc, options.mode, profile, machine, options.devices, options.minibatch, planned,
                                       same_u=bool(same_u), **options.search_options())
             raise HarmonyError(str(exc) + _memory_that_fits(exc, options.memory_margin, refusal)) from exc
-        comparison = [row(options.mode, result)] + compared()
+        timing.log_stage(f"search {options.mode}", result.seconds)
+        with timing.stage("comparison (waiting for the other modes)"):
+            comparison = [row(options.mode, result)] + compared()
+    for r in comparison[1:]:
+        if "search_seconds" in r:
+            timing.log_stage(f"search {r['mode']} (worker)", r["search_seconds"])
     comparison.sort(key=lambda r: (r["iteration_time"] is None, MODES.index(r["mode"])))
     on_progress("measuring the plan's packs")
-    measure = pack_measurer(graph, get_batch, build_optimizer, loss_fn, options)
-    chosen = finish_plan(result, profile, machine, options, planned, bool(same_u), measure)
-    est = chosen.estimate
-    program = lower(chosen.graph, profile, params=graph.parameter_layers())
-    host = Layout.for_graph(graph, options.devices, build_optimizer, chosen.graph.low_copies,
-                            program.gradient_slots(chosen.graph))
+    with timing.stage("finish (packs, memory promise, lowering)"):
+        measure = pack_measurer(graph, get_batch, build_optimizer, loss_fn, options)
+        chosen = finish_plan(result, profile, machine, options, planned, bool(same_u), measure)
+        est = chosen.estimate
+        program = lower(chosen.graph, profile, params=graph.parameter_layers())
+        host = Layout.for_graph(graph, options.devices, build_optimizer, chosen.graph.low_copies,
+                                program.gradient_slots(chosen.graph))
     plan = Plan(
         graph=graph, profile=profile, tasks=chosen.graph,
         estimate={

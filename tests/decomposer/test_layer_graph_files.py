@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import sys
 
@@ -122,6 +123,22 @@ def test_specs_survive_round_trip_without_code(tmp_path):
     assert lg2.parameter_bytes() == lg.parameter_bytes()
     with pytest.raises(harmony.DecomposeError):
         lg2.run_sequential(torch.zeros(1, 16, dtype=torch.long))
+
+
+def test_the_data_half_is_the_graphs_fields_as_plain_data_without_touching_its_modules(tmp_path):
+    """``to_dict`` (the file's body and the fingerprint's input) gives every data field as
+    ``dataclasses.asdict`` would, and never copies the live layer modules it leaves out."""
+    _, _, lg, _ = _decomposed("gpt2", tmp_path)
+    plain = dataclasses.asdict(dataclasses.replace(lg, modules=None, _out_spec=None))
+    expected = {k: v for k, v in plain.items() if k not in ("modules", "_out_spec", "sources")}
+
+    class Uncopyable(torch.nn.Module):
+        def __deepcopy__(self, memo):
+            raise AssertionError("a layer module was copied")
+
+    lg.modules = [Uncopyable()]
+    assert lg.to_dict() == expected and list(lg.to_dict()) == list(expected)
+    assert lg.fingerprint() == LayerGraph.from_dict(lg.to_dict()).fingerprint()
 
 
 # ------------------------------------------------------------------ tied parameters

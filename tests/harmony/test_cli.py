@@ -1,5 +1,6 @@
 """The harmony command line: help for every subcommand, decompose end to end, clear errors."""
 
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -154,3 +155,22 @@ def test_compile_refuses_a_model_file_whose_loss_is_per_sample_before_any_work(t
     out = capsys.readouterr().out
     assert "loss_fn" in out and "per_sample.py" in out, out
     assert not (tmp_path / "plan").exists()
+
+
+def test_compile_logs_the_seconds_of_each_stage(tmp_path, caplog):
+    """``-v`` tells where a compile's time goes: building, decomposing, profiling, each mode's search
+    (the compared ones in their workers), the wait for them, finishing and writing the plan."""
+    from harmony import timing
+    from harmony.scheduler.modes import MODES
+
+    with caplog.at_level(logging.INFO, logger="harmony.timing"):
+        rc = main(["compile", str(ROOT / "models" / "gpt2.py"), "--arg", "preset=tiny", "--analytic", "1080ti",
+                   "--minibatch", "8", "--devices", "2", "--out", str(tmp_path)])
+    assert rc == 0
+    stages = dict(r.args for r in caplog.records if r.name == "harmony.timing" and r.msg == timing.STAGE_MESSAGE)
+    expected = {"model build", "decompose", "gradient check", "profile", "sample-mixing check", "search pp",
+                "comparison (waiting for the other modes)", "finish (packs, memory promise, lowering)", "write plan"}
+    assert expected <= set(stages)
+    compared = {name.removeprefix("search ").removesuffix(" (worker)") for name in stages if name.endswith("(worker)")}
+    assert compared and compared <= set(MODES) - {"pp"}
+    assert all(seconds >= 0 for seconds in stages.values())
