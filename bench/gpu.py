@@ -277,7 +277,7 @@ def report(results: Results, precision: str) -> str:
         lines.append("")
     lines += ["`of bound`: the bound's time over the measured iteration (1.00: at the hardware's limit; the "
               "bound counts the model's FLOPs at the measured matmul peak, so the memory-bound operations "
-              "of attention written out, as in these models, keep even eager well below 1). `vs eager`: "
+              "(norms, activations, residual sums) keep even eager below 1). `vs eager`: "
               "samples/s over eager's on the uncapped GPU, the part of the gap an offloading system "
               "controls.", "", "Commands of this folder:", ""] + [f"- `{c}`" for c in results.commands] + [""]
     return "\n".join(lines)
@@ -315,9 +315,11 @@ def dry_run(cases: list[Case], precision: str, spec: str) -> list[dict[str, Any]
     the bound the estimate stands for. What a GPU run will be compared with."""
     import harmony
     from harmony.compiler import CompileOptions, profile_graph
+    from harmony.scheduler.devicespec import load_spec
     from harmony.scheduler.search import search
 
     hardware = bounds.spec_hardware(spec, precision)
+    efficiency = load_spec(spec).efficiency
     rows = []
     for case in cases:
         mf = load_model_file(ROOT / case.model_file, case.options)
@@ -344,12 +346,45 @@ def dry_run(cases: list[Case], precision: str, spec: str) -> list[dict[str, Any]
                       + layer.upd_time_device for layer in uncapped.layers)
         own = bounds.bound(flops, bytes_in, bytes_out, hardware)
         floor = bounds.bound(flops, *bounds.floor_traffic(trainable, precision), hardware)
+        busy = plan_resources(result, profile, machine.compute_scale)
         rows.append({"case": case.name, "params": params, "flops": flops, "footprint": footprint, "cap": cap,
                      "configuration": str(result.config), "estimated_s": seconds, "eager_s": eager_s,
                      "samples_per_s": case.minibatch / seconds, "bytes_in": bytes_in, "bytes_out": bytes_out,
                      "bound_s": own.seconds, "bound_own": own.fraction(seconds),
-                     "floor_s": floor.seconds, "bound_floor": floor.fraction(seconds), "limit": own.limit})
+                     "floor_s": floor.seconds, "bound_floor": floor.fraction(seconds), "limit": own.limit,
+                     "busy": busy, "binds": binding_resource(busy), "efficiency": efficiency})
     return rows
+
+
+def plan_resources(result, profile, compute_scale: float) -> dict[str, float]:
+    """Seconds each resource is busy in the plan's estimate: the device's compute stream (with, on its
+    own, the forward its backward tasks recompute), the host link (the busier direction of the
+    device's swaps) and the host's optimizer step, none of which the iteration can be shorter than;
+    and how long the device's compute waits in the iteration (for its first state, for the host's
+    last steps)."""
+    from harmony.scheduler.tasks import HOST, Kind
+
+    device = result.estimate.busy.get(0, {})
+    recompute = compute_scale * sum(profile.pack_time(t.first, t.last, u, "recompute_time")
+                                    for t in result.graph.tasks if t.kind == Kind.BWD and not t.loss
+                                    for u in t.microbatches)
+    compute = device.get("compute", 0.0)
+    return {"compute": compute, "recompute": recompute,
+            "host link": max(device.get("swap-in", 0.0), device.get("swap-out", 0.0)),
+            "host step": result.estimate.busy.get(HOST, {}).get("compute", 0.0),
+            "device waits": result.estimate.iteration_time - compute}
+
+
+def binding_resource(busy: dict[str, float]) -> str:
+    """The resource that binds the plan: the busiest of compute, the host link and the host step;
+    ``recompute`` where compute binds only through what it recomputes (without it, another resource
+    would be the busiest)."""
+    resources = {name: busy[name] for name in ("compute", "host link", "host step")}
+    busiest = max(resources, key=resources.get)
+    others = max(v for name, v in resources.items() if name != busiest)
+    if busiest == "compute" and busy["compute"] - busy["recompute"] < others:
+        return "recompute"
+    return busiest
 
 
 def analytic_footprint(profile, minibatch: int) -> int:
@@ -363,40 +398,59 @@ def analytic_footprint(profile, minibatch: int) -> int:
 
 def print_dry_run(rows: list[dict[str, Any]], hardware: bounds.Hardware) -> None:
     table = Table(title=f"estimated, no GPU: {bounds.describe(hardware)}")
-    for column in ("case", "footprint", "cap", "eager s", "Harmony s/iter", "GB moved", "bound s", "of bound",
-                   "floor s", "of floor"):
-        table.add_column(column, justify="left" if column == "case" else "right")
+    for column in ("case", "footprint", "cap", "eager s", "eager of bound", "Harmony s/iter", "GB moved", "bound s",
+                   "of bound", "floor s", "of floor", "binds"):
+        table.add_column(column, justify="left" if column in ("case", "binds") else "right")
     for r in rows:
         table.add_row(r["case"], f"{r['footprint'] / 2**30:.1f} GiB", f"{r['cap'] / 2**30:.2f} GiB",
-                      f"{r['eager_s']:.3f}", f"{r['estimated_s']:.3f}", f"{(r['bytes_in'] + r['bytes_out']) / 1e9:.2f}",
-                      f"{r['bound_s']:.3f}", f"{r['bound_own']:.2f}", f"{r['floor_s']:.3f}",
-                      f"{r['bound_floor']:.2f}")
+                      f"{r['eager_s']:.3f}", f"{r['bound_s'] / r['eager_s']:.2f}", f"{r['estimated_s']:.3f}",
+                      f"{(r['bytes_in'] + r['bytes_out']) / 1e9:.2f}", f"{r['bound_s']:.3f}", f"{r['bound_own']:.2f}",
+                      f"{r['floor_s']:.3f}", f"{r['bound_floor']:.2f}", r["binds"])
     console = Console(width=WIDTH)
     console.print(table)
     for r in rows:
-        console.print(f"{r['case']}: {r['configuration']}, limited by {r['limit']}")
+        console.print(f"{r['case']}: {r['configuration']}, the bound limited by {r['limit']}; the plan busy "
+                      f"(s): {_busy_text(r['busy'])}")
 
 
-def dry_run_report(rows: list[dict[str, Any]], hardware: bounds.Hardware, command: str) -> str:
-    """README.md of a dry run: what the GPU run will be compared with."""
+def _busy_text(busy: dict[str, float]) -> str:
+    return (f"compute {busy['compute']:.3f} (recompute {busy['recompute']:.3f}), host link {busy['host link']:.3f}, "
+            f"host step {busy['host step']:.3f}; device waits {busy['device waits']:.3f}")
+
+
+def dry_run_report(rows: list[dict[str, Any]], hardware: bounds.Hardware, command: str, made: str = "") -> str:
+    """README.md of a dry run: what the GPU run will be compared with; ``made``: when and with what
+    torch (whose kernels and FLOP counter the estimate follows)."""
+    efficiency = rows[0]["efficiency"] if rows else 1.0
     lines = ["# Harmony's estimate against the bound on a modelled GPU (`python -m bench.gpu --dry-run`)", "",
              f"No GPU: {bounds.describe(hardware)}. Footprint: weights, gradients, Adam's state and the "
              "minibatch's activations from the analytic profile; the device is capped at a quarter of it. "
              "Harmony's figures are its estimator's, for the pp plan its search picks on one modelled "
              "device; nothing here was measured.", "",
              "`eager s` is the same analytic profile's forward, backward and device step of every layer at the "
-             "whole minibatch on an uncapped device: where the per-operation roofline puts plain PyTorch. "
-             "Attention written out (matmul, mask, softmax over sequence x sequence scores) is bound by "
-             "memory traffic, not FLOPs, so eager too stays far below the FLOP bound.", "",
-             "| case | parameters | footprint | cap | eager s (estimated) | eager of bound | Harmony s/iter (estimated) | swapped | bound s | of bound | floor bound s | of floor | configuration |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "whole minibatch on an uncapped device: where the per-operation roofline puts plain PyTorch, "
+             "with attention counted as the GPU's fused kernel (FlashAttention for bf16: 4·b·h·s²·d FLOPs "
+             "forward, 2.5 times that backward, no s² scores kept). Every kernel runs at the spec's "
+             f"efficiency ({efficiency:g} of the peak) or its memory bandwidth, so even eager reaches at most "
+             f"{efficiency:g} of the FLOP bound, which counts the model's FLOPs at the full peak; below that, eager loses the "
+             "operations bound by memory bandwidth (autocast's casts, the float32 residual sums, norms and "
+             "activations) and the flash backward's recomputed scores (2.5 times the forward's FLOPs where "
+             "the bound counts 2).", "",
+             "`busy s` is what Harmony's estimate keeps each resource busy: the device's compute (and, of "
+             "it, the forward the backward tasks recompute), the host link (the busier direction), the "
+             "host's optimizer step; and how long the device's compute waits in the iteration. `binds` "
+             "names the busiest resource; `recompute` where compute is the busiest only through its "
+             "recompute.", "",
+             "| case | parameters | footprint | cap | eager s (estimated) | eager of bound | Harmony s/iter (estimated) | swapped | bound s | of bound | floor bound s | of floor | busy s | binds | configuration |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['case']} | {r['params'] / 1e6:.0f} M | {r['footprint'] / 2**30:.1f} GiB | "
                      f"{r['cap'] / 2**30:.2f} GiB | {r['eager_s']:.3f} | {r['bound_s'] / r['eager_s']:.2f} | "
                      f"{r['estimated_s']:.3f} | "
                      f"{(r['bytes_in'] + r['bytes_out']) / 1e9:.2f} GB | {r['bound_s']:.3f} | {r['bound_own']:.2f} | "
-                     f"{r['floor_s']:.3f} | {r['bound_floor']:.2f} | {r['configuration']} |")
-    return "\n".join(lines + ["", f"Command: `{command}`", ""])
+                     f"{r['floor_s']:.3f} | {r['bound_floor']:.2f} | {_busy_text(r['busy'])} | {r['binds']} | "
+                     f"{r['configuration']} |")
+    return "\n".join(lines + [""] + ([f"Estimated {made}.", ""] if made else []) + [f"Command: `{command}`", ""])
 
 
 # --- the command ----------------------------------------------------------------------------------
@@ -472,9 +526,13 @@ def main(argv: list[str] | None = None) -> None:
         rows = dry_run([CASES[c] for c in args.cases], args.precision, args.spec)
         print_dry_run(rows, hardware)
         if args.out:
+            from bench.common import machine_info
+
             Path(args.out).mkdir(parents=True, exist_ok=True)
             command = shlex.join(["python", "-m", "bench.gpu", *(argv if argv is not None else sys.argv[1:])])
-            (Path(args.out) / "README.md").write_text(dry_run_report(rows, hardware, command))
+            info = machine_info()
+            made = f"{info['date']} with torch {info['torch']}"
+            (Path(args.out) / "README.md").write_text(dry_run_report(rows, hardware, command, made))
             (Path(args.out) / "results.json").write_text(json.dumps({"hardware": asdict(hardware), "cases": rows}, indent=1))
         return
     if not torch.cuda.is_available():

@@ -8,6 +8,8 @@ The scheduler plans from numbers; this package is where they come from. A reader
 - ``measure.py``: one layer, pack or optimizer step, measured as the runtime will run it.
 - ``profiles.py``: the data the scheduler reads (``Profile``: per-layer samples and their fits).
 - ``analytic.py``: the same data from FLOP counts and a device's spec sheet, without running.
+- ``attention.py``: attention counted as the target device runs it (a GPU's fused kernel), not as
+  the meta tensors the analytic profiler counts on would run it.
 - ``casts.py``: which weights a bf16/fp16 plan moves as low-precision copies.
 - ``probe.py``: the machine's links (host <-> device, device <-> device), timed on real copies.
 - ``overheads.py``: the runtime's own costs (per task, microbatch, update, message), measured on

@@ -139,3 +139,16 @@ def test_dry_run_estimates_a_tiny_model_against_the_modelled_bound():
     # eager's estimate is the per-operation roofline: never faster than the FLOPs at peak
     assert row["flops"] / bounds.spec_hardware("h100", "bf16").peak_flops <= row["eager_s"]
     assert "| gpt2-tiny |" in gpu.dry_run_report([row], bounds.spec_hardware("h100", "bf16"), "cmd")
+    # no resource is busier than the iteration it is part of, and the busiest one is named
+    busy = row["busy"]
+    assert 0 <= busy["recompute"] <= busy["compute"] <= row["estimated_s"] * (1 + 1e-9)
+    assert max(busy["host link"], busy["host step"]) <= row["estimated_s"] * (1 + 1e-9)
+    assert busy["device waits"] == pytest.approx(row["estimated_s"] - busy["compute"]) and busy["device waits"] >= 0
+    assert row["binds"] == gpu.binding_resource(busy)
+
+
+def test_the_binding_resource_is_the_busiest_and_recompute_where_compute_is_only_through_it():
+    assert gpu.binding_resource({"compute": 3.0, "recompute": 0.5, "host link": 2.0, "host step": 1.0}) == "compute"
+    assert gpu.binding_resource({"compute": 3.0, "recompute": 1.5, "host link": 2.0, "host step": 1.0}) == "recompute"
+    assert gpu.binding_resource({"compute": 1.0, "recompute": 0.5, "host link": 2.0, "host step": 1.0}) == "host link"
+    assert gpu.binding_resource({"compute": 1.0, "recompute": 0.0, "host link": 0.5, "host step": 1.5}) == "host step"
