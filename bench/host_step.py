@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
+import os
 import statistics
 import sys
 import time
@@ -179,7 +180,8 @@ def table(rows: list[Row], numel: int) -> tuple[Table, list[list[str]], float]:
     return out, text, ratio
 
 
-def markdown(text: list[list[str]], command: str, threads: int, numel: int, tensors: int, ratio: float) -> str:
+def markdown(text: list[list[str]], command: str, threads: int, numel: int, tensors: int, ratio: float,
+             load: float) -> str:
     header = ["implementation", "M params/s", "ms / step", "vs torch default", "difference from torch default",
               "notes"]
     lines = [
@@ -187,7 +189,8 @@ def markdown(text: list[list[str]], command: str, threads: int, numel: int, tens
         "",
         f"Measured {datetime.date.today().isoformat()} on torch {torch.__version__}, "
         f"{torch.backends.cpu.get_cpu_capability()}: `{command}` ({numel / 1e6:.2f} M float32 parameters in "
-        f"{tensors} tensors, AdamW, {threads} thread{'s' if threads > 1 else ''})",
+        f"{tensors} tensors, AdamW, {threads} thread{'s' if threads > 1 else ''}; load average "
+        f"{load:.1f} when it started, on {os.cpu_count()} cores: other work shares the machine)",
         "",
         "| " + " | ".join(header) + " |",
         "|---|" + "---:|" * (len(header) - 2) + "---|",
@@ -209,6 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, help="write the table as markdown here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    load = os.getloadavg()[0]
     torch.set_num_threads(args.threads)
     shapes = block_shapes(args.width, args.blocks)
     generator = torch.Generator().manual_seed(0)
@@ -227,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     console.print(f"harmony/torch-default = {ratio:.2f}")
     if args.out is not None:
         command = " ".join(["python -m bench.host_step", *(sys.argv[1:] if argv is None else argv)])
-        args.out.write_text(markdown(text, command, args.threads, numel, len(shapes), ratio))
+        args.out.write_text(markdown(text, command, args.threads, numel, len(shapes), ratio, load))
 
 
 if __name__ == "__main__":
