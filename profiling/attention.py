@@ -12,7 +12,8 @@ type, and this module makes the call run that device's kernel on whatever tensor
   the call with the kernel torch's CUDA dispatch chooses with its default backends on an sm80 or
   newer GPU (``cuda_kernel``): FlashAttention-2 for bf16/fp16 without a mask (grouped-query
   attention included), memory-efficient attention for float32 or with a mask (a boolean mask made
-  additive, as torch makes it), the math path otherwise (float64). Under autocast its inputs are
+  additive, as torch makes it; grouped-query attention only from torch 2.14 on), the math path
+  otherwise (float64). Under autocast its inputs are
   cast to autocast's dtype first, as CUDA autocast does for this op. The fused kernels' aten ops
   have meta implementations and FLOP formulas in ``torch.utils.flop_counter``: forward
   4·b·h·s_q·s_k·d (two matrix products), backward 2.5 times that (the kernel recomputes the
@@ -33,6 +34,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from torch.torch_version import TorchVersion
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
 aten = torch.ops.aten
@@ -42,6 +44,9 @@ _SDPA = (F.scaled_dot_product_attention, aten.scaled_dot_product_attention,
          aten.scaled_dot_product_attention.default)
 _FUSED_DTYPES = (torch.float16, torch.bfloat16)
 _FLASH_MAX_HEAD_DIM = 256
+# memory-efficient attention takes fewer key/value heads than query heads from torch 2.14 on; before,
+# CUDA runs grouped-query attention with a mask or in float32 on the math path
+_EFFICIENT_GQA = TorchVersion(torch.__version__) >= (2, 14)
 
 
 def _cpu_flash_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
@@ -78,7 +83,8 @@ def cuda_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, att
     if (query.dtype in _FUSED_DTYPES and attn_mask is None and query.size(-1) == value.size(-1)
             and query.size(-1) <= _FLASH_MAX_HEAD_DIM and (square or not is_causal)):
         return "flash"
-    if query.dtype in (*_FUSED_DTYPES, torch.float32):
+    grouped = key.size(-3) != query.size(-3)
+    if query.dtype in (*_FUSED_DTYPES, torch.float32) and (_EFFICIENT_GQA or not grouped):
         return "efficient"
     return "math"
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.torch_version import TorchVersion
 
 from harmony.profiling.attention import CudaAttention, cuda_kernel, run_on
 
@@ -18,18 +19,24 @@ def _qkv(dtype: torch.dtype, kv_heads: int = H, head_dim: int = D, keys: int = S
             torch.empty(B, kv_heads, keys, head_dim, dtype=dtype, device="meta"))
 
 
-@pytest.mark.parametrize("dtype, mask, head_dim, keys, causal, kernel", [
-    (torch.bfloat16, False, D, S, True, "flash"),
-    (torch.float16, False, 256, S, False, "flash"),
-    (torch.bfloat16, True, D, S, False, "efficient"),  # flash takes no mask
-    (torch.bfloat16, False, 512, S, False, "efficient"),  # nor a head dim above 256
-    (torch.bfloat16, False, D, 2 * S, True, "efficient"),  # nor a causal mask over unequal lengths
-    (torch.bfloat16, False, D, 2 * S, False, "flash"),
-    (torch.float32, False, D, S, True, "efficient"),
-    (torch.float64, False, D, S, True, "math"),
+EFFICIENT_GQA = "efficient" if TorchVersion(torch.__version__) >= (2, 14) else "math"
+
+
+@pytest.mark.parametrize("dtype, mask, head_dim, keys, causal, kv_heads, kernel", [
+    (torch.bfloat16, False, D, S, True, H, "flash"),
+    (torch.bfloat16, False, D, S, True, H // 2, "flash"),
+    (torch.float16, False, 256, S, False, H, "flash"),
+    (torch.bfloat16, True, D, S, False, H, "efficient"),  # flash takes no mask
+    (torch.bfloat16, False, 512, S, False, H, "efficient"),  # nor a head dim above 256
+    (torch.bfloat16, False, D, 2 * S, True, H, "efficient"),  # nor a causal mask over unequal lengths
+    (torch.bfloat16, False, D, 2 * S, False, H, "flash"),
+    (torch.float32, False, D, S, True, H, "efficient"),
+    (torch.float32, False, D, S, True, H // 2, EFFICIENT_GQA),  # grouped heads: from torch 2.14 on
+    (torch.bfloat16, True, D, S, False, H // 2, EFFICIENT_GQA),
+    (torch.float64, False, D, S, True, H, "math"),
 ])
-def test_the_kernel_is_the_one_cuda_dispatches_to(dtype, mask, head_dim, keys, causal, kernel):
-    q, k, v = _qkv(dtype, head_dim=head_dim, keys=keys)
+def test_the_kernel_is_the_one_cuda_dispatches_to(dtype, mask, head_dim, keys, causal, kv_heads, kernel):
+    q, k, v = _qkv(dtype, kv_heads=kv_heads, head_dim=head_dim, keys=keys)
     attn_mask = torch.ones(B, 1, 1, keys, dtype=torch.bool, device="meta") if mask else None
     assert cuda_kernel(q, k, v, attn_mask, causal) == kernel
 
