@@ -176,6 +176,9 @@ def _training_arguments(p: argparse.ArgumentParser) -> None:
 def _cmd_compile(ns: argparse.Namespace) -> int:
     from harmony.compiler import CompileOptions, compile_plan
 
+    # what is loaded by now (torch, harmony) lives as long as the process: frozen, the collector's
+    # passes during the compile (most of them full ones, with a large model's objects) skip it
+    gc.freeze()
     options = CompileOptions(
         minibatch=ns.minibatch, devices=ns.devices, device_memory=ns.device_memory, mode=ns.mode,
         device_type=ns.device, analytic=ns.analytic, compare=not ns.no_compare, trials=ns.trials,
