@@ -11,7 +11,7 @@ optionally, Hugging Face's padding mask (1 for a token, 0 for padding); every to
 The model file's batches hold no padding.
 
 Attention is one ``F.scaled_dot_product_attention`` call with the padding mask as its boolean
-``attn_mask`` (none without padding), as Hugging Face's sdpa attention for BERT calls it: on a GPU a
+``attn_mask`` (none without padding), as Hugging Face's sdpa attention for BERT takes it: on a GPU a
 fused kernel that never stores the sequence x sequence scores.
 
 Usage as a model file: ``harmony compile models/bert.py --arg preset=large``.
