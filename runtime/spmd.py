@@ -85,8 +85,8 @@ class StorePeer:
         self.store = store
 
     def put(self, item: tuple) -> None:
-        key, (items, state, src) = item
-        self.store.set(_name(key), _pack(items, state, src))
+        key, (items, state, src, sent) = item
+        self.store.set(_name(key), _pack(items, state, src, sent))
 
 
 class StoreMailbox:
@@ -125,9 +125,10 @@ class StoreMailbox:
         """Nothing to stop: no thread of its own."""
 
 
-def _pack(items: list, state: bytes | None, src: int) -> bytes:
+def _pack(items: list, state: bytes | None, src: int, sent: float) -> bytes:
     """A message as msgpack: slab places, plain values, and (for a tensor that did not fit its
-    slab) the tensor's bytes with its shape and dtype. Never a pickle: the store is a socket."""
+    slab) the tensor's bytes with its shape and dtype, with its sender and when it was sent
+    (``Transport._sent_at``). Never a pickle: the store is a socket."""
     wire = []
     for item in items:
         if item[0] == "tensor":
@@ -136,14 +137,14 @@ def _pack(items: list, state: bytes | None, src: int) -> bytes:
         else:
             wire.append(list(item))
     try:
-        return msgpack.packb([wire, state, src], use_bin_type=True)
+        return msgpack.packb([wire, state, src, sent], use_bin_type=True)
     except TypeError as exc:
         raise HarmonyError(f"a value passed between layers cannot travel between torchrun processes ({exc}); "
                            "only tensors, numbers, strings and lists of them can") from exc
 
 
-def _unpack(data: bytes) -> tuple[list, bytes | None, int]:
-    wire, state, src = msgpack.unpackb(data, raw=False)
+def _unpack(data: bytes) -> tuple[list, bytes | None, int, float]:
+    wire, state, src, sent = msgpack.unpackb(data, raw=False)
     items = []
     for item in wire:
         if item[0] == "bytes":
@@ -152,7 +153,7 @@ def _unpack(data: bytes) -> tuple[list, bytes | None, int]:
             items.append(("tensor", flat.view(dtype_from_str(dtype)).reshape(shape)))
         else:
             items.append(tuple(item))
-    return items, state, src
+    return items, state, src, sent
 
 
 def _name(key: tuple) -> str:

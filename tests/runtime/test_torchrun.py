@@ -140,10 +140,10 @@ def test_messages_between_torchrun_processes_round_trip_as_msgpack():
 
     tensor = torch.arange(6, dtype=torch.float64).reshape(2, 3)
     items = [("slab", 128, [2, 3], "torch.float32"), ("obj", 7), ("tensor", tensor)]
-    data = _pack(items, b"rng", 1)
+    data = _pack(items, b"rng", 1, 12.5)
     msgpack.unpackb(data, raw=False)  # plain msgpack: nothing to unpickle
-    got, state, src = _unpack(data)
-    assert got[:2] == items[:2] and (state, src) == (b"rng", 1)
+    got, state, src, sent = _unpack(data)
+    assert got[:2] == items[:2] and (state, src, sent) == (b"rng", 1, 12.5)
     assert got[2][0] == "tensor" and torch.equal(got[2][1], tensor)
 
 
