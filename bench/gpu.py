@@ -22,7 +22,9 @@ measurement.
 Results accumulate in ``DIR/results.json`` (default ``bench/results/gpu-<device>``) and are written
 as ``DIR/README.md`` with the commands that made them, so one case or one system can run per call
 of a machine whose commands are limited to minutes. DeepSpeed comes to a machine without network as
-carried wheels (``bench/gpu_wheels.sh``); ``bash bench/cuda_check.sh gpu`` runs the whole thing.
+carried wheels (``bench/gpu_wheels.sh``); ``bash bench/gpu_check.sh`` installs them and runs one case,
+``gpt2-medium`` (GPT-2 medium, 355 M parameters: small enough for its three runs to share one
+ten-minute command of a GPU machine with the CUDA tests and a compile of the same model).
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class Case:
 
 
 CASES = {c.name: c for c in (
+    Case("gpt2-medium", "models/gpt2.py", {"preset": "medium", "dropout": 0.0}),
     Case("gpt2-large", "models/gpt2.py", {"preset": "large", "dropout": 0.0}),
     Case("llama-1b", "models/llama.py", {"preset": "1b", "seq_len": 1024}),
     Case("llama-3b", "models/llama.py", {"preset": "3b", "seq_len": 1024}),
@@ -484,13 +487,21 @@ def measure(args) -> None:
                                  f"{entry['systems']['eager'].get('error')}")
             entry["footprint"] = entry["systems"]["eager"]["footprint"]
         entry["cap"] = args.device_memory or entry["footprint"] // 4
+        _checkpoint(results, out, args.precision)
         if "harmony" in args.systems:
             entry["systems"]["harmony"] = run_harmony(case, entry["cap"], args, work)
+            _checkpoint(results, out, args.precision)
         if "deepspeed" in args.systems:
             entry["systems"]["deepspeed"] = run_deepspeed(case, entry["cap"], args, work)
-        results.save(out / "results.json")
-    (out / "README.md").write_text(report(results, args.precision))
+            _checkpoint(results, out, args.precision)
     print_table(results, args.precision)
+
+
+def _checkpoint(results: Results, out: Path, precision: str) -> None:
+    """results.json and README.md written after each system's run, so that a call stopped from
+    outside (a machine's command limit) keeps the runs that finished."""
+    results.save(out / "results.json")
+    (out / "README.md").write_text(report(results, precision))
 
 
 def main(argv: list[str] | None = None) -> None:
