@@ -130,13 +130,13 @@ class Admission:
         stalled_since = None  # when an urgent try first failed (reset while the copy is not urgent)
         while True:
             try:
-                if not self.ctx.ledger.admit(nbytes, None if urgent() else self._ahead_limit(room)):
+                if not self.ctx.ledger.admit(nbytes, None if urgent() else self._ahead_limit(room), owner):
                     # a copy made ahead of need that would take the plan's room waits as if refused
                     raise DeviceOutOfMemoryError(self.ctx.device.name, nbytes, self._in_use(), self.ctx.device.capacity)
                 try:
                     out = make()
                 except BaseException:
-                    self.ctx.ledger.made(nbytes)
+                    self.ctx.ledger.made(nbytes, owner=owner)
                     raise
                 self.ctx.ledger.made(nbytes, out, owner)
                 return out

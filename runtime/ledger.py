@@ -63,7 +63,7 @@ class Ledger:
         self._by_owner: dict[Hashable, int] = {}
         self._running: frozenset = frozenset()
         self._planned = 0
-        self._making = 0  # bytes of copies admitted and being made, not held yet
+        self._making: dict[Hashable, int] = {}  # per owner, bytes of copies admitted and being made, not held yet
         self._peak = 0
         self.shortfall = 0  # the most the real memory exceeded the ledger where it was compared
 
@@ -83,23 +83,33 @@ class Ledger:
                 self._add(owner, nbytes)
             self._note_peak()
 
-    def admit(self, nbytes: int, limit: int | None) -> bool:
-        """A copy of ``nbytes`` is about to be made: if ``occupied`` stays within ``limit`` (None:
-        no limit, a copy that must be made) it counts as being made until ``made``, and True. The
-        test and the count are one step, so two threads admitting at once both see each other."""
+    def admit(self, nbytes: int, limit: int | None, owner: Hashable = None) -> bool:
+        """A copy of ``nbytes`` for ``owner`` is about to be made: if ``occupied`` stays within
+        ``limit`` (None: no limit, a copy that must be made) it counts as being made until
+        ``made``, and True. A copy for a running owner (the running task's state, loaded late)
+        counts inside the unit's planned bytes, as what it holds does. The test and the count are
+        one step, so two threads admitting at once both see each other."""
         with self._lock:
-            if limit is not None and self._occupied() + nbytes > limit:
+            self._making[owner] = self._making.get(owner, 0) + nbytes
+            if limit is not None and self._occupied() > limit:
+                self._making_done(owner, nbytes)
                 return False
-            self._making += nbytes
             return True
 
     def made(self, nbytes: int, values: Any = (), owner: Hashable = None) -> None:
-        """The copy admitted for ``nbytes`` is made (``values``, held under ``owner``) or given up
-        (no values): it is no longer being made. In one step, so that nobody sees it twice or not
-        at all."""
+        """The copy admitted for ``nbytes`` under ``owner`` is made (``values``, held under it) or
+        given up (no values): it is no longer being made. In one step, so that nobody sees it twice
+        or not at all."""
         with self._lock:
             self.hold(values, owner)
-            self._making -= nbytes
+            self._making_done(owner, nbytes)
+
+    def _making_done(self, owner: Hashable, nbytes: int) -> None:
+        left = self._making[owner] - nbytes
+        if left:
+            self._making[owner] = left
+        else:
+            del self._making[owner]
 
     def _release(self, key: int, _ref: weakref.ref | None = None) -> None:
         with self._lock:
@@ -190,9 +200,12 @@ class Ledger:
             self.shortfall = max(self.shortfall, real() - self._occupied())
 
     def _occupied(self) -> int:
-        return self._current() + self._making + (0 if self.count_leaving else self._by_owner.get(LEAVING, 0))
+        making = sum(n for owner, n in self._making.items() if owner not in self._running)
+        return self._current(True) + making + (0 if self.count_leaving else self._by_owner.get(LEAVING, 0))
 
-    def _current(self) -> int:
+    def _current(self, making: bool = False) -> int:
+        """What is held: the running unit's planned bytes (or what its owners hold, if more) and
+        everything else; with ``making``, the running owners' copies being made count inside."""
         inside = outside = 0
         for owner, n in self._by_owner.items():
             if owner == LEAVING and not self.count_leaving:
@@ -201,6 +214,8 @@ class Ledger:
                 inside += n
             else:
                 outside += n
+        if making:
+            inside += sum(n for owner, n in self._making.items() if owner in self._running)
         return outside + max(self._planned, inside)
 
     def _note_peak(self) -> None:

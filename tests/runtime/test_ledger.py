@@ -99,8 +99,8 @@ def test_compare_records_only_what_the_real_memory_held_beyond_the_ledger():
 def test_a_copy_admitted_counts_as_being_made_until_it_is_held():
     ledger = Ledger()
     ledger.run([(1, STATE), (1, 0)], planned=500)
-    assert ledger.admit(300, limit=1_000)
-    assert not ledger.admit(300, limit=1_000), "a second copy must see the first one being made"
+    assert ledger.admit(300, limit=1_000, owner=(1, 1))
+    assert not ledger.admit(300, limit=1_000, owner=(1, 1)), "a second copy must see the first one being made"
     assert ledger.occupied == 800 and ledger.current == 500
     copy = _bytes(300)
     ledger.made(300, copy, (1, 1))
@@ -108,6 +108,18 @@ def test_a_copy_admitted_counts_as_being_made_until_it_is_held():
     assert ledger.admit(10_000, limit=None)  # a copy that must be made is admitted regardless
     ledger.made(10_000)  # and given up: nothing held
     assert ledger.occupied == 800
+
+
+def test_a_copy_for_the_running_unit_counts_inside_its_planned_bytes():
+    """A prefetch of a task's state that runs only once the task started is the task's own load,
+    which its unit's planned bytes already hold: counted outside, it would be refused."""
+    ledger = Ledger()
+    ledger.run([(2, STATE), (2, 0)], planned=800)  # the unit's 800 bytes include its 300-byte state
+    assert ledger.admit(300, limit=900, owner=(2, STATE))
+    assert ledger.occupied == 800
+    assert not ledger.admit(300, limit=900, owner=(3, STATE)), "another task's copy still counts beside the unit"
+    ledger.made(300, _bytes(300), (2, STATE))
+    assert ledger.occupied == ledger.current == 800
 
 
 def test_a_memory_plan_keeps_per_unit_bytes_through_msgpack_and_falls_back_to_the_reserve():
