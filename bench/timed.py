@@ -200,7 +200,7 @@ def markdown(cases: list[Case], command: str, seconds: float = ITERATION) -> str
              f"Measured {datetime.date.today().isoformat()} on torch {torch.__version__}: `{command}` "
              "(tiny presets, analytic H100 profiles, device memory at "
              f"{MEMORY:g} of an uncapped plan's peak or, where no plan of the mode fits that, {ABOVE_LEAST:g} times "
-             "the least its closest plan needs, time scaled so that the simulated iteration lasts {seconds:g} s)",
+             f"the least its closest plan needs, time scaled so that the simulated iteration lasts {seconds:g} s)",
              "",
              "| model | mode | devices | simulated ms | measured ms | error | search's error | run spread | "
              "where it first parts (+: a unit starts later than simulated) |",
