@@ -227,11 +227,12 @@ def main() -> None:
     parser.add_argument("--analytic", default="h100")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=ITERATION,
-                        help="what the simulated iteration is scaled to last: the runtime's own Python weighs less in longer runs")
+                        help="what the simulated iteration is scaled to last (default 1 s)")
     parser.add_argument("--quick", action="store_true", help="gpt2 and bert, pp and dp, on 2 and 4 devices")
     parser.add_argument("--out", help="also write the table as markdown to this file")
     ns = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("harmony").setLevel(logging.WARNING)  # the compiles' stages: not what this table is about
     if ns.quick:
         ns.models, ns.modes, ns.devices = "gpt2,bert", "pp,dp", "2,4"
     cases = run(ns.models.split(","), ns.modes.split(","), [int(d) for d in ns.devices.split(",")], ns.analytic,
