@@ -556,10 +556,12 @@ def report(paper: list[PaperRow], sweep: list[PaperRow], ours: list[HarmonyRow],
               "operation, against each layer's own working memory rather than a pack's; each layer's weights moved "
               "alone), so no schedule beats it and none need reach it. Two freedoms of the optimum are outside "
               "Harmony's task graphs by construction: its schedule is a cycle, so the next iteration's first "
-              "prefetches run during this iteration's backward (a prefetch of a layer sent out after its backward "
-              "runs during a later backward), where Harmony's iteration starts and ends on an idle device; and it "
+              "prefetches run during this iteration's backward (a layer sent out after its backward comes back for "
+              "the next forward while later backwards run), where Harmony's iteration starts and ends on an idle "
+              "device; and it "
               "keeps a layer from its forward to its backward only, or from its backward to the next forward only, "
-              "where Harmony keeps a pack's state across iterations whole (`keep.py`) or loads it for every task.", ""]
+              "where Harmony keeps a pack's state across iterations whole (`keep.py`) or loads it for each task "
+              "that runs the pack.", ""]
     return "\n".join(lines)
 
 
