@@ -113,6 +113,7 @@ class Compute:
         layers = stash_layers(task)
         streams = ["X"] if task.loss else ["dY"] + [f"Xs{l}" for l in layers]
         self.packs.issue_state(task)
+        self.packs.issue_running_gradient(task)
         ready = self.transport.stream_prefetch(task, streams, 0)
         state = self.packs.pack_state(task)
         params = self.packs.params(state)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
+from typing import Iterable
 
 import torch
 
@@ -42,6 +43,7 @@ class PackState:
         self.ctx = ctx
         self.admission = admission
         self._prefetched: dict[int, Future] = {}  # task -> its state, prefetched
+        self._running: dict[int, Future] = {}  # task -> its running gradient, queued on swap-in
         self._prefetches = ctx.program.prefetches(ctx.rank)  # (task, unit) -> the task whose state loads then
         self.prefetching = True  # off only to measure what prefetching buys (``Executor(prefetch=False)``)
         self._zeros: dict[torch.dtype, torch.Tensor] = {}  # per dtype, the element gradient sinks broadcast
@@ -252,22 +254,43 @@ class PackState:
         self.ctx.moved("swap-out", "STORE", (task.id, "W"), tensor_bytes(list(params.values())))
         self.ctx.after_compute(self.ctx.swap_out, "W out", evict)
 
-    def load_running_gradient(self, task: Task, params: dict[str, torch.Tensor]) -> bool:
-        """dW <- SWAP: the gradient accumulated so far (per-GPU-swap baselines) becomes the
-        starting value of this task's gradient buffer; says whether it did."""
-        if not any(running_gradient_input(task, t, self.ctx.by_id) for t in task.inputs):
-            return False  # (a tied weight's gradient handed over by another pack is added at the step)
-        # the earlier tasks of this device depositing into these slots (a tied weight's slot takes two
-        # packs' deposits) are done once their deposits have left: not the whole swap-out stream,
-        # which holds later tasks' stashes and evictions too
-        self.ctx.wait_done(self._earlier_deposits(task, params), f"task {task.id} starts from their gradients")
-        written = [name for name in params if self.ctx.store.slot_written(self.ctx.rank, name, self.ctx.iteration)]
+    def issue_running_gradient(self, task: Task) -> None:
+        """dW <- SWAP (per-GPU-swap baselines): the gradient accumulated so far, queued on the swap-in
+        stream where the program lists it, after the task's state and before its first inputs.
+        (A tied weight's gradient handed over by another pack is not one: it is added at the step.)"""
+        if any(running_gradient_input(task, t, self.ctx.by_id) for t in task.inputs):
+            self._running[task.id] = self.ctx.swap_in.submit(self._running_gradient, task, self._trainable(task),
+                                                             label="dW in", task=task.id)
+
+    def _running_gradient(self, task: Task, names: set[str]) -> dict[str, torch.Tensor]:
+        """The running gradient's slots on the device, by canonical name, once the earlier tasks of
+        this device depositing into them are done (their deposits have left: not the whole swap-out
+        stream, which holds later tasks' stashes and evictions too). Held as the task's own: its
+        unit's planned bytes count its gradient."""
+        self.ctx.wait_done(self._earlier_deposits(task, names), f"task {task.id} starts from their gradients")
+        written = [name for name in names if self.ctx.store.slot_written(self.ctx.rank, name, self.ctx.iteration)]
         slots = [self.ctx.store.grad_slot(self.ctx.rank, name) for name in written]
-        for name, grad in zip(written, self.admission.many_to_device(slots, counted="dW")):
+        grads = self.admission.many_to_device(slots, owner=(task.id, STATE), counted="dW")
+        self.ctx.moved("swap-in", "LOAD", (task.id, "dW"), tensor_bytes(grads))
+        return dict(zip(written, grads))
+
+    def _trainable(self, task: Task) -> set[str]:
+        """The canonical names of the pack's trainable parameters."""
+        specs = self.ctx.layers.state
+        return {self.ctx.layers.canonical(n) for n in self._state_names(task)
+                if specs[n].kind == "parameter" and specs[n].requires_grad}
+
+    def load_running_gradient(self, task: Task, params: dict[str, torch.Tensor]) -> bool:
+        """The running gradient queued by ``issue_running_gradient`` becomes the starting value of
+        this task's gradient buffers; says whether there was one."""
+        future = self._running.pop(task.id, None)
+        if future is None:
+            return False
+        for name, grad in self.ctx.wait(future, "dW").items():
             params[name].grad = grad
         return True
 
-    def _earlier_deposits(self, task: Task, params: dict[str, torch.Tensor]) -> list[int]:
+    def _earlier_deposits(self, task: Task, params: Iterable[str]) -> list[int]:
         """The tasks of this device before ``task`` that leave a gradient of ``params`` in its slots."""
         earlier = []
         for t in self.ctx.graph.device_tasks(self.ctx.rank):
