@@ -128,11 +128,14 @@ class Admission:
         emulated device the tracker, says whether it fits), and a copy may become urgent between
         tries."""
         stalled_since = None  # when an urgent try first failed (reset while the copy is not urgent)
+        waited = False
         while True:
             try:
                 if not self.ctx.ledger.admit(nbytes, None if urgent() else self._ahead_limit(room), owner):
                     # a copy made ahead of need that would take the plan's room waits as if refused
                     raise DeviceOutOfMemoryError(self.ctx.device.name, nbytes, self._in_use(), self.ctx.device.capacity)
+                if waited:  # the copy depends on the room it waited for, found when the ledger last let go
+                    self.ctx.device.ready(self.ctx.ledger.freed_at)
                 try:
                     out = make()
                 except BaseException:
@@ -156,7 +159,7 @@ class Admission:
                 else:
                     stalled_since = None
                 time.sleep(RETRY)
-                self.ctx.device.ready(time.perf_counter())
+                waited = True
 
     def _ahead_limit(self, room: int | None) -> int:
         """What the ledger's count (the running unit's planned bytes, the buffers beside it, outputs

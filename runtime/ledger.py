@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 import weakref
 from collections.abc import Iterable
 from typing import Any, Callable, Hashable
@@ -64,6 +65,9 @@ class Ledger:
         self._running: frozenset = frozenset()
         self._planned = 0
         self._making: dict[Hashable, int] = {}  # per owner, bytes of copies admitted and being made, not held yet
+        # when the count last went down or a unit changed (``time.perf_counter``): a copy that waited for
+        # room found it then, not when its next try came round
+        self.freed_at = 0.0
         self._peak = 0
         self.shortfall = 0  # the most the real memory exceeded the ledger where it was compared
 
@@ -105,6 +109,7 @@ class Ledger:
             self._making_done(owner, nbytes)
 
     def _making_done(self, owner: Hashable, nbytes: int) -> None:
+        self.freed_at = time.perf_counter()
         left = self._making[owner] - nbytes
         if left:
             self._making[owner] = left
@@ -133,6 +138,8 @@ class Ledger:
         self._add(owner, nbytes)
 
     def _add(self, owner: Hashable, nbytes: int) -> None:
+        if nbytes < 0:
+            self.freed_at = time.perf_counter()
         left = self._by_owner.get(owner, 0) + nbytes
         if left:
             self._by_owner[owner] = left
@@ -145,6 +152,7 @@ class Ledger:
         What the owners that stop running still hold is leaving, but for the tensors ``keep()``
         returns (what the executor keeps on the device for a later task)."""
         with self._lock:
+            self.freed_at = time.perf_counter()
             owners = frozenset(owners)
             ended = self._running - owners
             if ended:
