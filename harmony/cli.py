@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from rich.console import Console
@@ -30,6 +31,9 @@ from harmony.errors import HarmonyError
 from harmony import timing
 from harmony.scheduler.modes import MODES
 from harmony.runtime.device import SHARE_GPUS, visible_gpus
+
+if TYPE_CHECKING:  # loaded where a command reads a plan: the other commands start without it
+    from harmony.plan import Plan
 
 console = Console(width=None if sys.stdout.isatty() else 160)
 log = logging.getLogger("harmony")
