@@ -217,7 +217,8 @@ class DistTransport:
             else:
                 items.append(("obj", v))
         try:
-            self.peers[dst].put((header_key(self.rank, seq), (items, state_bytes(state), self.rank)))
+            # as every message does, the header says when it was sent (``Transport._sent_at``)
+            self.peers[dst].put((header_key(self.rank, seq), (items, state_bytes(state), self.rank, time.perf_counter())))
             group = self.groups[(self.rank, dst)]
             for t in tensors:
                 dist.send(t, dst=dst, group=group)
@@ -258,7 +259,7 @@ class DistTransport:
         return None
 
     def _receive_one(self, src: int, header: tuple, allocate: Allocate) -> None:
-        items, state, _ = header
+        items, state, *_ = header  # (the sender and when it sent: the receiver's copy is dist.recv itself)
         key = tuple(items[0][1])
         specs = [(list(item[1]), dtype_from_str(item[2])) for item in items[1:] if item[0] == "dist"]
         buffers = iter(allocate(src, specs))
