@@ -125,7 +125,8 @@ class DeviceContext:
                     raise Aborted("the run was aborted by another worker's failure")
             if blocked is not None:
                 self.waits.append(("compute", self.task, f"wait: {what}", blocked, time.perf_counter()))
-            self.device.ready(future.ended if isinstance(future, Job) and future.ended else time.perf_counter())
+            self.device.ready(future.ended if isinstance(future, Job) and future.ended is not None
+                              else time.perf_counter())
             return self.adopt(future.result())
         finally:
             self.waiting = False

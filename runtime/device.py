@@ -191,16 +191,15 @@ class Device(ABC):
     def stream_setup(self) -> None:
         """Called once on each stream thread: give the thread a stream of its own (CUDA)."""
 
-    def stream_sync(self) -> float | None:
+    def stream_sync(self) -> float:
         """Called at the end of each stream job: its copies are complete before its result is used.
-        Returns when the job's work was done where the device knows that better than the clock
-        (``time.perf_counter``; a timed device's modelled end), else None."""
-        return None
+        Returns when the job's work was done (``work_done``)."""
+        return self.work_done()
 
-    def work_done(self) -> float | None:
-        """When the work the calling thread issued was done, where the device models it (a timed
-        device); None: when it is asked."""
-        return None
+    def work_done(self) -> float:
+        """When the work the calling thread issued was done (``time.perf_counter``): now, but on a
+        device that models it (a timed device's modelled end)."""
+        return time.perf_counter()
 
     def job_begins(self, queued: float) -> None:
         """Called on a stream's thread before each job, with when the job was queued
@@ -514,8 +513,9 @@ class CudaDevice(Device):
         torch.cuda.set_device(self.torch_device)
         torch.cuda.set_stream(torch.cuda.Stream(self.torch_device))
 
-    def stream_sync(self) -> None:
+    def stream_sync(self) -> float:
         torch.cuda.current_stream(self.torch_device).synchronize()
+        return self.work_done()
 
     def mark(self) -> object | None:
         event = torch.cuda.Event()

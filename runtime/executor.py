@@ -267,10 +267,10 @@ class Executor:
                 return
             with lock:
                 pending[0] -= 1
-                ended[0] = max(ended[0], marker.ended or 0.0)
+                ended[0] = max(ended[0], marker.ended)
                 last = pending[0] == 0
             if last:
-                ctx.shared.mark_done(task.id, iteration, ended[0] or None)
+                ctx.shared.mark_done(task.id, iteration, ended[0])
 
         for stream in busy:
             stream.submit(lambda: None).add_done_callback(one_left)

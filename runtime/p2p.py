@@ -217,8 +217,9 @@ class DistTransport:
             else:
                 items.append(("obj", v))
         try:
-            # as every message does, the header says when it was sent (``Transport._sent_at``)
-            self.peers[dst].put((header_key(self.rank, seq), (items, state_bytes(state), self.rank, time.perf_counter())))
+            # as every message does, the header says when it was sent
+            self.peers[dst].put((header_key(self.rank, seq), (items, state_bytes(state), self.rank,
+                                                               self.device.work_done())))
             group = self.groups[(self.rank, dst)]
             for t in tensors:
                 dist.send(t, dst=dst, group=group)

@@ -128,7 +128,7 @@ class StoreMailbox:
 def _pack(items: list, state: bytes | None, src: int, sent: float) -> bytes:
     """A message as msgpack: slab places, plain values, and (for a tensor that did not fit its
     slab) the tensor's bytes with its shape and dtype, with its sender and when it was sent
-    (``Transport._sent_at``). Never a pickle: the store is a socket."""
+    (the sender's ``Device.work_done``). Never a pickle: the store is a socket."""
     wire = []
     for item in items:
         if item[0] == "tensor":

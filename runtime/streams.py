@@ -39,11 +39,11 @@ class Stream:
     (``take_events``) for the run's measured timeline."""
 
     def __init__(self, name: str, scope: Callable[[], AbstractContextManager] = nullcontext,
-                 setup: Callable[[], None] = lambda: None, sync: Callable[[], float | None] = lambda: None,
+                 setup: Callable[[], None] = lambda: None, sync: Callable[[], float] = time.perf_counter,
                  begin: Callable[[float], None] = lambda queued: None) -> None:
         """``setup`` runs once on the stream's thread; ``begin(queued)`` before each job, with when
-        it was queued; ``sync()`` after it, returning when its work was done if the device knows
-        that better than the clock (a timed device's modelled end)."""
+        it was queued; ``sync()`` after it, returning when its work was done (a timed device's
+        modelled end, ``Device.stream_sync``)."""
         self.name = name
         self._sync = sync
         self._begin = begin
@@ -105,8 +105,7 @@ class Stream:
                 try:
                     self._begin(queued)
                     result = fn(*args)
-                    ended = self._sync()  # its copies are complete (CUDA) before anyone uses the result
-                    future.ended = time.perf_counter() if ended is None else ended
+                    future.ended = self._sync()  # its copies are complete (CUDA) before anyone uses the result
                     if label is not None:
                         self._events.append((task, label, start, time.perf_counter()))
                     future.set_result(result)

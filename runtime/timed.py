@@ -170,12 +170,9 @@ class TimedDevice(UncheckedCpuDevice):
         its copies only: a job that copies nothing (a marker) is done with the jobs before it."""
         self._local.queued = queued
 
-    def stream_sync(self) -> float:
-        """A stream job was done when its last copy was (or what it waited for, if that was later)."""
-        return self._ready()
-
     def work_done(self) -> float:
-        """The calling thread's work was done with its last unit or copy, or what it waited for."""
+        """The calling thread's work (a stream job's included) was done with its last unit or copy,
+        or what it waited for, if that was later."""
         return self._ready()
 
     def transferred(self, nbytes: int, began: float) -> None:

@@ -110,7 +110,7 @@ class Transport:
                 return
 
             def send() -> None:
-                self.peers[dst].put((key, (self._encode(values, dst), state_bytes(state), self.ctx.rank, self._sent_at())))
+                self._to_peer(key, values, state, dst)
 
             if self.ctx.device.synchronous:  # nothing to order against: the compute thread's work is done
                 self.ctx.p2p_out.run_here(send, f"{tensor} to dev{dst}", self.ctx.task)
@@ -123,17 +123,17 @@ class Transport:
             self.ctx.counters.add(channel.value, "out", tensor, tensor_bytes(values))
             if dst == self.ctx.rank:
                 host = [self.ctx.device.to_host(v) if isinstance(v, torch.Tensor) else v for v in values]
-                self.mailbox.put_local(key, (host, state, self._sent_at()))
+                self.mailbox.put_local(key, (host, state, self.ctx.device.work_done()))
             else:
-                self.peers[dst].put((key, (self._encode(values, dst), state_bytes(state), self.ctx.rank, self._sent_at())))
+                self._to_peer(key, values, state, dst)
 
         self.ctx.after_compute(self.ctx.swap_out, f"{tensor} out", park)
 
-    def _sent_at(self) -> float:
-        """When a message being sent left (``time.perf_counter``): the sending thread's work done,
-        where the device models it. Its receiver's copy depends on that, not on when it noticed."""
-        done = self.ctx.device.work_done()
-        return time.perf_counter() if done is None else done
+    def _to_peer(self, key: tuple, values: Values, state, dst: int) -> None:
+        """A message into ``dst``'s inbox: its values encoded, the generator state, the sender and
+        when it was sent (``Device.work_done``: the receiver's copy starts from then)."""
+        self.peers[dst].put((key, (self._encode(values, dst), state_bytes(state), self.ctx.rank,
+                                   self.ctx.device.work_done())))
 
     def _encode(self, values: Values, dst: int) -> list:
         with self.ctx.device.host_side():
@@ -153,7 +153,7 @@ class Transport:
         if isinstance(message, Received):
             self.ctx.device.ready(time.perf_counter())
             return message.values, message.state, True
-        self.ctx.device.ready(message[-1])  # when it was sent
+        self.ctx.device.ready(message[-1])  # when it was sent (the sender's ``Device.work_done``)
         if len(message) == 3:  # parked by this worker for itself
             return *message[:2], False
         items, state, src, _ = message
