@@ -11,6 +11,7 @@ scheduler depends on nothing that runs.
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -466,7 +467,7 @@ class Profile:
         self.__dict__.pop("_packs", None)
         self.__dict__["_memory_version"] = self.__dict__.get("_memory_version", 0) + 1
 
-    def pack_fwd_memory(self, first: int, last: int, u: int, stashes: tuple[int, ...] = ()) -> int:
+    def pack_fwd_memory(self, first: int, last: int, u: int, stashes: tuple[int, ...] = (), keep: bool = False) -> int:
         """Peak device bytes of a FWD task over layers first..last.
 
         The pack's weights and buffers are resident; layer l's input, output and temporaries come
@@ -477,21 +478,27 @@ class Profile:
         past the plan's peak (``Admission.let_outputs_leave``), as for every output leaving the
         device. Counted until the pack's end, the stashes would make a long forward's plan well
         above what it holds.
+
+        ``keep``: the forward records for autograd and keeps what each layer leaves alive for its
+        backward (``act_bytes``), up to the layer at hand's own, above that layer's working memory:
+        at the end the pack's kept activations (``pack_kept_bytes``) are all there.
         """
         layers = self.layers[first:last + 1]
         x = self.column("x_bytes", u)
         # per layer, the stash of the layer before it (the pack's own input is no stash: it stays)
         beside = [0.0] + [x[first + k] if first + k in stashes and k else 0.0 for k in range(len(layers) - 1)]
         measured = self.measured_pack(first, last, u)
-        if measured is not None:
-            return _measured_fwd_memory(measured, beside)
+        kept = list(itertools.accumulate(self.column("act_bytes", u)[first:last + 1])) if keep else [0.0] * len(layers)
         resident = sum(layer.w_bytes + layer.b_bytes for layer in layers)
         peaks = self.column("fwd_peak", u)
         x_first = x[first]
         worst = 0.0
         for k, layer in enumerate(layers):
             working = peaks[first + k] - layer.w_bytes - layer.b_bytes
-            worst = max(worst, working + (x_first if k else 0.0) + beside[k])
+            worst = max(worst, working + (x_first if k else 0.0) + beside[k] + kept[k])
+        if measured is not None:
+            whole = _measured_fwd_memory(measured, beside)
+            return max(whole + int(round(kept[-1])), int(round(resident + worst))) if keep else whole
         return int(round(resident + worst))
 
     def pack_bwd_memory(self, first: int, last: int, u: int, accumulate: bool = True) -> int:
@@ -534,6 +541,15 @@ class Profile:
             extra = max(0.0, peak - own_resident)
             worst = max(worst, alive + extra + (held if k < len(layers) - 1 else 0.0))
         return int(round(resident + x[first] + worst))
+
+    def pack_kept_bytes(self, first: int, last: int, u: int) -> int:
+        """What a microbatch of ``u`` leaves on the device between a pack's forward recording for
+        autograd and its backward, when the backward does not recompute: the pack's input and what
+        each layer's forward leaves alive for its backward (``act_bytes``: saved activations and
+        the layer's output)."""
+        x = self.column("x_bytes", u)
+        acts = self.column("act_bytes", u)
+        return int(round(x[first] + sum(acts[first:last + 1])))
 
     def pack_bwd_memory_layerwise(self, first: int, last: int, u: int, accumulate: bool = True) -> int:
         """Peak device bytes of a BWD task that stashed every layer's input (the no-recompute

@@ -67,6 +67,13 @@ def tensor_bytes(values: Any) -> int:
     return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
 
 
+def storage_bytes(tensors: Any) -> int:
+    """Bytes of the distinct storages under ``tensors``: what they hold in memory, views and
+    aliases of one storage counted once."""
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors if isinstance(t, torch.Tensor)}
+    return sum(storages.values())
+
+
 def shared_copy(t: torch.Tensor) -> torch.Tensor:
     """A copy of ``t`` in a fresh shared-memory segment: one copy, and the queue then passes only
     its handle to the other process."""

@@ -6,7 +6,9 @@ runs it (``reference.py``).
   state they had (``rng.py``); buffers (BatchNorm statistics) are updated and written back once.
 - **BWD**: per microbatch, the recompute from the stash (buffers on throwaway copies, so running
   statistics are not updated twice; the generator state restored, so dropout masks repeat), then
-  the backward with the gradient arriving from the next pack. The pack's gradient buffer stays on
+  the backward with the gradient arriving from the next pack. Where the plan keeps a pack's
+  activations (``Task.keep``), its FWD records for autograd and leaves each microbatch's graph on
+  the device (``KeptForward``), its state stays there too, and the BWD runs the backward alone. The pack's gradient buffer stays on
   the device across its microbatches (input-batch grouping). A ``loss`` task runs the last pack's
   forward, the loss scaled by u/D and the backward together.
 
@@ -19,6 +21,8 @@ pack's state through ``packstate.py``, what follows a backward through ``updates
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -49,6 +53,9 @@ class Compute:
         self.minibatch = ctx.graph.minibatch
         self._out_spec = ctx.layers.out_spec()  # the model's output structure, to give the loss what the model returns
         self.loss_scale: float | None = None  # this iteration's (fp16): the loss is multiplied by it before its backward
+        # a keeping forward's parameters (leaves, or float32 sinks of low-precision copies), by task:
+        # its backward's gradients collect on them
+        self._kept_params: dict[int, dict[str, torch.Tensor]] = {}
 
     def _run_layer(self, index: int, state: dict[str, torch.Tensor], values: Values) -> Values:
         """One layer, with the pack state's tensors as its parameters and buffers.
@@ -68,17 +75,28 @@ class Compute:
         return values
 
     def forward(self, task: Task) -> None:
-        """FWD: each microbatch through the pack without autograd; stashes and outputs sent as the
+        """FWD: each microbatch through the pack without autograd (recording for it where the task
+        keeps its activations for the backward, ``Task.keep``); stashes and outputs sent as the
         program's edges say."""
         self.packs.issue_state(task)
         ready = self.transport.stream_prefetch(task, ["X"], 0)
         state = self.packs.pack_state(task)
+        sinks: dict[str, torch.Tensor] | None = None
+        if task.keep:  # the backward's gradients collect on these: the backward takes them over
+            params = self._kept_params[task.id] = self.packs.params(state)
+            for p in params.values():
+                p.requires_grad_(True)
+            sinks = {n: p for n, t in state.items()
+                     if (p := params.get(self.ctx.layers.canonical(n))) is not None and p is not t}
         for mb in range(len(task.microbatches)):
             got = self.transport.inputs(task, ["X"], mb, ready)
             ready = self.transport.stream_prefetch(task, ["X"], mb + 1)
             self.packs.unit_starts(mb)
             with self.ctx.device.unit(task.id, mb):
-                self._forward_unit(task, state, mb, *got.pop("X"))
+                if sinks is None:
+                    self._forward_unit(task, state, mb, *got.pop("X"))
+                else:
+                    self._keeping_unit(task, state, sinks, mb, *got.pop("X"))
             del got
         self.packs.write_buffers(task, state)
         self.packs.evict_weights(task, state)
@@ -97,26 +115,58 @@ class Compute:
                 values = self._run_layer(layer, state, values)
         self.transport.send(task, mb, at.get(task.last + 1, []), values, rng.capture(device))
 
-    def _sends_by_layer(self, task: Task, mb: int) -> dict[int, list[Edge]]:
+    def _keeping_unit(self, task: Task, state: dict[str, torch.Tensor], sinks: dict[str, torch.Tensor], mb: int,
+                      values: Values, gen: torch.Tensor | None) -> None:
+        """Microbatch ``mb`` of a forward that keeps its activations: the pack's forward recording
+        for autograd from leaves of its inputs, as a recompute would run it; its stashes and
+        outputs sent (detached) as the program says, and what the backward needs (the leaves, the
+        outputs, every tensor autograd saved) left on the device for it (``Transport.keep``)."""
+        device = self.ctx.device.torch_device
+        if gen is not None:
+            rng.restore(device, gen)
+        at = self._sends_by_layer(task, mb)
+        kept = at.pop(KEPT, [])
+        leaves = _leaves(values, task.first)
+        values = leaves
+        run_state = _through_sinks(state, sinks)
+        saved: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(functools.partial(_saved, saved), _unsaved):
+            for layer in range(task.first, task.last + 1):
+                if layer in at:
+                    self.transport.send(task, mb, at[layer], _detached(values), rng.capture(device))
+                values = self._run_layer(layer, run_state, values)
+        self.transport.send(task, mb, at.get(task.last + 1, []), _detached(values), rng.capture(device))
+        own = {t.untyped_storage()._cdata for t in (*state.values(), *sinks.values())}
+        held = [t for t in (*leaves, *values, *saved) if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in own]
+        saved.clear()  # every saved tensor keeps the hooks, and with them this list, until the backward is done
+        self.transport.keep(task, mb, kept, KeptForward(leaves, values, held))
+
+    def _sends_by_layer(self, task: Task, mb: int) -> dict[int | str, list[Edge]]:
         """A forward microbatch's sends by the layer boundary each is taken at (stashes before a
-        layer of the pack, outputs after its last)."""
-        at: dict[int, list[Edge]] = {}
+        layer of the pack, outputs after its last; activations kept for the backward: ``KEPT``)."""
+        at: dict[int | str, list[Edge]] = {}
         for e in self.ctx.program.out_of(task.id, mb):
+            if e.stream == "A":
+                at.setdefault(KEPT, []).append(e)
+                continue
             if not task.first <= e.layer <= task.last + 1:
                 raise RuntimeError(f"task {task.id} ({task}) is to send {e.stream} at layer {e.layer}, outside its pack")
             at.setdefault(e.layer, []).append(e)
         return at
 
     def backward(self, task: Task) -> float:
-        """BWD (and the loss task): per microbatch, the recompute from the stash and the backward;
-        returns the task's share of the loss."""
+        """BWD (and the loss task): per microbatch, the recompute from the stash (or the activations
+        its forward kept) and the backward; returns the task's share of the loss."""
         layers = stash_layers(task)
         streams = ["X"] if task.loss else ["dY"] + [f"Xs{l}" for l in layers]
         self.packs.issue_state(task)
         self.packs.issue_running_gradient(task)
         ready = self.transport.stream_prefetch(task, streams, 0)
         state = self.packs.pack_state(task)
-        params = self.packs.params(state)
+        if task.keep:  # the forward's leaves, on which its recorded graph leaves the gradients
+            params = self._kept_params.pop(next(t.task for t in task.inputs if t.tensor == "A"))
+        else:
+            params = self.packs.params(state)
         for p in params.values():
             p.requires_grad_(True)
         sinks = {n: p for n, t in state.items()
@@ -131,6 +181,8 @@ class Compute:
                 if task.loss:
                     xs, loss = self._loss_unit(task, state, sinks, *got.pop("X"), start, size)
                     loss_total += loss
+                elif task.keep:
+                    xs = self._kept_unit(task, mb, got)
                 else:
                     xs = self._recompute_unit(task, state, sinks, layers, got)
                 del got
@@ -194,6 +246,16 @@ class Compute:
             got[f"Xs{layer}"] = (xs, None) if layer == layers[0] else None
         return got[f"Xs{layers[0]}"][0]
 
+    def _kept_unit(self, task: Task, mb: int, got: dict[str, tuple]) -> Values:
+        """A backward's microbatch from the activations its forward kept: the backward alone, with
+        the gradient arriving from the next pack. Returns the forward's leaves, whose ``.grad`` is
+        what flows back."""
+        kept = self.transport.take_kept(task, mb)
+        kept.held.clear()  # autograd holds what it saved, and lets each go as the backward passes it
+        grads = got.pop("dY")[0]
+        _autograd_backward(kept.outputs, grads)
+        return kept.leaves
+
     def _target(self, start: int, size: int) -> Any:
         """The loss target of samples ``start`` to ``start + size``, on the device."""
         target = slice_samples(self.ctx.batch.target, start, size)
@@ -201,6 +263,38 @@ class Compute:
             target = self.ctx.device.to_device(target)
             self.ctx.counters.add("TARGET", "in", "T", target.numel() * target.element_size())
         return target
+
+
+KEPT = "kept"  # ``_sends_by_layer``'s key of the edges carrying a forward's kept activations
+
+
+@dataclass
+class KeptForward:
+    """What a forward microbatch leaves for its pack's backward where nothing is recomputed: the
+    leaves of its inputs (their ``.grad`` flows back), its outputs (the backward starts there), and
+    every device tensor the microbatch keeps alive for it (autograd's saved tensors among them, the
+    pack state aside), which the ledger counts until the backward lets them go."""
+
+    leaves: Values
+    outputs: Values
+    held: list[torch.Tensor]
+
+
+def _saved(into: list[torch.Tensor], t: torch.Tensor) -> torch.Tensor:
+    """A saved tensor's pack hook: noted (the ledger counts what the kept activations hold) and
+    saved as a detached alias, which holds no reference back to the graph saving it."""
+    alias = t.detach()
+    into.append(alias)
+    return alias
+
+
+def _unsaved(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _detached(values: Values) -> Values:
+    """A boundary's values without their autograd history: what a keeping forward sends on."""
+    return [v.detach() if isinstance(v, torch.Tensor) else v for v in values]
 
 
 class _GradInFloat32(torch.autograd.Function):

@@ -29,7 +29,8 @@ import torch
 from harmony.decomposer import batching
 from harmony.runtime import rng
 from harmony.runtime.admission import Admission, on_compute_thread
-from harmony.runtime.channels import Mailbox, Slabs, shared_copy, state_bytes, state_tensor, tensor_bytes, wait_until
+from harmony.runtime.channels import (Mailbox, Slabs, shared_copy, state_bytes, state_tensor, storage_bytes, tensor_bytes,
+                                      wait_until)
 from harmony.runtime.context import DeviceContext
 from harmony.runtime.p2p import DistTransport, Received
 from harmony.scheduler.lower import IN_STREAM, OUT_STREAM, Edge, ranges
@@ -208,6 +209,26 @@ class Transport:
                            f"{what} to become resident")
             self.ctx.device.ready(time.perf_counter())
         return self.ctx.local.pop(key)
+
+    def keep(self, task: Task, mb: int, edges: list[Edge], kept: Any) -> None:
+        """A forward microbatch's activations kept on the device for its pack's backward (the ``A``
+        edge; ``compute.KeptForward``), counted by the ledger from now until the backward lets
+        them go: the tensors they hold are what the plan's kept bytes stand for."""
+        self.ctx.ledger.hold(kept.held, (task.id, mb))
+        for e in edges:
+            key = self._key(e.consumer, e.stream, e.start)
+            self.ctx.moved("compute", "SEND", key[1:], storage_bytes(kept.held))
+            self.ctx.local[key] = (kept.held, kept)
+
+    def take_kept(self, task: Task, mb: int) -> Any:
+        """Microbatch ``mb``'s activations its forward kept (``keep``), now the unit's."""
+        (e,) = self.ctx.program.into(task.id, "A", mb)
+        key = self._key(task.id, "A", e.start)
+        held, kept = self._take_local(key, f"activations of task {task.id} (samples {e.start}-{e.stop}) kept by "
+                                           f"task {e.producer}")
+        self.ctx.moved("compute", "RECV", key[1:], storage_bytes(held))
+        self.ctx.ledger.hold(held, (task.id, mb))
+        return kept
 
     def stream_prefetch(self, task: Task, streams: list[str], mb: int) -> dict[str, Future]:
         """Queue microbatch ``mb``'s inputs on their inbound stream (swap-in or p2p-in), as the

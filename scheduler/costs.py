@@ -1,8 +1,9 @@
 """The cost model: how long each compute unit of a task keeps its device busy, and each copy its
 stream.
 
-A task is one unit per microbatch (FWD: the pack's forward; BWD: the recompute and the backward,
-or for a ``loss`` task the forward, the loss and the backward), plus one for a fused device
+A task is one unit per microbatch (FWD: the pack's forward, recording for autograd where it keeps
+its activations; BWD: the recompute and the backward, the backward alone from kept activations, or
+for a ``loss`` task the forward, the loss and the backward), plus one for a fused device
 update; a UPD or NORM task is one unit. A unit lasts its profiled compute (``Profile.pack_time``),
 on a device times ``Machine.compute_scale`` (the runtime's compute over the profiler's), plus the
 runtime's own overheads the machine measured (zero where nobody did). A copy lasts its bytes over
@@ -25,7 +26,7 @@ STATE_TENSORS = frozenset(("W", "dW", "K", "B"))  # moved one tensor at a time (
 def _task_costs(task: Task, profile: Profile, cache: dict) -> list[float]:
     """Durations of the task's units."""
     key = (task.kind, task.loss, memory.fused_update(task), task.device == HOST, task.first, task.last,
-           tuple(task.microbatches))
+           tuple(task.microbatches), task.keep)
     hit = cache.get(key)
     if hit is not None:
         return hit
@@ -47,8 +48,10 @@ def _task_costs(task: Task, profile: Profile, cache: dict) -> list[float]:
     else:
         durs = []
         for size in task.microbatches:
-            if task.kind == Kind.FWD:
-                durs.append(pack("fwd_time", size))
+            if task.kind == Kind.FWD:  # recording for autograd where it keeps its activations
+                durs.append(pack(LOSS_FORWARD if task.keep else "fwd_time", size))
+            elif task.keep:  # the backward from the activations the forward kept: nothing recomputed
+                durs.append(pack("bwd_time", size))
             elif task.loss:  # the pack's forward recording for autograd (``LOSS_FORWARD``), the loss's
                 # own forward and backward (``Profile.loss_time``), the pack's backward
                 durs.append(pack(LOSS_FORWARD, size) + pack("bwd_time", size) + profile.loss_time(size))

@@ -129,7 +129,7 @@ _E_UNIT, _E_XFER, _E_JOIN, _E_LINK, _E_CPU = range(5)
 _STATE = ("W", "B")  # a pack's state, loaded before its first unit
 _P2P_CHANNEL = Channel.P2P.value  # an edge's channel, as lowering writes it
 # outputs that are activations or gradients: their readers are paired with them by the program's edges
-_ACTIVATIONS = frozenset(("X", "Y", "Xs", "dX", "dY"))
+_ACTIVATIONS = frozenset(("X", "Y", "Xs", "dX", "dY", "A"))
 _HOSTLIKE = (Channel.SWAP, Channel.MSG, Channel.SHM)
 
 
@@ -667,12 +667,16 @@ class _Simulation:
         # a LOCAL tensor left on this device by its producer is taken over by the consumer
         if rec is not None and ch == Channel.LOCAL and rec[0].channel == Channel.LOCAL and rec[4] == s and not on_host:
             _hold(cu, rec[0].nbytes, per_mb, covered, task_units)
-        # a pack state a backward left resident for a later update on the device (dp):
-        # held from the backward's end until the update's
+        # a pack state a task left resident for a later one on the device: held from the producer's
+        # end until the update's end (dp; an update's memory leaves it out), or until the backward
+        # starts that kept its forward's activations (its state counts it from then on)
         elif rec is None and k is not None and ch == Channel.LOCAL and i.tensor == "W" and not on_host and k_slot == s:
             held = memory.resident_bytes(by_id[k], self.profile)
             self.units_of[k][-1].alloc_end += held
-            task_units[-1].release_end += held
+            if task.kind == Kind.UPD:
+                task_units[-1].release_end += held
+            else:
+                task_units[0].delta_start -= held
         return None
 
     def _after_writer(self, x: _Xfer, writer: int) -> None:

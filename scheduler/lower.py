@@ -98,8 +98,9 @@ def _overlaps(src: list[tuple[int, int]], dst: list[tuple[int, int]]) -> list[tu
 
 def stash_layers(task: Task) -> list[int]:
     """Layers whose stashed input a BWD task reads: the pack's first layer (recompute), or every
-    layer of the pack when the plan stashes them all (the no-recompute baselines)."""
-    if task.kind != Kind.BWD or task.loss:
+    layer of the pack when the plan stashes them all (the no-recompute baselines); none where the
+    forward kept the activations (``Task.keep``)."""
+    if task.kind != Kind.BWD or task.loss or task.keep:
         return []
     per_mb = [t for t in task.inputs if t.tensor in ("X", "Xs") and t.microbatch in (0, None) and t.channel == Channel.SWAP]
     span = task.last - task.first + 1
@@ -140,8 +141,8 @@ def stream_names(task: Task) -> list[tuple[int, str]]:
     seen: dict[int, int] = {}  # microbatch -> stashes named so far
     for index, t in enumerate(task.inputs):
         tensor = t.tensor
-        if tensor == "dY":
-            out.append((index, "dY"))
+        if tensor == "dY" or tensor == "A":
+            out.append((index, tensor))
         elif tensor == "X" or tensor == "Xs":
             if plain:
                 out.append((index, "X"))
@@ -176,6 +177,8 @@ def read_order(task: Task) -> list[str]:
     """The streams a task's microbatch loop reads, in the runtime's order."""
     if task.kind == Kind.FWD or task.loss:
         return ["X"]
+    if task.keep:
+        return ["dY", "A"]
     return ["dY"] + [f"Xs{layer}" for layer in stash_layers(task)]
 
 
@@ -183,8 +186,8 @@ def read_order(task: Task) -> list[str]:
 @dataclass(frozen=True)
 class Edge:
     """One piece of an activation or gradient moving from a producer task to a consumer task.
-    ``stream`` is the consumer's name for it (X, dY, Xs<layer>); ``producer`` None is the
-    minibatch in host memory."""
+    ``stream`` is the consumer's name for it (X, dY, Xs<layer>, A: activations a forward kept for
+    its pack's backward); ``producer`` None is the minibatch in host memory."""
 
     id: int
     stream: str
@@ -429,6 +432,8 @@ def _edge_bytes(profile: Profile | None, stream: str, consumer: Task, samples: i
     the edges' structure, not their sizes)."""
     if profile is None:
         return 0
+    if stream == "A":
+        return profile.pack_kept_bytes(consumer.first, consumer.last, samples)
     layer = stream_layer(consumer, stream)
     at = profile.layers[layer - 1] if stream == "dY" else profile.layers[layer]
     return int(round(at.at("y_bytes" if stream == "dY" else "x_bytes", samples)))
@@ -490,7 +495,7 @@ OUT_STREAM = {Channel.P2P.value: "p2p-out", Channel.SWAP.value: "swap-out", Chan
                Channel.LOCAL.value: "compute"}
 
 
-_ACTIVATIONS = frozenset(("X", "Y", "Xs", "dX", "dY"))
+_ACTIVATIONS = frozenset(("X", "Y", "Xs", "dX", "dY", "A"))
 _HOSTLIKE = frozenset((Channel.SWAP, Channel.MSG, Channel.SHM))
 # which inputs may read which outputs: copies through host memory are one group whatever the channel
 _GROUP = {Channel.P2P: "p2p", Channel.LOCAL: "local", Channel.SWAP: "host", Channel.MSG: "host", Channel.SHM: "host"}

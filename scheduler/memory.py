@@ -10,7 +10,9 @@ steps its pack on the device, one more for that update; a UPD task is one unit. 
   microbatch: the pack's peak at its size less the state, which counts the microbatch's inputs (X,
   Xs, dY), the activations, the backward's temporaries and a loss task's loss; the stashed input a
   forward queues for the host, while the layer after it runs; the copies of the buffers a recompute
-  runs on. For the update: the optimizer state (K), the gradients summed on the host that come in
+  runs on. A forward that keeps its activations for the backward (``Task.keep``) leaves them (``A``)
+  as a LOCAL output, held until the backward's microbatch, whose work counts them in place of the
+  recompute's. For the update: the optimizer state (K), the gradients summed on the host that come in
   for the step, and the optimizer's temporaries.
 - Inputs a unit's work counts (``covers``) are held by their copy from its start until that unit
   starts; every other input is held until its unit ends. Outputs are held from the end of the unit
@@ -36,7 +38,7 @@ __all__ = ["TaskMemory", "cached_task_memory", "covers", "fused_update", "input_
 
 # what the work of a unit counts among the task's inputs, by unit kind
 _FIRST_COVERS = frozenset(("W", "B"))
-_MICROBATCH_COVERS = {Kind.FWD: frozenset(("X",)), Kind.BWD: frozenset(("X", "Xs", "dY"))}
+_MICROBATCH_COVERS = {Kind.FWD: frozenset(("X",)), Kind.BWD: frozenset(("X", "Xs", "dY", "A"))}
 _UPDATE_COVERS = frozenset(("K",))
 
 
@@ -94,7 +96,7 @@ def task_key(task: Task, stashes: tuple[int, ...] = ()) -> tuple:
     """What ``task_memory`` depends on, for caching across the many graphs of a search."""
     return (task.kind, task.loss, fused_update(task), task.device == HOST, task.first, task.last,
             tuple(task.microbatches), stashes, _update_inputs(task) if fused_update(task) else 0,
-            _running_gradient(task), stashes_every_layer(task), is_kept(task))
+            _running_gradient(task), stashes_every_layer(task), is_kept(task), task.keep)
 
 
 def is_kept(task: Task) -> bool:
@@ -178,12 +180,12 @@ def task_memory(task: Task, profile: Profile, stashes: tuple[int, ...] = ()) -> 
     if task.kind == Kind.UPD:
         return TaskMemory(0, (profile.pack_update_memory(first, last),))
     if task.kind == Kind.FWD:
-        by_size = {u: profile.pack_fwd_memory(first, last, u, stashes) for u in set(task.microbatches)}
+        by_size = {u: profile.pack_fwd_memory(first, last, u, stashes, task.keep) for u in set(task.microbatches)}
         work = tuple(by_size[u] - weights for u in task.microbatches)  # microbatches share few sizes
         return TaskMemory(0 if kept else weights, work or (0,))
     gradients = sum(layer.dw_bytes for layer in layers)
     # a recompute runs on copies of the buffers, so that running statistics are updated once
-    scratch = 0 if task.loss else sum(layer.b_bytes for layer in layers)
+    scratch = 0 if task.loss or task.keep else sum(layer.b_bytes for layer in layers)
     # the first microbatch makes the gradient buffers, unless a running gradient came in to start from
     running = _running_gradient(task)
     pack = profile.pack_bwd_memory_layerwise if stashes_every_layer(task) else profile.pack_bwd_memory

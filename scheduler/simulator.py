@@ -172,6 +172,9 @@ class _Player:
         self.ledgers = {d: _Ledger(memory.devices.get(d) if memory is not None else None)
                         for d in program.streams if d != HOST}
         self.last_unit: dict[int, int] = {}  # task -> its last compute unit
+        # task -> the later task that takes its pack state over where it stays on the device (W LOCAL)
+        self.heirs = {i.task: t.id for t in graph.tasks for i in t.inputs
+                      if i.tensor == "W" and i.channel == Channel.LOCAL and i.task is not None}
         self.gave_up: list[int] = []  # tasks whose state prefetch found no room (loaded as they started)
         self.heap: list = []
         self.ran: dict[int, dict[str, list[Action]]] = {}  # per device and stream, the actions as they started
@@ -466,8 +469,16 @@ class _Player:
             out = sum(n.action.nbytes for n in node.then if n.action.op == "SEND" and n.action.stream != "compute")
             if out:
                 ledger.hold((a.task, a.unit, "out"), out)
+            for n in node.then:  # activations kept for the pack's backward: its microbatch's from now on
+                if n.action.op == "SEND" and n.action.stream == "compute" and n.action.tensor == "A":
+                    e = self.program.edges[n.action.edge]
+                    ledger.hold((e.consumer, e.dst_unit), n.action.nbytes)
             if a.unit == self.last_unit.get(a.task):
+                state = ledger.held.get((a.task, "S"), 0)
                 ledger.free((a.task, "S"))
+                heir = self.heirs.get(a.task)
+                if heir is not None and state:  # the state stays for a later task of the device
+                    ledger.hold((heir, "S"), state)
                 stores = sum(n.action.nbytes for n in self.by_task[a.task] if n.action.op == "STORE")
                 if stores:
                     ledger.hold((a.task, "stores"), stores)

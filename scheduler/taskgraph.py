@@ -122,6 +122,10 @@ class Sizes:
     def y(self, layer: int, u: int) -> int:
         return int(round(self.profile.layers[layer].at("y_bytes", u)))
 
+    def kept(self, first: int, last: int, u: int) -> int:
+        """A microbatch's activations kept from the pack's forward to its backward (``A``)."""
+        return self.profile.pack_kept_bytes(first, last, u)
+
 
 class _Builder:
     """Accumulates tasks with fresh ids."""
@@ -175,6 +179,47 @@ def check_packing(config: Configuration, layers: int) -> None:
             raise ValueError(f"{name} {packs} does not cover layers 0..{layers - 1}")
     if config.packs_f[-1] != config.packs_b[-1]:
         raise ValueError(f"the last pack must be shared by P_F and P_B (jit-compute): {config.packs_f[-1]} vs {config.packs_b[-1]}")
+
+
+def keepable_packs(mode: str, config: Configuration, devices: int, grouping: bool = True) -> tuple[tuple[int, int], ...]:
+    """The backward packs whose activations may stay on the device from their forward, so that their
+    backward recomputes nothing: a pack that is also a forward pack (not the last, whose one task
+    runs forward, loss and backward), at one microbatch size in both passes (with input-batch
+    grouping: one forward and one backward task over it), whose two tasks run on one device, since
+    what autograd recorded cannot leave its process. In ``dp`` every device runs both; in ``pp`` the
+    wrap-around puts forward pack i on device i mod N and the backward at chain position j on
+    device j mod N (with two devices, every pack)."""
+    if mode not in ("pp", "dp") or not grouping or config.u_f != config.u_b:
+        return ()
+    forward = {tuple(p): i for i, p in enumerate(config.packs_f[:-1])}
+    out = []
+    for k, pack in enumerate(reversed(config.packs_b)):
+        i = forward.get(tuple(pack))
+        if k == 0 or i is None:
+            continue
+        if mode == "pp" and i % devices != (len(config.packs_f) - 1 + k) % devices:
+            continue
+        out.append(tuple(pack))
+    return tuple(sorted(out))
+
+
+def _check_keep(mode: str, config: Configuration, devices: int, grouping: bool) -> set[tuple[int, int]]:
+    """The packs ``config`` keeps the activations of, each checked to be keepable."""
+    keep = {tuple(p) for p in config.keep}
+    wrong = keep - set(keepable_packs(mode, config, devices, grouping))
+    if wrong:
+        raise ValueError(f"{mode} cannot keep the activations of {sorted(wrong)} for {config} on {devices} device(s): "
+                         "a kept pack is a forward and a backward pack at one microbatch size, both on one device")
+    return keep
+
+
+def _kept_backward(sz: Sizes, fwd: Task, task: Task) -> None:
+    """A backward over the pack whose forward ``fwd`` kept its activations: its state stays on the
+    device from the forward (whose autograd graph holds it, and whose leaves collect the gradient),
+    and each microbatch's activations come from the forward's microbatch (LOCAL)."""
+    fwd.keep = task.keep = True
+    task.inputs.append(Transfer("W", Channel.LOCAL, 0, task=fwd.id))
+    connect(fwd, task, "A", "A", Channel.LOCAL, lambda n, f=fwd.first, l=fwd.last: sz.kept(f, l, n))
 
 
 DATA_PARALLEL = ("dp", "dp-swap", "dp-swap-r")  # modes that give each device its share of the minibatch
@@ -275,6 +320,7 @@ def wrap_around_pipeline(profile: Profile, config: Configuration, devices: int, 
     (each of its tasks, one per microbatch, when ``grouping`` is off; see the module docs)."""
     check_packing(config, len(profile.layers))
     _check_switches(config, update, grouping, jit_update)
+    keep = _check_keep("pp", config, devices, grouping)
     sz = Sizes(profile)
     b = _Builder()
     f_groups = _groups(minibatch, config.u_f, grouping)
@@ -309,6 +355,11 @@ def wrap_around_pipeline(profile: Profile, config: Configuration, devices: int, 
         for g, (offset, sizes) in enumerate(b_groups):
             task = b.add(device=i % devices, kind=Kind.BWD, first=first, last=last, microbatches=list(sizes),
                          offset=offset, loss=loss)
+            if (first, last) in keep:
+                _kept_backward(sz, fwd_of_layer[first][g], task)
+                connect(prev[g], task, "dX", "dY", between(prev[g], task), lambda n, l=last: sz.y(l, n))
+                tasks.append(task)
+                continue
             task.inputs += state_inputs(sz, first, last)
             if loss:
                 src = prev[g] if prev else None
@@ -406,6 +457,7 @@ def harmony_dp(profile: Profile, config: Configuration, devices: int, minibatch:
     _check_switches(config, update, grouping, True)
     if minibatch < devices:
         raise ValueError(f"dp needs at least one sample per device: minibatch {minibatch} < {devices} devices")
+    keep = _check_keep("dp", config, devices, grouping)
     sz = Sizes(profile)
     b = _Builder()
     bwd_tasks: dict[tuple[int, int], list[Task]] = {}
@@ -438,12 +490,16 @@ def harmony_dp(profile: Profile, config: Configuration, devices: int, minibatch:
             for g, (start, sizes) in enumerate(b_groups):
                 task = b.add(device=d, kind=Kind.BWD, first=first, last=last, microbatches=list(sizes), offset=start,
                              loss=loss)
-                task.inputs += state_inputs(sz, first, last)
-                if loss:
+                if (first, last) in keep:
+                    _kept_backward(sz, fwd_of_layer[first][g], task)
+                    connect(prev[g], task, "dX", "dY", Channel.SWAP, lambda n, l=last: sz.y(l, n))
+                elif loss:
+                    task.inputs += state_inputs(sz, first, last)
                     connect(prev[g] if prev else None, task, "Y", "X", Channel.SWAP, lambda n, f=first: sz.x(f, n))
                     task.outputs += buffer_out(sz, first, last)
                     _after_buffers(writers, sz, task)
                 else:
+                    task.inputs += state_inputs(sz, first, last)
                     stash = fwd_of_layer[first][g] if first > 0 else None
                     connect(stash, task, "Xs", "Xs" if first > 0 else "X", Channel.SWAP, lambda n, f=first: sz.x(f, n))
                     connect(prev[g], task, "dX", "dY", Channel.SWAP, lambda n, l=last: sz.y(l, n))

@@ -38,8 +38,8 @@ class Channel(str, Enum):
 
 
 class Kind(str, Enum):
-    FWD = "FWD"
-    BWD = "BWD"  # recompute + backward; with ``loss`` the pack's forward, the loss and the backward
+    FWD = "FWD"  # with ``keep``: recording for autograd, its activations kept for the pack's backward
+    BWD = "BWD"  # recompute + backward (with ``keep``: the backward alone); with ``loss`` the pack's forward, the loss and the backward
     UPD = "UPD"
     NORM = "NORM"  # on the host: the minibatch's global gradient norm, once every gradient is in; clips them
 
@@ -48,8 +48,9 @@ class Kind(str, Enum):
 #   X: the pack's input activation   Y: its output    Xs: X stashed for the recompute
 #   dY: gradient arriving at the pack's output        dX: gradient leaving at its input
 #   W: weights   B: buffers (e.g. batch-norm statistics)   dW: weight gradients   K: optimizer state
-#   T: the loss target
-TENSORS = ("X", "Y", "Xs", "dY", "dX", "W", "B", "dW", "K", "T")
+#   T: the loss target   A: a microbatch's activations, kept on the device from the pack's forward to
+#   its backward (LOCAL: what autograd saved, the pack's input and output), so that nothing is recomputed
+TENSORS = ("X", "Y", "Xs", "dY", "dX", "W", "B", "dW", "K", "T", "A")
 
 
 @dataclass
@@ -78,6 +79,9 @@ class Task:
     offset: int = 0  # index of the group's first sample in the minibatch
     loss: bool = False  # BWD of the last pack: forward, loss and backward together (jit-compute)
     update: str = "none"  # BWD: "device" (jit-update after its last microbatch), "host" or "none"
+    # FWD: records for autograd and keeps each microbatch's activations (A) for the pack's backward;
+    # BWD: backward from them, with the forward's state (W LOCAL), without recomputing
+    keep: bool = False
     inputs: list[Transfer] = field(default_factory=list)
     outputs: list[Transfer] = field(default_factory=list)
 
@@ -143,12 +147,25 @@ class Configuration:
     packs_f: list[tuple[int, int]]
     u_b: int
     packs_b: list[tuple[int, int]]
+    # the backward packs whose activations stay on the device from their forward (no recompute);
+    # every other pack but the last (forward, loss and backward in one task) recomputes from a stash
+    keep: tuple[tuple[int, int], ...] = ()
 
     def __str__(self) -> str:
-        def packs(ps):
-            return " ".join(f"L{a}" if a == b else f"L{a}-{b}" for a, b in ps)
+        text = f"U_F={self.u_f} P_F=[{_packs_text(self.packs_f)}] U_B={self.u_b} P_B=[{_packs_text(self.packs_b)}]"
+        return text + (f" keep=[{_packs_text(self.keep)}]" if self.keep else "")
 
-        return f"U_F={self.u_f} P_F=[{packs(self.packs_f)}] U_B={self.u_b} P_B=[{packs(self.packs_b)}]"
+    def choices(self) -> list[tuple[tuple[int, int], str]]:
+        """Each backward pack and what its backward does for its activations: ``keep`` (kept on the
+        device since its forward), ``recompute`` (from the stashed input), or ``loss`` (the last
+        pack: forward, loss and backward in one task)."""
+        kept = set(self.keep)
+        return [(tuple(p), "loss" if i == len(self.packs_b) - 1 else "keep" if tuple(p) in kept else "recompute")
+                for i, p in enumerate(self.packs_b)]
+
+
+def _packs_text(packs) -> str:
+    return " ".join(f"L{a}" if a == b else f"L{a}-{b}" for a, b in packs)
 
 
 @dataclass
@@ -274,6 +291,7 @@ class TaskGraph:
             config = Configuration(
                 u_f=cfg["u_f"], packs_f=[tuple(p) for p in cfg["packs_f"]],
                 u_b=cfg["u_b"], packs_b=[tuple(p) for p in cfg["packs_b"]],
+                keep=tuple(tuple(p) for p in cfg.get("keep", ())),
             )
             tasks = []
             for t in body["tasks"]:
