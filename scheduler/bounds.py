@@ -24,6 +24,7 @@ from harmony.scheduler.keep import KEEP_MODES
 from harmony.scheduler.lower import ranges
 from harmony.scheduler.machine import Machine
 from harmony.scheduler.memory import input_unit
+from harmony.scheduler.taskgraph import keepable_packs
 from harmony.scheduler.tasks import HOST, Channel, Configuration, Kind, Task, TaskGraph
 
 __all__ = ["compute_bound", "graph_key", "lower_bound", "quick_bound"]
@@ -50,10 +51,17 @@ def quick_bound(mode: str, profile: Profile, config: Configuration, devices: int
     samples = minibatch if mode in ("pp", "gpipe-swap", "gpipe-swap-r", "1f1b-swap", "1f1b-swap-r") \
         else -(-minibatch // devices)
     cache = _profile_cache(profile)
-    times, ends_f = _pass_times(profile, cache, "fwd", tuple(config.packs_f[:-1]), config.u_f, samples)
+    forward_packs, backward_packs = tuple(config.packs_f[:-1]), tuple(reversed(packs_b[:-1]))
+    times, ends_f = _pass_times(profile, cache, "fwd", forward_packs, config.u_f, samples)
     loss, ends_loss = _pass_times(profile, cache, "loss", (tuple(last),), u_b, samples)
-    backward, ends_b = _pass_times(profile, cache, "bwd" if recompute else "bwd-only",
-                                   tuple(reversed(packs_b[:-1])), u_b, samples)
+    backward, ends_b = _pass_times(profile, cache, "bwd" if recompute else "bwd-only", backward_packs, u_b, samples)
+    keepable = set(keepable_packs(mode, config, devices))
+    if keepable:  # a variant keeping their activations records its forward and recomputes nothing
+        times, ends_f = _least(times, ends_f, _pass_times(profile, cache, "keep", forward_packs, config.u_f, samples),
+                               [tuple(p) in keepable for p in forward_packs])
+        backward, ends_b = _least(backward, ends_b,
+                                  _pass_times(profile, cache, "bwd-only", backward_packs, u_b, samples),
+                                  [tuple(p) in keepable for p in backward_packs])
     times = times + loss
     if mode == "pp":
         counts = [-(-samples // config.u_f)] * len(ends_f) + [-(-samples // u_b)] * (1 + len(backward))
@@ -84,11 +92,22 @@ def quick_bound(mode: str, profile: Profile, config: Configuration, devices: int
     return max(compute, weights_in / machine.h2d_all)
 
 
+def _least(times: list[float], ends: list[tuple[float, float]], other: tuple[list, list],
+           where: list[bool]) -> tuple[list[float], list[tuple[float, float]]]:
+    """Per pack, the lesser of two passes' times (and first and last microbatch's) where ``where``
+    says either may run: a bound for both."""
+    other_times, other_ends = other
+    out_times = [min(a, b) if w else a for a, b, w in zip(times, other_times, where)]
+    out_ends = [(min(a[0], b[0]), min(a[1], b[1])) if w else a for a, b, w in zip(ends, other_ends, where)]
+    return out_times, out_ends
+
+
 def _pass_times(profile: Profile, cache: dict, kind: str, packs: tuple, u: int,
                 samples: int) -> tuple[list[float], list[tuple[float, float]]]:
     """Per pack, its compute over ``samples`` samples in microbatches of ``u``, and its first and
-    last microbatch's (the pipeline chain's); ``kind``: "fwd", "loss" (forward and backward of the
-    last pack), "bwd" (recompute and backward) or "bwd-only". Kept in the profile's cache: the
+    last microbatch's (the pipeline chain's); ``kind``: "fwd", "keep" (a forward recording for
+    autograd), "loss" (forward and backward of the last pack), "bwd" (recompute and backward) or
+    "bwd-only". Kept in the profile's cache: the
     configurations of a search share their passes (one backward packing meets every forward one)."""
     key = ("quick", kind, packs, u, samples)
     hit = cache.get(key)
@@ -99,6 +118,8 @@ def _pass_times(profile: Profile, cache: dict, kind: str, packs: tuple, u: int,
     def pack(first: int, last: int, size: int) -> float:
         if kind == "fwd":
             return profile.pack_time(first, last, size, "fwd_time")
+        if kind == "keep":
+            return profile.pack_time(first, last, size, LOSS_FORWARD)
         before = profile.pack_time(first, last, size, again) if again else 0.0
         return before + profile.pack_time(first, last, size, "bwd_time")
 
@@ -136,7 +157,7 @@ def graph_key(mode: str, config: Configuration) -> tuple:
     every pack at U_F, forward and backward, and never read U_B or P_B; so configurations that
     differ there alone are one candidate."""
     if mode in ("pp", "dp"):
-        return (config.u_f, tuple(config.packs_f), config.u_b, tuple(config.packs_b))
+        return (config.u_f, tuple(config.packs_f), config.u_b, tuple(config.packs_b), tuple(config.keep))
     return (config.u_f, tuple(config.packs_f))
 
 

@@ -17,7 +17,7 @@ import gc
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
 from harmony.scheduler import packing
@@ -27,7 +27,7 @@ from harmony.scheduler.keep import KEEP_MODES, keep_state
 from harmony.scheduler.memory import kept_on, least_peaks
 from harmony.scheduler.machine import Machine
 from harmony.profiling.profiles import Profile
-from harmony.scheduler.taskgraph import DATA_PARALLEL, split_samples
+from harmony.scheduler.taskgraph import DATA_PARALLEL, keepable_packs, split_samples
 from harmony.scheduler.modes import generate
 from harmony.scheduler.tasks import Configuration, Kind, TaskGraph, microbatch_sizes
 
@@ -317,17 +317,28 @@ def _search(profile, machine, mode, devices, minibatch, capacity, extra_packs, l
             best = (est.iteration_time, config, graph, est)
         return est
 
+    def consider_kept_state(config: Configuration, variant: dict, graph: TaskGraph, est: Estimate | None) -> None:
+        """The same graph with the state its devices have room for kept there: it holds more than
+        the graph itself at all times, so where that overflowed it is not tried."""
+        if keep and variant.get("update") == "device" and (est is None or est.fits or est.deadlock):
+            kept = keep_state(graph, profile, capacity)
+            if kept is not None:
+                consider(config, {**variant, "keep": True}, kept)
+
     for quick, _, config in pending:
         if best is not None and quick >= best[0] and not keep_candidates:
             break
         for variant, graph in _graphs(mode, profile, config, devices, minibatch, options):
             est = consider(config, variant, graph)
-            # the same graph with the state its devices have room for kept there: it holds more than
-            # the graph itself at all times, so where that overflowed it is not tried
-            if keep and variant.get("update") == "device" and (est is None or est.fits or est.deadlock):
-                kept = keep_state(graph, profile, capacity)
-                if kept is not None:
-                    consider(config, {**variant, "keep": True}, kept)
+            consider_kept_state(config, variant, graph, est)
+            # the packs' activations kept from forward to backward, as many as fit (``_keep_sets``)
+            for held in _keep_sets(mode, profile, config, devices, variant):
+                kept_config = replace(config, keep=held)
+                graph = generate(mode, profile, kept_config, devices, minibatch, **variant)
+                est = consider(kept_config, variant, graph)
+                consider_kept_state(kept_config, variant, graph, est)
+                if est is None or (est.fits and not est.deadlock):
+                    break
     if best is None:
         raise NoFeasibleConfiguration(
             f"no {mode} configuration fits {capacity:,} bytes per device (explored {explored}); "
@@ -444,6 +455,25 @@ def _graphs(mode: str, profile: Profile, config: Configuration, devices: int, mi
             yield variant, generate(mode, profile, config, devices, minibatch, **variant)
         except ValueError as exc:  # a configuration this mode cannot use (e.g. fewer packs than stages)
             log.debug("skipping %s for %s: %s", config, mode, exc)
+
+
+def _keep_sets(mode: str, profile: Profile, config: Configuration, devices: int,
+               variant: dict) -> list[tuple[tuple[int, int], ...]]:
+    """The sets of packs whose activations a variant of ``config`` keeps on the device, to try in
+    turn until one fits: every pack that may (``keepable_packs``), then one fewer at a time, the
+    pack that saves the least recompute per byte it keeps let go first. Keeping costs no compute
+    and saves the recompute, so the first that fits is the one to take; where none does, the
+    configuration recomputes every pack, as tried before these."""
+    packs = keepable_packs(mode, config, devices, variant.get("grouping", True))
+    if not packs:
+        return []
+    u = config.u_b
+
+    def saving(pack: tuple[int, int]) -> float:
+        return profile.pack_time(pack[0], pack[1], u, "recompute_time") / max(1, profile.pack_kept_bytes(*pack, u))
+
+    order = sorted(packs, key=saving)
+    return [tuple(sorted(order[i:])) for i in range(len(order))]
 
 
 def _variants(mode: str, options: dict) -> list[dict]:

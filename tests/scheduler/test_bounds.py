@@ -13,6 +13,7 @@ from harmony.scheduler.machine import Machine
 from harmony.scheduler.packing import all_contiguous_packings
 from harmony.scheduler.search import search
 from harmony.scheduler.modes import MODES, generate
+from harmony.scheduler.taskgraph import keepable_packs
 from harmony.scheduler.tasks import Configuration
 
 from test_search import skewed_profile
@@ -30,7 +31,8 @@ def _machines():
 
 
 def _graphs(mode, profile, count=24, seed=0):
-    """A sample of each mode's task graphs over every kind of packing, both update sides, kept or not."""
+    """A sample of each mode's task graphs over every kind of packing, both update sides, state kept
+    or not, activations kept or recomputed."""
     rng = random.Random(seed)
     packings = [list(p) for p in all_contiguous_packings(len(profile.layers))]
     made = 0
@@ -49,6 +51,11 @@ def _graphs(mode, profile, count=24, seed=0):
             kept = keep_state(graph, profile, profile.capacity) if update == "device" else None
             if kept is not None:
                 yield config, kept
+            # the backward packs' activations kept from their forward (the same packs at U_B)
+            same = Configuration(config.u_b, p_b, config.u_b, p_b)
+            held = keepable_packs(mode, same, 2)
+            if held:
+                yield same, generate(mode, profile, dataclasses.replace(same, keep=held), 2, 6, **options)
 
 
 @pytest.mark.parametrize("machine", ["analytic", "emulated", "quicker"])

@@ -1,0 +1,92 @@
+"""Activations kept from a pack's forward to its backward (``Configuration.keep``): the backward
+recomputes nothing, and training still equals eager training on one process (float64), within the
+plan's memory, with the ledger knowing of every byte the kept activations hold.
+
+Configurations are fixed rather than searched, so that every pack but the loss task's keeps (and, in
+the mixed case, one keeps while another recomputes); the capacity is roomy, since what is checked is
+that the run keeps the promise the estimator made for it, not that the plan fits a small device.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import harmony
+from harmony.plan import Plan
+from harmony.runtime.reference import microbatches_of, reference_train
+from harmony.scheduler.modes import generate
+from harmony.scheduler.taskgraph import keepable_packs
+from harmony.scheduler.tasks import Configuration
+
+from test_program_agreement import assert_agree
+from test_training import MINIBATCH, MODELS, adam, compiled
+
+STEPS = 3
+
+
+def kept_plan(name: str, mode: str, update: str, keep: str = "all") -> Plan:
+    """A plan of three packs whose activations are kept where they may be (``keep="all"``) or by
+    the first pack only (``"first"``), on two devices."""
+    _, _, base = compiled(name)
+    last = len(base.profile.layers) - 1
+    packs = [(0, 1), (2, 3), (4, last)]
+    config = Configuration(2, packs, 2, packs)
+    keepable = keepable_packs(mode, config, 2)
+    held = keepable if keep == "all" else keepable[:1]
+    tasks = generate(mode, base.profile, Configuration(2, packs, 2, packs, keep=held), 2, MINIBATCH, update=update)
+    plan = Plan(graph=base.graph, profile=base.profile, tasks=tasks, estimate={},
+                options={**base.options, "mode": mode, "devices": 2, "device_memory": 4 * base.options["device_memory"]})
+    plan.loss_fn = MODELS[name].loss_fn
+    plan.build_optimizer = adam
+    return plan
+
+
+def train_and_compare(name: str, plan: Plan) -> None:
+    model, get_batch, _ = compiled(name)
+    reference = copy.deepcopy(model)
+    batches = [get_batch(MINIBATCH, step) for step in range(STEPS)]
+    with harmony.Trainer(plan, optimizer=adam, loss_fn=plan.loss_fn, timeout=30, check_memory=True) as trainer:
+        losses = [trainer.step(*batch) for batch in batches]
+        state = trainer.state_dict()
+        history = trainer.history
+    expected = reference_train(reference, plan.loss_fn, adam, batches, microbatches_of(plan.tasks))
+    assert losses == pytest.approx(expected, rel=1e-9)
+    for key, want in reference.state_dict().items():
+        assert torch.allclose(state[key], want, rtol=1e-9, atol=1e-9), key
+    promised = plan.tasks.memory.devices
+    for device in range(2):
+        peak = max(step.workers[device].peak for step in history)
+        assert peak <= promised[device], f"dev{device} peaked at {peak:,} bytes, planned {promised[device]:,}"
+        shortfall = max(step.workers[device].ledger_shortfall for step in history)
+        assert shortfall == 0, f"dev{device} held {shortfall:,} bytes its ledger did not count"
+
+
+@pytest.mark.parametrize("mode,update", [("pp", "device"), ("pp", "host"), ("dp", "device"), ("dp", "host")])
+def test_kept_activations_train_as_eager_within_the_plan(mode, update):
+    torch.manual_seed(0)
+    plan = kept_plan("gpt2", mode, update)
+    assert plan.tasks.config.keep and all(t.keep for t in plan.tasks.tasks if t.kind.value == "BWD" and not t.loss)
+    train_and_compare("gpt2", plan)
+
+
+def test_a_plan_mixing_kept_and_recomputed_packs_trains_as_eager():
+    torch.manual_seed(0)
+    plan = kept_plan("gpt2", "pp", "device", keep="first")
+    assert [choice for _, choice in plan.tasks.config.choices()] == ["keep", "recompute", "loss"]
+    train_and_compare("gpt2", plan)
+
+
+def test_kept_activations_of_a_model_with_batchnorm_train_as_eager():
+    """ResNet's BatchNorm statistics are updated once, by the forward: the backward reads the
+    activations it recorded and runs no forward again."""
+    torch.manual_seed(0)
+    train_and_compare("resnet", kept_plan("resnet", "dp", "host"))
+
+
+@pytest.mark.parametrize("mode", ["pp", "dp"])
+def test_the_executor_moves_what_a_program_with_kept_activations_says(mode):
+    torch.manual_seed(0)
+    assert_agree(kept_plan("gpt2", mode, "device"))
