@@ -517,6 +517,7 @@ def _cmd_show(ns: argparse.Namespace) -> int:
             console.print(f"  {t.id:>4} {t}", highlight=False, soft_wrap=True)
     if kept := plan.kept_text():
         console.print(f"kept on the devices: {kept}")
+    console.print(f"activations: {plan.activations_text()}", highlight=False, soft_wrap=True)
     _print_comparison(plan)
     return 0
 

@@ -235,6 +235,21 @@ class Plan:
         return ("; ".join(parts) + ": their weights, buffers and optimizer state stay on the device and are "
                 "stepped there, written back to host memory when it is read (a checkpoint, the end of the run)")
 
+    def activations_text(self) -> str:
+        """What each backward pack does for the activations it needs: kept on the device since its
+        forward (with the bytes a microbatch keeps), recomputed from its stashed input, or, for the
+        last pack, computed in the loss task with its forward."""
+        config = self.tasks.config
+        words = {"keep": "kept from the forward", "recompute": "recomputed", "loss": "forward, loss and backward in one task"}
+        parts = []
+        for (first, last), choice in config.choices():
+            name = f"L{first}" if first == last else f"L{first}-{last}"
+            text = f"{name} {words[choice]}"
+            if choice == "keep":
+                text += f" ({self.profile.pack_kept_bytes(first, last, config.u_b):,} bytes a microbatch)"
+            parts.append(text)
+        return "; ".join(parts)
+
     def summary(self) -> str:
         est = self.estimate
         lines = [
@@ -243,6 +258,7 @@ class Plan:
             f"- model: `{self.model_file or self.graph.model_class}` ({len(self.graph.layers)} layers)",
             f"- profile: {self.profile.source} on {self.profile.device}, capacity {self.profile.capacity:,} bytes per device",
             f"- configuration: {self.tasks.config}",
+            f"- activations: {self.activations_text()}",
             f"- estimated iteration time: {est.get('iteration_time', float('nan')):.6f} s"
             + (" ({:.6f}-{:.6f} s at the 10th and 90th percentiles of the calibration's task readings)"
                .format(*est["iteration_time_range"]) if est.get("iteration_time_range") else ""),

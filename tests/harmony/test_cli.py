@@ -84,7 +84,8 @@ def test_compile_writes_a_plan_that_show_prints_and_a_changed_model_file_is_refu
                  "summary.md"):
         assert (out / name).is_file(), name
     assert main(["show", str(out)]) == 0
-    assert "FWD" in capsys.readouterr().out
+    shown = capsys.readouterr().out
+    assert "FWD" in shown and "activations: " in shown and "forward, loss and backward in one task" in shown
     assert main(["show", str(out), "--program", "--device", "1"]) == 0
     printed = capsys.readouterr().out
     assert "dev1" in printed and "dev0:" not in printed and "p2p-in:" in printed and " RECV " in printed
