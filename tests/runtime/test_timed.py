@@ -11,10 +11,13 @@ import pytest
 import torch
 
 from bench import timed as bench_timed
+from bench.common import with_tasks
 from harmony.runtime.flags import Shared
 from harmony.runtime.streams import Stream
 from harmony.runtime.timed import ITERATION, TimedDevice, Timing, scale_for, timed_machine
 from harmony.scheduler.machine import nominal_machine
+from harmony.scheduler.modes import generate
+from harmony.scheduler.tasks import Configuration
 
 
 SIMPLE = 0.6  # of an uncapped plan's device peak: one pack per device
@@ -141,4 +144,19 @@ def test_a_two_device_timed_run_takes_its_simulated_time_within_three_percent(mo
     simulation plays (``python -m bench.timed``)."""
     plan = bench_timed.compile_case("gpt2", mode, 2, "h100")
     case = bench_timed.run_case(bench_timed.Case("gpt2", mode, 2), plan, steps=2)
+    assert abs(case.relative) < 0.03, (case.estimated, case.measured, case.worst_unit)
+
+
+@pytest.mark.slow
+def test_a_timed_run_with_kept_activations_takes_its_simulated_time_within_three_percent():
+    """The forward keeps its activations on the device and the backward recomputes nothing: the
+    run holds and times them as the simulation of its program does."""
+    plan = bench_timed.compile_case("resnet", "pp", 2, "h100")
+    last = len(plan.profile.layers) - 1
+    packs = [(0, 1), (2, last)]
+    config = Configuration(2, packs, 2, packs, keep=((0, 1),))
+    kept = with_tasks(plan, generate("pp", plan.profile, config, 2, plan.tasks.minibatch))
+    kept.options.update(planned_memory=4 * plan.options["planned_memory"], device_memory=4 * plan.options["device_memory"])
+    kept.promise_memory()
+    case = bench_timed.run_case(bench_timed.Case("resnet", "pp", 2), kept, steps=2)
     assert abs(case.relative) < 0.03, (case.estimated, case.measured, case.worst_unit)
