@@ -277,7 +277,10 @@ def _search(profile, machine, mode, devices, minibatch, capacity, extra_packs, l
                 if (u_f, p_b[-1]) not in forward:
                     forward[(u_f, p_b[-1])] = _packings(profile, u_f, capacity, "fwd", p_b[-1], extra_packs,
                                                         fwd_doublings)
-                for p_f in forward[(u_f, p_b[-1])]:
+                # the backward's own packs in the forward too, where its activations may then be kept
+                # (``keepable_packs``): a backward pack fits as a forward one
+                symmetric = [list(p_b)] if u_f == u_b and mode in ("pp", "dp") and len(p_b) > 1 else []
+                for p_f in forward[(u_f, p_b[-1])] + [p for p in symmetric if p not in forward[(u_f, p_b[-1])]]:
                     config = Configuration(u_f=u_f, packs_f=p_f, u_b=u_b, packs_b=p_b)
                     key = graph_key(mode, config)
                     if key in seen:

@@ -14,8 +14,6 @@ from harmony.scheduler.search import search
 from harmony.scheduler.taskgraph import keepable_packs
 from harmony.scheduler.tasks import Channel, Configuration, Kind, TaskGraph
 
-from conftest import uniform_profile
-
 PACKS4 = [(0, 0), (1, 1), (2, 2), (3, 5)]
 
 
@@ -43,14 +41,14 @@ def test_no_pack_keeps_across_microbatch_sizes_other_packs_or_ungrouped_tasks():
     assert keepable_packs("1f1b-swap", Configuration(2, PACKS4, 2, PACKS4), 2) == ()
 
 
-def test_a_pack_that_cannot_keep_is_refused():
+def test_a_pack_that_cannot_keep_is_refused(uniform):
     with pytest.raises(ValueError, match="cannot keep the activations"):
-        generate("pp", uniform_profile(), Configuration(2, PACKS4, 2, PACKS4, keep=((1, 1),)), 3, 6)
+        generate("pp", uniform(), Configuration(2, PACKS4, 2, PACKS4, keep=((1, 1),)), 3, 6)
 
 
 @pytest.mark.parametrize("mode", ["pp", "dp"])
-def test_a_kept_backward_reads_its_forwards_state_and_activations_and_no_stash(mode):
-    profile = uniform_profile()
+def test_a_kept_backward_reads_its_forwards_state_and_activations_and_no_stash(mode, uniform):
+    profile = uniform()
     graph = generate(mode, profile, Configuration(2, PACKS4, 2, PACKS4, keep=((0, 0), (2, 2))), 2, 6)
     by_id = {t.id: t for t in graph.tasks}
     for task in graph.tasks:
@@ -68,8 +66,8 @@ def test_a_kept_backward_reads_its_forwards_state_and_activations_and_no_stash(m
             assert not task.keep and [t for t in task.inputs if t.tensor == "Xs"]
 
 
-def test_the_choice_travels_with_the_plan():
-    graph = generate("pp", uniform_profile(), Configuration(2, PACKS4, 2, PACKS4, keep=((1, 1),)), 2, 6)
+def test_the_choice_travels_with_the_plan(uniform):
+    graph = generate("pp", uniform(), Configuration(2, PACKS4, 2, PACKS4, keep=((1, 1),)), 2, 6)
     again = TaskGraph.from_dict(graph.to_dict())
     assert again.config == graph.config and [t.keep for t in again.tasks] == [t.keep for t in graph.tasks]
     assert str(graph.config).endswith("keep=[L1]")
@@ -77,8 +75,8 @@ def test_the_choice_travels_with_the_plan():
                                       ((3, 5), "loss")]
 
 
-def test_keeping_saves_the_recompute_and_holds_the_activations():
-    profile = uniform_profile()
+def test_keeping_saves_the_recompute_and_holds_the_activations(uniform):
+    profile = uniform()
     packs = [(0, 2), (3, 5)]
     recompute = generate("dp", profile, Configuration(3, packs, 3, packs), 2, 6)
     kept = generate("dp", profile, Configuration(3, packs, 3, packs, keep=((0, 2),)), 2, 6)
@@ -94,8 +92,8 @@ def test_keeping_saves_the_recompute_and_holds_the_activations():
     assert min(forward.work) >= profile.pack_kept_bytes(0, 2, 3)
 
 
-def test_the_program_keeps_activations_on_the_compute_stream():
-    profile = uniform_profile()
+def test_the_program_keeps_activations_on_the_compute_stream(uniform):
+    profile = uniform()
     packs = [(0, 2), (3, 5)]
     graph = generate("pp", profile, Configuration(3, packs, 3, packs, keep=((0, 2),)), 2, 6)
     graph.memory = promise(graph, profile, machine(), profile.capacity)
@@ -105,11 +103,11 @@ def test_the_program_keeps_activations_on_the_compute_stream():
     assert all(a.nbytes == profile.pack_kept_bytes(0, 2, 3) for a in kept)
 
 
-def test_the_search_keeps_with_memory_to_spare_and_recomputes_without():
+def test_the_search_keeps_with_memory_to_spare_and_recomputes_without(uniform):
     """With room, every keepable pack keeps; at a capacity where the kept activations of a whole
     minibatch do not fit, the search recomputes. Either way its plan is no slower than the best
     plan that recomputes every pack."""
-    profile = uniform_profile(layers=6, w=100_000, x_per_sample=50_000)
+    profile = uniform(layers=6, w=100_000, x_per_sample=50_000)
     m = dataclasses.replace(machine(), cpu_cores=None)
     sizes = {"sizes": lambda limit: [s for s in (2, 3, 6) if s <= limit]}
     roomy = search(profile, m, "pp", 2, 6, capacity=10**9, **sizes)

@@ -9,7 +9,6 @@ from harmony.scheduler.modes import generate
 from harmony.scheduler.offload_bound import Chain, chain_of_graph, iteration_bound, link_bound
 from harmony.scheduler.tasks import Configuration
 
-from conftest import uniform_profile
 
 
 def two_layers(compute: float, capacity: int = 2) -> Chain:
@@ -90,8 +89,8 @@ def test_mismatched_lengths_are_refused():
         Chain((1.0, 1.0), (1.0,), (1, 1), (0, 0), (0, 0), 10, 1.0, 1.0)
 
 
-def test_a_one_device_plan_becomes_a_chain_of_its_own_work():
-    profile = uniform_profile(4, w=1000, t_fwd=1e-3)
+def test_a_one_device_plan_becomes_a_chain_of_its_own_work(uniform):
+    profile = uniform(4, w=1000, t_fwd=1e-3)
     machine = Machine.from_spec("h100", 1)
     graph = generate("pp", profile, Configuration(2, [(0, 1), (2, 3)], 2, [(0, 0), (1, 1), (2, 3)]), 1, 4)
     chain = chain_of_graph(graph, profile, machine, capacity=10**6)
@@ -105,8 +104,8 @@ def test_a_one_device_plan_becomes_a_chain_of_its_own_work():
     assert math.isclose(chain.h2d, machine.h2d)
 
 
-def test_a_plan_on_two_devices_is_refused():
-    profile = uniform_profile(4)
+def test_a_plan_on_two_devices_is_refused(uniform):
+    profile = uniform(4)
     graph = generate("pp", profile, Configuration(2, [(0, 1), (2, 3)], 2, [(0, 1), (2, 3)]), 2, 4)
     with pytest.raises(ValueError, match="one device"):
         chain_of_graph(graph, profile, Machine.from_spec("h100", 2), capacity=10**6)
