@@ -8,6 +8,11 @@ traffic at full bandwidth; candidates are simulated in the order of that bound.
 
 The paper's Algorithm 2 keeps the fewest packs that fit (the largest average pack); we also try a
 few more packs per pass, since smaller packs sometimes balance a pipeline better (Fig. 8).
+
+Each backward pack either recomputes its activations from a stash or keeps them on the device from
+its forward (``Configuration.keep``, where ``taskgraph.keepable_packs`` allows): a configuration
+whose packs may keep is tried recomputing, then keeping as many packs as fit (``_keep_sets``); and
+at U_F = U_B the backward's own packing is tried as the forward's, which is what lets packs keep.
 """
 
 from __future__ import annotations

@@ -11,6 +11,10 @@ tensor's route. Sizes come from the profile, so the graph's bytes are the bytes 
 - ``dp`` (Harmony DP): every device runs every pack over its share of the minibatch with grouping;
   activations between packs of one device go through host memory; gradients are reduced in host
   memory and the update runs once per pack, on the host or replicated on the devices.
+- In ``pp`` and ``dp`` a backward pack recomputes its activations from the stash its forward left
+  in host memory, or, where the configuration keeps them (``Configuration.keep``,
+  ``keepable_packs``), reads them from its forward on the same device (``A`` on ``LOCAL``) with the
+  forward's state (``W`` on ``LOCAL``), and recomputes nothing.
 - ``dp-swap``: data parallelism with per-GPU memory virtualization (§2): no grouping, each
   microbatch brings every pack's weights in and out in both passes, and each device updates.
 
