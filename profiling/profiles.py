@@ -551,6 +551,15 @@ class Profile:
         acts = self.column("act_bytes", u)
         return int(round(x[first] + sum(acts[first:last + 1])))
 
+    def pack_swapped_bytes(self, first: int, last: int, u: int) -> int:
+        """Of a microbatch's kept activations (``pack_kept_bytes``), what a pack that swaps them
+        sends to host memory and back: all but its input and output, which the backward's autograd
+        graph holds on the device (the input's leaves collect the gradient, the outputs are where
+        the backward starts)."""
+        y = self.column("y_bytes", u)[last]
+        x = self.column("x_bytes", u)[first]
+        return max(0, self.pack_kept_bytes(first, last, u) - int(round(x + y)))
+
     def pack_bwd_memory_layerwise(self, first: int, last: int, u: int, accumulate: bool = True) -> int:
         """Peak device bytes of a BWD task that stashed every layer's input (the no-recompute
         baselines): it recomputes and back-propagates one layer at a time, from the last down,

@@ -22,7 +22,7 @@ pack's state through ``packstate.py``, what follows a backward through ``updates
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -125,29 +125,37 @@ class Compute:
         if gen is not None:
             rng.restore(device, gen)
         at = self._sends_by_layer(task, mb)
-        kept = at.pop(KEPT, [])
+        kept, swapped = at.pop(KEPT, []), at.pop(SWAPPED, [])
         leaves = _leaves(values, task.first)
         values = leaves
         run_state = _through_sinks(state, sinks)
-        saved: list[torch.Tensor] = []
-        with torch.autograd.graph.saved_tensors_hooks(functools.partial(_saved, saved), _unsaved):
+        saved: list = []  # aliases of what autograd saves (``_Saved`` boxes where they may go to the host)
+        pack = functools.partial(_boxed if swapped else _saved, saved)
+        with torch.autograd.graph.saved_tensors_hooks(pack, _unboxed if swapped else _unsaved):
             for layer in range(task.first, task.last + 1):
                 if layer in at:
                     self.transport.send(task, mb, at[layer], _detached(values), rng.capture(device))
                 values = self._run_layer(layer, run_state, values)
         self.transport.send(task, mb, at.get(task.last + 1, []), _detached(values), rng.capture(device))
         own = {t.untyped_storage()._cdata for t in (*state.values(), *sinks.values())}
-        held = [t for t in (*leaves, *values, *saved) if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in own]
+        ends = [t for t in (*leaves, *values) if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in own]
+        boxes: list[_Saved] = []
+        if swapped:
+            boxes, storages = _swap_out(saved, own | {t.untyped_storage()._cdata for t in ends})
+            self.transport.send(task, mb, swapped, storages, None)
+            held = ends
+        else:
+            held = ends + [t for t in saved if t.untyped_storage()._cdata not in own]
         saved.clear()  # every saved tensor keeps the hooks, and with them this list, until the backward is done
-        self.transport.keep(task, mb, kept, KeptForward(leaves, values, held))
+        self.transport.keep(task, mb, kept, KeptForward(leaves, values, held, boxes))
 
     def _sends_by_layer(self, task: Task, mb: int) -> dict[int | str, list[Edge]]:
         """A forward microbatch's sends by the layer boundary each is taken at (stashes before a
         layer of the pack, outputs after its last; activations kept for the backward: ``KEPT``)."""
         at: dict[int | str, list[Edge]] = {}
         for e in self.ctx.program.out_of(task.id, mb):
-            if e.stream == "A":
-                at.setdefault(KEPT, []).append(e)
+            if e.stream in ("A", "As"):
+                at.setdefault(KEPT if e.stream == "A" else SWAPPED, []).append(e)
                 continue
             if not task.first <= e.layer <= task.last + 1:
                 raise RuntimeError(f"task {task.id} ({task}) is to send {e.stream} at layer {e.layer}, outside its pack")
@@ -159,6 +167,8 @@ class Compute:
         its forward kept) and the backward; returns the task's share of the loss."""
         layers = stash_layers(task)
         streams = ["X"] if task.loss else ["dY"] + [f"Xs{l}" for l in layers]
+        if task.keep and any(t.tensor == "As" for t in task.inputs):
+            streams.append("As")  # activations the forward swapped out, brought back a microbatch ahead
         self.packs.issue_state(task)
         self.packs.issue_running_gradient(task)
         ready = self.transport.stream_prefetch(task, streams, 0)
@@ -252,6 +262,12 @@ class Compute:
         what flows back."""
         kept = self.transport.take_kept(task, mb)
         kept.held.clear()  # autograd holds what it saved, and lets each go as the backward passes it
+        if kept.boxes:  # what the forward swapped out, back on the device: each saved tensor a view of it
+            storages = got.pop("As")[0]
+            for box in kept.boxes:
+                box.restore(storages)
+            kept.boxes.clear()  # the graph holds the boxes, and lets each go as the backward passes it
+            del storages
         grads = got.pop("dY")[0]
         _autograd_backward(kept.outputs, grads)
         return kept.leaves
@@ -265,7 +281,8 @@ class Compute:
         return target
 
 
-KEPT = "kept"  # ``_sends_by_layer``'s key of the edges carrying a forward's kept activations
+KEPT = "kept"  # ``_sends_by_layer``'s keys of the edges carrying a forward's kept activations
+SWAPPED = "swapped"  # and of those carrying the ones it swaps out
 
 
 @dataclass
@@ -273,11 +290,68 @@ class KeptForward:
     """What a forward microbatch leaves for its pack's backward where nothing is recomputed: the
     leaves of its inputs (their ``.grad`` flows back), its outputs (the backward starts there), and
     every device tensor the microbatch keeps alive for it (autograd's saved tensors among them, the
-    pack state aside), which the ledger counts until the backward lets them go."""
+    pack state aside), which the ledger counts until the backward lets them go; where the pack
+    swaps its activations, the boxes of the saved tensors that went to host memory."""
 
     leaves: Values
     outputs: Values
     held: list[torch.Tensor]
+    boxes: list["_Saved"] = field(default_factory=list)
+
+
+class _Saved:
+    """A saved tensor of a swapping forward: on the device until the forward ends; then, where it is
+    neither the pack's state, input nor output, a place in one of the storages sent to host memory
+    (``storage``, with its dtype and view), and on the device again once the backward brings that
+    storage back (``restore``)."""
+
+    __slots__ = ("tensor", "storage", "dtype", "offset", "size", "stride")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor: torch.Tensor | None = tensor
+        self.storage = -1
+
+    def send(self, storage: int) -> None:
+        t = self.tensor
+        self.storage, self.dtype, self.offset, self.size, self.stride = (storage, t.dtype, t.storage_offset(),
+                                                                        t.size(), t.stride())
+        self.tensor = None
+
+    def restore(self, storages: list[torch.Tensor]) -> None:
+        bytes_ = storages[self.storage]
+        self.tensor = torch.empty(0, dtype=self.dtype, device=bytes_.device).set_(
+            bytes_.untyped_storage(), self.offset, self.size, self.stride)
+
+
+def _boxed(into: list, t: torch.Tensor) -> _Saved:
+    """A swapping forward's pack hook: the saved tensor in a box (``_Saved``), noted."""
+    box = _Saved(t.detach())
+    into.append(box)
+    return box
+
+
+def _unboxed(box: _Saved) -> torch.Tensor:
+    return box.tensor
+
+
+def _swap_out(boxes: list[_Saved], stay: set[int]) -> tuple[list[_Saved], list[torch.Tensor]]:
+    """The saved tensors of a swapping forward's microbatch that go to host memory (every one whose
+    storage is not in ``stay``: the pack's state, input and output), each storage once, as bytes:
+    (their boxes, the storages' bytes to send). The boxes let go of the device tensors."""
+    index: dict[int, int] = {}
+    storages: list[torch.Tensor] = []
+    sent: list[_Saved] = []
+    for box in boxes:
+        st = box.tensor.untyped_storage()
+        key = st._cdata
+        if key in stay:
+            continue
+        if key not in index:
+            index[key] = len(storages)
+            storages.append(torch.empty(0, dtype=torch.uint8, device=box.tensor.device).set_(st))
+        box.send(index[key])
+        sent.append(box)
+    return sent, storages
 
 
 def _saved(into: list[torch.Tensor], t: torch.Tensor) -> torch.Tensor:

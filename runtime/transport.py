@@ -96,7 +96,7 @@ class Transport:
             if (e.start, e.stop) != (mb_start, mb_start + mb_size):
                 part = self._cut(values, e.layer, e.start - mb_start, e.stop - mb_start)
             key = self._key(e.consumer, e.stream, e.start)
-            tensor = {"X": "Y", "dY": "dX"}.get(e.stream, "Xs")
+            tensor = {"X": "Y", "dY": "dX", "As": "As"}.get(e.stream, "Xs")
             self._route(key, self.ctx.by_id[e.consumer], Channel(e.channel), part, state, tensor)
 
     def _route(self, key: tuple, consumer: Task, channel: Channel, values: Values, state, tensor: str) -> None:
@@ -184,7 +184,7 @@ class Transport:
                 values, piece_state = self._take_local(key, what)
             else:
                 label = "P2P" if channel == Channel.P2P else channel.value
-                tensor = {"X": "X", "dY": "dY"}.get(stream, "Xs")
+                tensor = {"X": "X", "dY": "dY", "As": "As"}.get(stream, "Xs")
                 dist = label == "P2P" and self.dist is not None
                 with self._awaiting(e.src_device) if dist else contextlib.nullcontext():
                     host, piece_state, on_device = self._receive(key, what)

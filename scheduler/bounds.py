@@ -29,7 +29,7 @@ from harmony.scheduler.tasks import HOST, Channel, Configuration, Kind, Task, Ta
 
 __all__ = ["compute_bound", "graph_key", "lower_bound", "quick_bound"]
 
-_ACTIVATIONS = frozenset(("X", "Xs", "dY", "A"))  # inputs read microbatch by microbatch
+_ACTIVATIONS = frozenset(("X", "Xs", "dY", "A", "As"))  # inputs read microbatch by microbatch
 
 
 def quick_bound(mode: str, profile: Profile, config: Configuration, devices: int, minibatch: int, machine: Machine,

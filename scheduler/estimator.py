@@ -129,7 +129,7 @@ _E_UNIT, _E_XFER, _E_JOIN, _E_LINK, _E_CPU = range(5)
 _STATE = ("W", "B")  # a pack's state, loaded before its first unit
 _P2P_CHANNEL = Channel.P2P.value  # an edge's channel, as lowering writes it
 # outputs that are activations or gradients: their readers are paired with them by the program's edges
-_ACTIVATIONS = frozenset(("X", "Y", "Xs", "dX", "dY", "A"))
+_ACTIVATIONS = frozenset(("X", "Y", "Xs", "dX", "dY", "A", "As"))
 _HOSTLIKE = (Channel.SWAP, Channel.MSG, Channel.SHM)
 
 

@@ -141,7 +141,7 @@ def stream_names(task: Task) -> list[tuple[int, str]]:
     seen: dict[int, int] = {}  # microbatch -> stashes named so far
     for index, t in enumerate(task.inputs):
         tensor = t.tensor
-        if tensor == "dY" or tensor == "A":
+        if tensor == "dY" or tensor == "A" or tensor == "As":
             out.append((index, tensor))
         elif tensor == "X" or tensor == "Xs":
             if plain:
@@ -178,7 +178,7 @@ def read_order(task: Task) -> list[str]:
     if task.kind == Kind.FWD or task.loss:
         return ["X"]
     if task.keep:
-        return ["dY", "A"]
+        return ["dY", "A", "As"] if any(t.tensor == "As" for t in task.inputs) else ["dY", "A"]
     return ["dY"] + [f"Xs{layer}" for layer in stash_layers(task)]
 
 
@@ -187,7 +187,7 @@ def read_order(task: Task) -> list[str]:
 class Edge:
     """One piece of an activation or gradient moving from a producer task to a consumer task.
     ``stream`` is the consumer's name for it (X, dY, Xs<layer>, A: activations a forward kept for
-    its pack's backward); ``producer`` None is the minibatch in host memory."""
+    its pack's backward, As: those it swapped); ``producer`` None is the minibatch in host memory."""
 
     id: int
     stream: str
@@ -432,8 +432,13 @@ def _edge_bytes(profile: Profile | None, stream: str, consumer: Task, samples: i
     the edges' structure, not their sizes)."""
     if profile is None:
         return 0
-    if stream == "A":
-        return profile.pack_kept_bytes(consumer.first, consumer.last, samples)
+    if stream == "A":  # what stays on the device: all of them, or where the pack swaps, its input and output
+        kept = profile.pack_kept_bytes(consumer.first, consumer.last, samples)
+        if any(t.tensor == "As" for t in consumer.inputs):
+            kept -= profile.pack_swapped_bytes(consumer.first, consumer.last, samples)
+        return kept
+    if stream == "As":
+        return profile.pack_swapped_bytes(consumer.first, consumer.last, samples)
     layer = stream_layer(consumer, stream)
     at = profile.layers[layer - 1] if stream == "dY" else profile.layers[layer]
     return int(round(at.at("y_bytes" if stream == "dY" else "x_bytes", samples)))
@@ -495,7 +500,7 @@ OUT_STREAM = {Channel.P2P.value: "p2p-out", Channel.SWAP.value: "swap-out", Chan
                Channel.LOCAL.value: "compute"}
 
 
-_ACTIVATIONS = frozenset(("X", "Y", "Xs", "dX", "dY", "A"))
+_ACTIVATIONS = frozenset(("X", "Y", "Xs", "dX", "dY", "A", "As"))
 _HOSTLIKE = frozenset((Channel.SWAP, Channel.MSG, Channel.SHM))
 # which inputs may read which outputs: copies through host memory are one group whatever the channel
 _GROUP = {Channel.P2P: "p2p", Channel.LOCAL: "local", Channel.SWAP: "host", Channel.MSG: "host", Channel.SHM: "host"}

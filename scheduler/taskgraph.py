@@ -130,6 +130,10 @@ class Sizes:
         """A microbatch's activations kept from the pack's forward to its backward (``A``)."""
         return self.profile.pack_kept_bytes(first, last, u)
 
+    def swapped(self, first: int, last: int, u: int) -> int:
+        """Of those, what a swapping pack sends through host memory (``As``)."""
+        return self.profile.pack_swapped_bytes(first, last, u)
+
 
 class _Builder:
     """Accumulates tasks with fresh ids."""
@@ -207,23 +211,35 @@ def keepable_packs(mode: str, config: Configuration, devices: int, grouping: boo
     return tuple(sorted(out))
 
 
-def _check_keep(mode: str, config: Configuration, devices: int, grouping: bool) -> set[tuple[int, int]]:
-    """The packs ``config`` keeps the activations of, each checked to be keepable."""
-    keep = {tuple(p) for p in config.keep}
-    wrong = keep - set(keepable_packs(mode, config, devices, grouping))
+def _check_keep(mode: str, config: Configuration, devices: int, grouping: bool) -> dict[tuple[int, int], bool]:
+    """The packs whose activations ``config`` keeps (False) or swaps (True), each checked to be
+    keepable (the same conditions hold for both: the backward takes the forward's autograd graph)."""
+    keep = {tuple(p): False for p in config.keep}
+    both = keep.keys() & {tuple(p) for p in config.swap}
+    if both:
+        raise ValueError(f"{config} both keeps and swaps the activations of {sorted(both)}")
+    keep.update({tuple(p): True for p in config.swap})
+    wrong = set(keep) - set(keepable_packs(mode, config, devices, grouping))
     if wrong:
         raise ValueError(f"{mode} cannot keep the activations of {sorted(wrong)} for {config} on {devices} device(s): "
                          "a kept pack is a forward and a backward pack at one microbatch size, both on one device")
     return keep
 
 
-def _kept_backward(sz: Sizes, fwd: Task, task: Task) -> None:
+def _kept_backward(sz: Sizes, fwd: Task, task: Task, swapped: bool) -> None:
     """A backward over the pack whose forward ``fwd`` kept its activations: its state stays on the
     device from the forward (whose autograd graph holds it, and whose leaves collect the gradient),
-    and each microbatch's activations come from the forward's microbatch (LOCAL)."""
+    and each microbatch's activations come from the forward's microbatch: on the device (A, LOCAL),
+    or where the pack swaps them, the pack's input and output there and the rest (As) through host
+    memory."""
     fwd.keep = task.keep = True
+    first, last = fwd.first, fwd.last
     task.inputs.append(Transfer("W", Channel.LOCAL, 0, task=fwd.id))
-    connect(fwd, task, "A", "A", Channel.LOCAL, lambda n, f=fwd.first, l=fwd.last: sz.kept(f, l, n))
+    if not swapped:
+        connect(fwd, task, "A", "A", Channel.LOCAL, lambda n: sz.kept(first, last, n))
+        return
+    connect(fwd, task, "A", "A", Channel.LOCAL, lambda n: sz.kept(first, last, n) - sz.swapped(first, last, n))
+    connect(fwd, task, "As", "As", Channel.SWAP, lambda n: sz.swapped(first, last, n))
 
 
 DATA_PARALLEL = ("dp", "dp-swap", "dp-swap-r")  # modes that give each device its share of the minibatch
@@ -360,7 +376,7 @@ def wrap_around_pipeline(profile: Profile, config: Configuration, devices: int, 
             task = b.add(device=i % devices, kind=Kind.BWD, first=first, last=last, microbatches=list(sizes),
                          offset=offset, loss=loss)
             if (first, last) in keep:
-                _kept_backward(sz, fwd_of_layer[first][g], task)
+                _kept_backward(sz, fwd_of_layer[first][g], task, keep[(first, last)])
                 connect(prev[g], task, "dX", "dY", between(prev[g], task), lambda n, l=last: sz.y(l, n))
                 tasks.append(task)
                 continue
@@ -495,7 +511,7 @@ def harmony_dp(profile: Profile, config: Configuration, devices: int, minibatch:
                 task = b.add(device=d, kind=Kind.BWD, first=first, last=last, microbatches=list(sizes), offset=start,
                              loss=loss)
                 if (first, last) in keep:
-                    _kept_backward(sz, fwd_of_layer[first][g], task)
+                    _kept_backward(sz, fwd_of_layer[first][g], task, keep[(first, last)])
                     connect(prev[g], task, "dX", "dY", Channel.SWAP, lambda n, l=last: sz.y(l, n))
                 elif loss:
                     task.inputs += state_inputs(sz, first, last)

@@ -50,7 +50,8 @@ class Kind(str, Enum):
 #   W: weights   B: buffers (e.g. batch-norm statistics)   dW: weight gradients   K: optimizer state
 #   T: the loss target   A: a microbatch's activations, kept on the device from the pack's forward to
 #   its backward (LOCAL: what autograd saved, the pack's input and output), so that nothing is recomputed
-TENSORS = ("X", "Y", "Xs", "dY", "dX", "W", "B", "dW", "K", "T", "A")
+#   As: of those, what a swapping pack sends to host memory and back (all but its input and output)
+TENSORS = ("X", "Y", "Xs", "dY", "dX", "W", "B", "dW", "K", "T", "A", "As")
 
 
 @dataclass
@@ -79,8 +80,9 @@ class Task:
     offset: int = 0  # index of the group's first sample in the minibatch
     loss: bool = False  # BWD of the last pack: forward, loss and backward together (jit-compute)
     update: str = "none"  # BWD: "device" (jit-update after its last microbatch), "host" or "none"
-    # FWD: records for autograd and keeps each microbatch's activations (A) for the pack's backward;
-    # BWD: backward from them, with the forward's state (W LOCAL), without recomputing
+    # FWD: records for autograd and keeps each microbatch's activations (A; where the pack swaps them,
+    # As goes to host memory) for the pack's backward; BWD: backward from them, with the forward's
+    # state (W LOCAL), without recomputing
     keep: bool = False
     inputs: list[Transfer] = field(default_factory=list)
     outputs: list[Transfer] = field(default_factory=list)
@@ -147,20 +149,25 @@ class Configuration:
     packs_f: list[tuple[int, int]]
     u_b: int
     packs_b: list[tuple[int, int]]
-    # the backward packs whose activations stay on the device from their forward (no recompute);
-    # every other pack but the last (forward, loss and backward in one task) recomputes from a stash
+    # the backward packs whose activations stay on the device from their forward (no recompute), and
+    # those whose activations go to host memory in between and come back for the backward; every
+    # other pack but the last (forward, loss and backward in one task) recomputes from a stash
     keep: tuple[tuple[int, int], ...] = ()
+    swap: tuple[tuple[int, int], ...] = ()
 
     def __str__(self) -> str:
         text = f"U_F={self.u_f} P_F=[{_packs_text(self.packs_f)}] U_B={self.u_b} P_B=[{_packs_text(self.packs_b)}]"
-        return text + (f" keep=[{_packs_text(self.keep)}]" if self.keep else "")
+        return (text + (f" keep=[{_packs_text(self.keep)}]" if self.keep else "")
+                + (f" swap=[{_packs_text(self.swap)}]" if self.swap else ""))
 
     def choices(self) -> list[tuple[tuple[int, int], str]]:
         """Each backward pack and what its backward does for its activations: ``keep`` (kept on the
-        device since its forward), ``recompute`` (from the stashed input), or ``loss`` (the last
-        pack: forward, loss and backward in one task)."""
-        kept = set(self.keep)
-        return [(tuple(p), "loss" if i == len(self.packs_b) - 1 else "keep" if tuple(p) in kept else "recompute")
+        device since its forward), ``swap`` (sent to host memory by the forward and brought back),
+        ``recompute`` (from the stashed input), or ``loss`` (the last pack: forward, loss and
+        backward in one task)."""
+        kept, swapped = set(self.keep), set(self.swap)
+        return [(tuple(p), "loss" if i == len(self.packs_b) - 1 else "keep" if tuple(p) in kept
+                 else "swap" if tuple(p) in swapped else "recompute")
                 for i, p in enumerate(self.packs_b)]
 
 
@@ -291,7 +298,7 @@ class TaskGraph:
             config = Configuration(
                 u_f=cfg["u_f"], packs_f=[tuple(p) for p in cfg["packs_f"]],
                 u_b=cfg["u_b"], packs_b=[tuple(p) for p in cfg["packs_b"]],
-                keep=tuple(tuple(p) for p in cfg.get("keep", ())),
+                keep=tuple(tuple(p) for p in cfg.get("keep", ())), swap=tuple(tuple(p) for p in cfg.get("swap", ())),
             )
             tasks = []
             for t in body["tasks"]:
