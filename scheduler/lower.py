@@ -109,8 +109,9 @@ def stash_layers(task: Task) -> list[int]:
 
 def stream_layer(task: Task, stream: str) -> int:
     """The layer boundary a stream of ``task`` is taken at: its input (X), its output gradient
-    (dY, at the boundary after its last layer) or a stash before layer l (Xs<l>)."""
-    if stream == "dY":
+    (dY, at the boundary after its last layer), a stash before layer l (Xs<l>), or the activations
+    its forward kept (A, As: once the pack's forward is done, after its outputs)."""
+    if stream in ("dY", "A", "As"):
         return task.last + 1
     if stream.startswith("Xs"):
         return int(stream[2:])

@@ -9,10 +9,12 @@ traffic at full bandwidth; candidates are simulated in the order of that bound.
 The paper's Algorithm 2 keeps the fewest packs that fit (the largest average pack); we also try a
 few more packs per pass, since smaller packs sometimes balance a pipeline better (Fig. 8).
 
-Each backward pack either recomputes its activations from a stash or keeps them on the device from
-its forward (``Configuration.keep``, where ``taskgraph.keepable_packs`` allows): a configuration
-whose packs may keep is tried recomputing, then keeping as many packs as fit (``_keep_sets``); and
-at U_F = U_B the backward's own packing is tried as the forward's, which is what lets packs keep.
+Each backward pack recomputes its activations from a stash, keeps them on the device from its
+forward (``Configuration.keep``), or has them sent to host memory and back (``Configuration.swap``),
+where ``taskgraph.keepable_packs`` allows the latter two: a configuration whose packs may keep is
+tried recomputing, then keeping as many packs as fit and swapping or recomputing the rest
+(``_activation_chains``); and at U_F = U_B the backward's own packing is tried as the forward's,
+which is what lets packs keep.
 """
 
 from __future__ import annotations
@@ -339,14 +341,15 @@ def _search(profile, machine, mode, devices, minibatch, capacity, extra_packs, l
         for variant, graph in _graphs(mode, profile, config, devices, minibatch, options):
             est = consider(config, variant, graph)
             consider_kept_state(config, variant, graph, est)
-            # the packs' activations kept from forward to backward, as many as fit (``_keep_sets``)
-            for held in _keep_sets(mode, profile, config, devices, variant):
-                kept_config = replace(config, keep=held)
-                graph = generate(mode, profile, kept_config, devices, minibatch, **variant)
-                est = consider(kept_config, variant, graph)
-                consider_kept_state(kept_config, variant, graph, est)
-                if est is None or (est.fits and not est.deadlock):
-                    break
+            # the packs' activations kept from forward to backward or swapped, as many as fit
+            for chain in _activation_chains(mode, profile, config, devices, variant):
+                for held, swapped in chain:
+                    choice = replace(config, keep=held, swap=swapped)
+                    graph = generate(mode, profile, choice, devices, minibatch, **variant)
+                    est = consider(choice, variant, graph)
+                    consider_kept_state(choice, variant, graph, est)
+                    if est is None or (est.fits and not est.deadlock):
+                        break
     if best is None:
         raise NoFeasibleConfiguration(
             f"no {mode} configuration fits {capacity:,} bytes per device (explored {explored}); "
@@ -465,13 +468,18 @@ def _graphs(mode: str, profile: Profile, config: Configuration, devices: int, mi
             log.debug("skipping %s for %s: %s", config, mode, exc)
 
 
-def _keep_sets(mode: str, profile: Profile, config: Configuration, devices: int,
-               variant: dict) -> list[tuple[tuple[int, int], ...]]:
-    """The sets of packs whose activations a variant of ``config`` keeps on the device, to try in
-    turn until one fits: every pack that may (``keepable_packs``), then one fewer at a time, the
-    pack that saves the least recompute per byte it keeps let go first. Keeping costs no compute
-    and saves the recompute, so the first that fits is the one to take; where none does, the
-    configuration recomputes every pack, as tried before these."""
+Packs = tuple[tuple[int, int], ...]
+
+
+def _activation_chains(mode: str, profile: Profile, config: Configuration, devices: int,
+                       variant: dict) -> list[list[tuple[Packs, Packs]]]:
+    """(kept, swapped) pack sets for the activations of a variant of ``config``, in two chains, each
+    tried in turn until one fits: every pack that may (``keepable_packs``) kept, then one at a time
+    swapped instead (first chain) or recomputed (second), the pack that saves the least recompute
+    per byte it keeps first. Keeping costs no compute and no copy, so along a chain the first that
+    fits is the one to take; swapping costs the host link what recomputing costs compute, so the
+    estimate decides between the chains. Where nothing fits, the configuration recomputes every
+    pack, as tried before these."""
     packs = keepable_packs(mode, config, devices, variant.get("grouping", True))
     if not packs:
         return []
@@ -481,7 +489,9 @@ def _keep_sets(mode: str, profile: Profile, config: Configuration, devices: int,
         return profile.pack_time(pack[0], pack[1], u, "recompute_time") / max(1, profile.pack_kept_bytes(*pack, u))
 
     order = sorted(packs, key=saving)
-    return [tuple(sorted(order[i:])) for i in range(len(order))]
+    swapping = [(tuple(sorted(order[i:])), tuple(sorted(order[:i]))) for i in range(len(order) + 1)]
+    recomputing = [(tuple(sorted(order[i:])), ()) for i in range(1, len(order))]
+    return [swapping, recomputing]
 
 
 def _variants(mode: str, options: dict) -> list[dict]:

@@ -1,6 +1,7 @@
-"""Activations kept from a pack's forward to its backward (``Configuration.keep``): the backward
-recomputes nothing, and training still equals eager training on one process (float64), within the
-plan's memory, with the ledger knowing of every byte the kept activations hold.
+"""Activations kept from a pack's forward to its backward (``Configuration.keep``), or sent to host
+memory in between and brought back (``Configuration.swap``): the backward recomputes nothing, and
+training still equals eager training on one process (float64), within the plan's memory, with the
+ledger knowing of every byte the kept activations hold.
 
 Configurations are fixed rather than searched, so that every pack but the loss task's keeps (and, in
 the mixed case, one keeps while another recomputes); the capacity is roomy, since what is checked is
@@ -27,16 +28,18 @@ from test_training import MINIBATCH, MODELS, adam, compiled
 STEPS = 3
 
 
-def kept_plan(name: str, mode: str, update: str, keep: str = "all") -> Plan:
-    """A plan of three packs whose activations are kept where they may be (``keep="all"``) or by
-    the first pack only (``"first"``), on two devices."""
+def kept_plan(name: str, mode: str, update: str, how: str = "keep") -> Plan:
+    """A plan of three packs on two devices whose two first packs keep their activations
+    (``how="keep"``), swap them (``"swap"``), or the first keeps, the second swaps, and the second's
+    backward recomputes nothing either (``"mixed"``; ``"first"``: the first keeps, the second
+    recomputes)."""
     _, _, base = compiled(name)
     last = len(base.profile.layers) - 1
     packs = [(0, 1), (2, 3), (4, last)]
-    config = Configuration(2, packs, 2, packs)
-    keepable = keepable_packs(mode, config, 2)
-    held = keepable if keep == "all" else keepable[:1]
-    tasks = generate(mode, base.profile, Configuration(2, packs, 2, packs, keep=held), 2, MINIBATCH, update=update)
+    first, second = keepable_packs(mode, Configuration(2, packs, 2, packs), 2)
+    chosen = {"keep": {"keep": (first, second)}, "swap": {"swap": (first, second)},
+              "mixed": {"keep": (first,), "swap": (second,)}, "first": {"keep": (first,)}}[how]
+    tasks = generate(mode, base.profile, Configuration(2, packs, 2, packs, **chosen), 2, MINIBATCH, update=update)
     plan = Plan(graph=base.graph, profile=base.profile, tasks=tasks, estimate={},
                 options={**base.options, "mode": mode, "devices": 2, "device_memory": 4 * base.options["device_memory"]})
     plan.loss_fn = MODELS[name].loss_fn
@@ -64,29 +67,46 @@ def train_and_compare(name: str, plan: Plan) -> None:
         assert shortfall == 0, f"dev{device} held {shortfall:,} bytes its ledger did not count"
 
 
+@pytest.mark.parametrize("how", ["keep", "swap"])
 @pytest.mark.parametrize("mode,update", [("pp", "device"), ("pp", "host"), ("dp", "device"), ("dp", "host")])
-def test_kept_activations_train_as_eager_within_the_plan(mode, update):
+def test_kept_and_swapped_activations_train_as_eager_within_the_plan(mode, update, how):
     torch.manual_seed(0)
-    plan = kept_plan("gpt2", mode, update)
-    assert plan.tasks.config.keep and all(t.keep for t in plan.tasks.tasks if t.kind.value == "BWD" and not t.loss)
+    plan = kept_plan("gpt2", mode, update, how)
+    assert all(t.keep for t in plan.tasks.tasks if t.kind.value == "BWD" and not t.loss)
     train_and_compare("gpt2", plan)
 
 
-def test_a_plan_mixing_kept_and_recomputed_packs_trains_as_eager():
+@pytest.mark.parametrize("how,choices", [("first", ["keep", "recompute", "loss"]), ("mixed", ["keep", "swap", "loss"])])
+def test_a_plan_mixing_the_choices_trains_as_eager(how, choices):
     torch.manual_seed(0)
-    plan = kept_plan("gpt2", "pp", "device", keep="first")
-    assert [choice for _, choice in plan.tasks.config.choices()] == ["keep", "recompute", "loss"]
+    plan = kept_plan("gpt2", "pp", "device", how)
+    assert [choice for _, choice in plan.tasks.config.choices()] == choices
     train_and_compare("gpt2", plan)
 
 
-def test_kept_activations_of_a_model_with_batchnorm_train_as_eager():
+@pytest.mark.parametrize("how", ["keep", "swap"])
+def test_kept_activations_of_a_model_with_batchnorm_train_as_eager(how):
     """ResNet's BatchNorm statistics are updated once, by the forward: the backward reads the
-    activations it recorded and runs no forward again."""
+    activations it recorded (or brought back from host memory) and runs no forward again."""
     torch.manual_seed(0)
-    train_and_compare("resnet", kept_plan("resnet", "dp", "host"))
+    train_and_compare("resnet", kept_plan("resnet", "dp", "host", how))
 
 
+def test_swapped_activations_move_the_bytes_the_plan_says():
+    """What a swapping forward sends to host memory are the storages its autograd graph saved but
+    the pack's input and output: as many bytes as the profile says (``pack_swapped_bytes``)."""
+    torch.manual_seed(0)
+    plan = kept_plan("gpt2", "pp", "device", "swap")
+    model, get_batch, _ = compiled("gpt2")
+    with harmony.Trainer(plan, optimizer=adam, loss_fn=plan.loss_fn, timeout=30) as trainer:
+        trainer.step(*get_batch(MINIBATCH, 0))
+        moved = trainer.history[-1].bytes_by_channel()
+    assert moved == plan.tasks.bytes_by_channel()
+    assert plan.tasks.swap_bytes("As") > 0
+
+
+@pytest.mark.parametrize("how", ["keep", "swap"])
 @pytest.mark.parametrize("mode", ["pp", "dp"])
-def test_the_executor_moves_what_a_program_with_kept_activations_says(mode):
+def test_the_executor_moves_what_a_program_with_kept_activations_says(mode, how):
     torch.manual_seed(0)
-    assert_agree(kept_plan("gpt2", mode, "device"))
+    assert_agree(kept_plan("gpt2", mode, "device", how))

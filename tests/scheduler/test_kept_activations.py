@@ -120,3 +120,38 @@ def test_the_search_keeps_with_memory_to_spare_and_recomputes_without(uniform):
     recomputing = [t for t, c in pressed.candidates if not c.keep]
     assert pressed.estimate.iteration_time <= min(recomputing)
     assert max(pressed.estimate.peak_memory.values()) <= tight
+
+
+def test_a_swapping_backward_brings_all_but_the_packs_input_and_output_through_host_memory(uniform):
+    profile = uniform()
+    graph = generate("pp", profile, Configuration(2, PACKS4, 2, PACKS4, keep=((0, 0),), swap=((1, 1),)), 2, 6)
+    (backward,) = [t for t in graph.tasks if t.kind == Kind.BWD and (t.first, t.last) == (1, 1)]
+    kept = [t for t in backward.inputs if t.tensor == "A"]
+    swapped = [t for t in backward.inputs if t.tensor == "As"]
+    assert backward.keep and [t.channel for t in swapped] == [Channel.SWAP] * 3
+    x, y = profile.layers[1].at("x_bytes", 2), profile.layers[1].at("y_bytes", 2)
+    assert [t.nbytes for t in kept] == [x + y] * 3
+    assert [t.nbytes for t in swapped] == [profile.pack_kept_bytes(1, 1, 2) - x - y] * 3
+    assert graph.config.choices()[:2] == [((0, 0), "keep"), ((1, 1), "swap")]
+    assert TaskGraph.from_dict(graph.to_dict()).config == graph.config
+
+
+def test_a_pack_cannot_both_keep_and_swap(uniform):
+    with pytest.raises(ValueError, match="both keeps and swaps"):
+        generate("pp", uniform(), Configuration(2, PACKS4, 2, PACKS4, keep=((1, 1),), swap=((1, 1),)), 2, 6)
+
+
+def test_the_search_swaps_what_it_cannot_keep_where_the_link_has_room(uniform):
+    """Recomputing a pack costs its forward again; swapping its activations costs the host link,
+    which is idle here: at a capacity where the kept activations no longer fit, the search swaps
+    them, and its plan is faster than the best that recomputes."""
+    profile = uniform(layers=6, w=100_000, x_per_sample=50_000)
+    m = dataclasses.replace(machine(), cpu_cores=None)
+    sizes = {"sizes": lambda limit: [s for s in (2, 3, 6) if s <= limit]}
+    roomy = search(profile, m, "pp", 2, 6, capacity=10**9, **sizes)
+    capacity = int(0.8 * max(roomy.estimate.peak_memory.values()))
+    pressed = search(profile, m, "pp", 2, 6, capacity=capacity, keep_candidates=True, **sizes)
+    assert pressed.config.swap and not pressed.config.keep
+    recomputing = [t for t, c in pressed.candidates if not c.keep and not c.swap]
+    assert pressed.estimate.iteration_time < min(recomputing)
+    assert max(pressed.estimate.peak_memory.values()) <= capacity
