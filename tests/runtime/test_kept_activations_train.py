@@ -110,3 +110,19 @@ def test_swapped_activations_move_the_bytes_the_plan_says():
 def test_the_executor_moves_what_a_program_with_kept_activations_says(mode, how):
     torch.manual_seed(0)
     assert_agree(kept_plan("gpt2", mode, "device", how))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,how", [("pp", "swap"), ("pp", "mixed"), ("dp", "swap")])
+def test_a_timed_run_with_swapped_activations_takes_its_simulated_time(mode, how):
+    """On timed devices (every copy as long as the cost model says) a plan that swaps activations
+    runs in its program's simulated time: the swaps are where the program puts them. The profile is
+    measured, so the bytes the forward saves are the profile's (an analytic profile's are the
+    modelled GPU's, which the CPU's kernels do not save alike)."""
+    from bench import timed as bench_timed
+
+    torch.manual_seed(0)
+    plan = kept_plan("gpt2", mode, "device", how)
+    plan.promise_memory()
+    case = bench_timed.run_case(bench_timed.Case("gpt2", mode, 2), plan, steps=2)
+    assert abs(case.relative) < 0.02, (case.estimated, case.measured, case.worst_unit)
