@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import harmony
+from bench import timed as bench_timed
 from harmony.plan import Plan
 from harmony.runtime.reference import microbatches_of, reference_train
 from harmony.scheduler.modes import generate
@@ -119,8 +120,6 @@ def test_a_timed_run_with_swapped_activations_takes_its_simulated_time(mode, how
     runs in its program's simulated time: the swaps are where the program puts them. The profile is
     measured, so the bytes the forward saves are the profile's (an analytic profile's are the
     modelled GPU's, which the CPU's kernels do not save alike)."""
-    from bench import timed as bench_timed
-
     torch.manual_seed(0)
     plan = kept_plan("gpt2", mode, "device", how)
     plan.promise_memory()
