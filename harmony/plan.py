@@ -237,16 +237,20 @@ class Plan:
 
     def activations_text(self) -> str:
         """What each backward pack does for the activations it needs: kept on the device since its
-        forward (with the bytes a microbatch keeps), recomputed from its stashed input, or, for the
-        last pack, computed in the loss task with its forward."""
+        forward (with the bytes a microbatch keeps), swapped to host memory and back (with the bytes
+        a microbatch moves each way), recomputed from its stashed input, or, for the last pack,
+        computed in the loss task with its forward."""
         config = self.tasks.config
-        words = {"keep": "kept from the forward", "recompute": "recomputed", "loss": "forward, loss and backward in one task"}
+        words = {"keep": "kept from the forward", "swap": "swapped to host memory and back", "recompute": "recomputed",
+                 "loss": "forward, loss and backward in one task"}
         parts = []
         for (first, last), choice in config.choices():
             name = f"L{first}" if first == last else f"L{first}-{last}"
             text = f"{name} {words[choice]}"
             if choice == "keep":
                 text += f" ({self.profile.pack_kept_bytes(first, last, config.u_b):,} bytes a microbatch)"
+            elif choice == "swap":
+                text += f" ({self.profile.pack_swapped_bytes(first, last, config.u_b):,} bytes a microbatch)"
             parts.append(text)
         return "; ".join(parts)
 
