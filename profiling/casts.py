@@ -93,7 +93,7 @@ def low_copies(graph: LayerGraph, device_type: str, dtype: torch.dtype | None,
             copies.setdefault(graph.canonical(name), LowCopy(
                 name=graph.canonical(name), layer=index, dtype=str(dtype).removeprefix("torch."),
                 saved=p.numel() * (p.element_size() - dtype.itemsize), trainable=p.requires_grad,
-                cast_time=cast_time))
+                cast_time=cast_time, kept_cast=p.numel() * dtype.itemsize if p.dim() >= 2 else 0))
     return list(copies.values())
 
 

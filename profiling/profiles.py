@@ -236,6 +236,10 @@ class LowCopy:
     saved: int
     trainable: bool = False
     cast_time: float = 0.0
+    # the bytes of the cast that autograd keeps for the backward where the weight travels in full
+    # precision (a matrix or kernel: an operand of the op's input gradient), which the layer's
+    # ``act_bytes`` counted and a copy cast on the host never makes
+    kept_cast: int = 0
 
 
 @dataclass
@@ -352,7 +356,9 @@ class Profile:
         """Count ``copies`` as the devices will hold them: each layer's weights, and the peaks that
         include them, smaller by their saving. The peaks were measured (or counted) with float32
         weights that autocast cast op by op; with the copies cast on the host those casts never
-        happen, so the peaks only fall further: what the plan counts bounds what runs."""
+        happen, so the peaks only fall further: what the plan counts bounds what runs. What the
+        forward keeps for the backward (``act_bytes``) loses the casts autograd kept
+        (``LowCopy.kept_cast``): the saved operand is the copy itself, part of the pack's state."""
         if self.low_copies or self.host_copies:
             raise ValueError("the profile already counts its weights' low-precision copies")
         self.host_copies = [c for c in copies if c.trainable]
@@ -370,6 +376,9 @@ class Profile:
             layer.w_bytes -= saved
             for sample in layer.fwd_samples + layer.bwd_samples:
                 _lower_peaks(sample, saved)
+            cast = sum(c.kept_cast for c in copies if c.layer == layer.index)
+            for sample in layer.bwd_samples:
+                sample.act_bytes = max(0, sample.act_bytes - cast)
             for memo in ("_fits", "_at", "_by_u"):
                 layer.__dict__.pop(memo, None)
         for sample in self.packs:
