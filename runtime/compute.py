@@ -263,11 +263,7 @@ class Compute:
         kept = self.transport.take_kept(task, mb)
         kept.held.clear()  # autograd holds what it saved, and lets each go as the backward passes it
         if kept.boxes:  # what the forward swapped out, back on the device: each saved tensor a view of it
-            storages = got.pop("As")[0]
-            for box in kept.boxes:
-                box.restore(storages)
-            kept.boxes.clear()  # the graph holds the boxes, and lets each go as the backward passes it
-            del storages
+            _restore(kept.boxes, got.pop("As")[0])
         grads = got.pop("dY")[0]
         _autograd_backward(kept.outputs, grads)
         return kept.leaves
@@ -332,6 +328,15 @@ def _boxed(into: list, t: torch.Tensor) -> _Saved:
 
 def _unboxed(box: _Saved) -> torch.Tensor:
     return box.tensor
+
+
+def _restore(boxes: list[_Saved], storages: list[torch.Tensor]) -> None:
+    """Each box's tensor viewed again in the storages brought back; the list of boxes emptied. From
+    then on only the graph holds the boxes (nothing here, not even a loop's variable), and lets each
+    go, its view with it, as the backward passes the op that saved it."""
+    for box in boxes:
+        box.restore(storages)
+    boxes.clear()
 
 
 def _swap_out(boxes: list[_Saved], stay: set[int]) -> tuple[list[_Saved], list[torch.Tensor]]:

@@ -192,11 +192,7 @@ def task_memory(task: Task, profile: Profile, stashes: tuple[int, ...] = ()) -> 
     accumulates = [bool(j) or running for j in range(len(task.microbatches))]
     by_size = {key: pack(first, last, key[0], accumulate=key[1]) for key in set(zip(task.microbatches, accumulates))}
     work = tuple(by_size[key] - weights - gradients + scratch for key in zip(task.microbatches, accumulates))
-    if task.keep:  # its incoming gradient beside the kept activations, which the pack's profile counts
-        # inside the last layer's own backward: a backward from kept activations holds both at once,
-        # where a recompute made the activations around it
-        y = profile.layers[last]
-        work = tuple(w + int(round(y.at("y_bytes", u))) for w, u in zip(work, task.microbatches))
+
     if fused_update(task):
         optimizer = 0 if kept else sum(layer.k_bytes for layer in layers)
         work += (optimizer + _update_inputs(task) + profile.pack_update_memory(first, last),)
