@@ -6,10 +6,10 @@ runs it (``reference.py``).
   state they had (``rng.py``); buffers (BatchNorm statistics) are updated and written back once.
 - **BWD**: per microbatch, the recompute from the stash (buffers on throwaway copies, so running
   statistics are not updated twice; the generator state restored, so dropout masks repeat), then
-  the backward with the gradient arriving from the next pack. Where the plan keeps a pack's
-  activations (``Task.keep``), its FWD records for autograd and leaves each microbatch's graph on
-  the device (``KeptForward``), its state stays there too, and the BWD runs the backward alone. The pack's gradient buffer stays on
-  the device across its microbatches (input-batch grouping). A ``loss`` task runs the last pack's
+  the backward with the gradient arriving from the next pack. The pack's gradient buffer stays on
+  the device across its microbatches (input-batch grouping). Where the plan keeps or swaps a pack's
+  activations (``Task.keep``), its FWD records for autograd and leaves each microbatch's graph for
+  the BWD (``kept.py``), its state stays on the device too, and the BWD runs the backward alone. A ``loss`` task runs the last pack's
   forward, the loss scaled by u/D and the backward together.
 
 Each microbatch is a unit of the plan (``PackState.unit_starts``: the next task's state may load then), and
@@ -22,7 +22,6 @@ pack's state through ``packstate.py``, what follows a backward through ``updates
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -30,6 +29,8 @@ from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
 from harmony.runtime import rng
+from harmony.runtime.kept import (KEPT, SWAPPED, KeptForward, boxed, detached, restore, saved_alias, swap_out, unboxed,
+                                  unsaved)
 from harmony.runtime.context import DeviceContext
 from harmony.runtime.packstate import PackState
 from harmony.runtime.precision import autocast
@@ -130,18 +131,18 @@ class Compute:
         values = leaves
         run_state = _through_sinks(state, sinks)
         saved: list = []  # aliases of what autograd saves (``_Saved`` boxes where they may go to the host)
-        pack = functools.partial(_boxed if swapped else _saved, saved)
-        with torch.autograd.graph.saved_tensors_hooks(pack, _unboxed if swapped else _unsaved):
+        pack = functools.partial(boxed if swapped else saved_alias, saved)
+        with torch.autograd.graph.saved_tensors_hooks(pack, unboxed if swapped else unsaved):
             for layer in range(task.first, task.last + 1):
                 if layer in at:
-                    self.transport.send(task, mb, at[layer], _detached(values), rng.capture(device))
+                    self.transport.send(task, mb, at[layer], detached(values), rng.capture(device))
                 values = self._run_layer(layer, run_state, values)
-        self.transport.send(task, mb, at.get(task.last + 1, []), _detached(values), rng.capture(device))
+        self.transport.send(task, mb, at.get(task.last + 1, []), detached(values), rng.capture(device))
         own = {t.untyped_storage()._cdata for t in (*state.values(), *sinks.values())}
         ends = [t for t in (*leaves, *values) if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in own]
-        boxes: list[_Saved] = []
+        boxes: list = []
         if swapped:
-            boxes, storages = _swap_out(saved, own | {t.untyped_storage()._cdata for t in ends})
+            boxes, storages = swap_out(saved, own | {t.untyped_storage()._cdata for t in ends})
             self.transport.send(task, mb, swapped, storages, None)
             held = ends
         else:
@@ -263,7 +264,7 @@ class Compute:
         kept = self.transport.take_kept(task, mb)
         kept.held.clear()  # autograd holds what it saved, and lets each go as the backward passes it
         if kept.boxes:  # what the forward swapped out, back on the device: each saved tensor a view of it
-            _restore(kept.boxes, got.pop("As")[0])
+            restore(kept.boxes, got.pop("As")[0])
         grads = got.pop("dY")[0]
         _autograd_backward(kept.outputs, grads)
         return kept.leaves
@@ -275,105 +276,6 @@ class Compute:
             target = self.ctx.device.to_device(target)
             self.ctx.counters.add("TARGET", "in", "T", target.numel() * target.element_size())
         return target
-
-
-KEPT = "kept"  # ``_sends_by_layer``'s keys of the edges carrying a forward's kept activations
-SWAPPED = "swapped"  # and of those carrying the ones it swaps out
-
-
-@dataclass
-class KeptForward:
-    """What a forward microbatch leaves for its pack's backward where nothing is recomputed: the
-    leaves of its inputs (their ``.grad`` flows back), its outputs (the backward starts there), and
-    every device tensor the microbatch keeps alive for it (autograd's saved tensors among them, the
-    pack state aside), which the ledger counts until the backward lets them go; where the pack
-    swaps its activations, the boxes of the saved tensors that went to host memory."""
-
-    leaves: Values
-    outputs: Values
-    held: list[torch.Tensor]
-    boxes: list["_Saved"] = field(default_factory=list)
-
-
-class _Saved:
-    """A saved tensor of a swapping forward: on the device until the forward ends; then, where it is
-    neither the pack's state, input nor output, a place in one of the storages sent to host memory
-    (``storage``, with its dtype and view), and on the device again once the backward brings that
-    storage back (``restore``)."""
-
-    __slots__ = ("tensor", "storage", "dtype", "offset", "size", "stride")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor: torch.Tensor | None = tensor
-        self.storage = -1
-
-    def send(self, storage: int) -> None:
-        t = self.tensor
-        self.storage, self.dtype, self.offset, self.size, self.stride = (storage, t.dtype, t.storage_offset(),
-                                                                        t.size(), t.stride())
-        self.tensor = None
-
-    def restore(self, storages: list[torch.Tensor]) -> None:
-        bytes_ = storages[self.storage]
-        self.tensor = torch.empty(0, dtype=self.dtype, device=bytes_.device).set_(
-            bytes_.untyped_storage(), self.offset, self.size, self.stride)
-
-
-def _boxed(into: list, t: torch.Tensor) -> _Saved:
-    """A swapping forward's pack hook: the saved tensor in a box (``_Saved``), noted."""
-    box = _Saved(t.detach())
-    into.append(box)
-    return box
-
-
-def _unboxed(box: _Saved) -> torch.Tensor:
-    return box.tensor
-
-
-def _restore(boxes: list[_Saved], storages: list[torch.Tensor]) -> None:
-    """Each box's tensor viewed again in the storages brought back; the list of boxes emptied. From
-    then on only the graph holds the boxes (nothing here, not even a loop's variable), and lets each
-    go, its view with it, as the backward passes the op that saved it."""
-    for box in boxes:
-        box.restore(storages)
-    boxes.clear()
-
-
-def _swap_out(boxes: list[_Saved], stay: set[int]) -> tuple[list[_Saved], list[torch.Tensor]]:
-    """The saved tensors of a swapping forward's microbatch that go to host memory (every one whose
-    storage is not in ``stay``: the pack's state, input and output), each storage once, as bytes:
-    (their boxes, the storages' bytes to send). The boxes let go of the device tensors."""
-    index: dict[int, int] = {}
-    storages: list[torch.Tensor] = []
-    sent: list[_Saved] = []
-    for box in boxes:
-        st = box.tensor.untyped_storage()
-        key = st._cdata
-        if key in stay:
-            continue
-        if key not in index:
-            index[key] = len(storages)
-            storages.append(torch.empty(0, dtype=torch.uint8, device=box.tensor.device).set_(st))
-        box.send(index[key])
-        sent.append(box)
-    return sent, storages
-
-
-def _saved(into: list[torch.Tensor], t: torch.Tensor) -> torch.Tensor:
-    """A saved tensor's pack hook: noted (the ledger counts what the kept activations hold) and
-    saved as a detached alias, which holds no reference back to the graph saving it."""
-    alias = t.detach()
-    into.append(alias)
-    return alias
-
-
-def _unsaved(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-def _detached(values: Values) -> Values:
-    """A boundary's values without their autograd history: what a keeping forward sends on."""
-    return [v.detach() if isinstance(v, torch.Tensor) else v for v in values]
 
 
 class _GradInFloat32(torch.autograd.Function):

@@ -24,6 +24,8 @@ context and the few other parts it calls:
 - ``transport.py``: activations and gradients along the lowered program's edges (send, route,
   receive, prefetch the next microbatch's), and P2P receive buffers;
 - ``compute.py``: a pack's forward and backward (FWD, BWD, the loss task);
+- ``kept.py``: the activations a forward keeps for its pack's backward, on the device or through
+  host memory;
 - ``updates.py``: optimizer steps on the device (jit-update, UPD tasks and their replicas) and on
   the host (``host_update``).
 

@@ -212,7 +212,7 @@ class Transport:
 
     def keep(self, task: Task, mb: int, edges: list[Edge], kept: Any) -> None:
         """A forward microbatch's activations kept on the device for its pack's backward (the ``A``
-        edge; ``compute.KeptForward``), counted by the ledger from now until the backward lets
+        edge; ``kept.KeptForward``), counted by the ledger from now until the backward lets
         them go: the tensors they hold are what the plan's kept bytes stand for."""
         self.ctx.ledger.hold(kept.held, (task.id, mb))
         for e in edges:
