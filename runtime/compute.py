@@ -37,7 +37,7 @@ from harmony.runtime.precision import autocast
 from harmony.runtime.transport import Transport, Values, slice_samples
 from harmony.runtime.updates import Updates
 from harmony.scheduler.lower import Edge, ranges, stash_layers
-from harmony.scheduler.tasks import Task
+from harmony.scheduler.tasks import Kind, Task
 
 
 class Compute:
@@ -57,6 +57,14 @@ class Compute:
         # a keeping forward's parameters (leaves, or float32 sinks of low-precision copies), by task:
         # its backward's gradients collect on them
         self._kept_params: dict[int, dict[str, torch.Tensor]] = {}
+
+    def claim(self, task: Task) -> None:
+        """What a backward from kept activations takes over on the device (its forward's state and
+        its first microbatch's activations), counted as its own before its first unit is reserved:
+        the unit's planned bytes count them, and counted beside it as well they would be twice."""
+        if task.kind == Kind.BWD and task.keep:
+            self.packs.claim_resident(task)
+            self.transport.claim_kept(task, 0)
 
     def _run_layer(self, index: int, state: dict[str, torch.Tensor], values: Values) -> Values:
         """One layer, with the pack state's tensors as its parameters and buffers.
@@ -186,14 +194,17 @@ class Compute:
         loss_total = 0.0
         for mb, (start, size) in enumerate(ranges(task)):
             got = self.transport.inputs(task, streams, mb, ready)
+            # the activations its forward kept are the unit's, as its other inputs are, before it starts
+            kept = self.transport.take_kept(task, mb) if task.keep else None
             ready = self.transport.stream_prefetch(task, streams, mb + 1)
             self.packs.unit_starts(mb)
             with self.ctx.device.unit(task.id, mb):
                 if task.loss:
                     xs, loss = self._loss_unit(task, state, sinks, *got.pop("X"), start, size)
                     loss_total += loss
-                elif task.keep:
-                    xs = self._kept_unit(task, mb, got)
+                elif kept is not None:
+                    xs = self._kept_unit(kept, got)
+                    kept = None
                 else:
                     xs = self._recompute_unit(task, state, sinks, layers, got)
                 del got
@@ -257,11 +268,10 @@ class Compute:
             got[f"Xs{layer}"] = (xs, None) if layer == layers[0] else None
         return got[f"Xs{layers[0]}"][0]
 
-    def _kept_unit(self, task: Task, mb: int, got: dict[str, tuple]) -> Values:
+    def _kept_unit(self, kept: KeptForward, got: dict[str, tuple]) -> Values:
         """A backward's microbatch from the activations its forward kept: the backward alone, with
         the gradient arriving from the next pack. Returns the forward's leaves, whose ``.grad`` is
         what flows back."""
-        kept = self.transport.take_kept(task, mb)
         kept.held.clear()  # autograd holds what it saved, and lets each go as the backward passes it
         if kept.boxes:  # what the forward swapped out, back on the device: each saved tensor a view of it
             restore(kept.boxes, got.pop("As")[0])

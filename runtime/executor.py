@@ -189,6 +189,7 @@ class Executor:
                 device.reset_peak()
                 # the task's first unit is reserved before its state loads (the state counts inside it)
                 # and before the next task's state may be prefetched beside it
+                self.compute.claim(task)
                 self.admission.ledger_unit(task.id, 0)
                 loss += self._run_task(task)
                 ctx.ledger.idle(self.admission.kept)

@@ -93,6 +93,14 @@ class PackState:
             self._prefetched[task.id] = self.ctx.swap_in.submit(
                 lambda: prefetch.result() or self._load_state(task), label="state in", task=task.id)
 
+    def claim_resident(self, task: Task) -> None:
+        """Count the pack state ``task`` takes over from an earlier task (W LOCAL) as its own before
+        its first unit is reserved (the unit's planned bytes count it), not as that task's beside it."""
+        local = next((t for t in task.inputs if t.tensor == "W" and t.channel == Channel.LOCAL), None)
+        state = self.ctx.resident.get(local.task) if local is not None else None
+        if state is not None:
+            self.ctx.ledger.hold(list(state.values()), (task.id, STATE))
+
     def _try_load_state(self, task: Task) -> dict[str, torch.Tensor] | None:
         """A prefetch of the next task's state that gives up, rather than wait, when it does not
         fit beside the running task: waiting would hold the swap-in stream, and the running task's

@@ -220,6 +220,14 @@ class Transport:
             self.ctx.moved("compute", "SEND", key[1:], storage_bytes(kept.held))
             self.ctx.local[key] = (kept.held, kept)
 
+    def claim_kept(self, task: Task, mb: int) -> None:
+        """Count microbatch ``mb``'s kept activations as ``task``'s before its unit is reserved
+        (the unit's planned bytes count them), not as the forward's beside it."""
+        (e,) = self.ctx.program.into(task.id, "A", mb)
+        piece = self.ctx.local.get(self._key(task.id, "A", e.start))
+        if piece is not None:
+            self.ctx.ledger.hold(piece[0], (task.id, mb))
+
     def take_kept(self, task: Task, mb: int) -> Any:
         """Microbatch ``mb``'s activations its forward kept (``keep``), now the unit's."""
         (e,) = self.ctx.program.into(task.id, "A", mb)
