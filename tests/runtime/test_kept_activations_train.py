@@ -66,6 +66,9 @@ def train_and_compare(name: str, plan: Plan) -> None:
         assert peak <= promised[device], f"dev{device} peaked at {peak:,} bytes, planned {promised[device]:,}"
         shortfall = max(step.workers[device].ledger_shortfall for step in history)
         assert shortfall == 0, f"dev{device} held {shortfall:,} bytes its ledger did not count"
+        # and the ledger counts nothing twice (what admission reads, and an unchecked run's peak)
+        counted = max(step.workers[device].ledger_peak for step in history)
+        assert counted <= promised[device], f"dev{device}'s ledger counted {counted:,} bytes, planned {promised[device]:,}"
 
 
 @pytest.mark.parametrize("how", ["keep", "swap"])
