@@ -2,8 +2,9 @@
 
 Each case (``generated_models.py``) draws a model family, its sizes and dtype from a seed,
 compiles it on two emulated devices at a fraction of its training footprint, and trains two steps
-in a mode, with the search's best configuration and with another feasible one drawn at random
-(preferring U_F != U_B, so that tasks run on microbatch sizes other than the traced one). Each
+in a mode, with the search's best configuration and with other feasible ones drawn at random (one
+preferring U_F != U_B, so that tasks run on microbatch sizes other than the traced one; one whose
+packs keep or swap their activations, where the search found one). Each
 run must: not run out of memory, stay per device within the plan's peak, hold no more at any
 unit's start than its ledger knows of (what admission reads), and give the losses and weights of
 eager training with the same microbatches. A compile may refuse a case (no configuration fits),
@@ -70,14 +71,19 @@ def modes_for(seed: int) -> tuple[str, ...]:
     return ("pp", "dp", baselines[seed % len(baselines)])
 
 
-def other_configuration(profile, machine, mode: str, capacity: int, same_u: bool, seed: int):
-    """A feasible configuration other than the best, drawn at random (U_F != U_B first)."""
+def other_configurations(profile, machine, mode: str, capacity: int, same_u: bool, seed: int) -> list:
+    """Feasible configurations other than the best, drawn at random: one with U_F != U_B where there
+    is one, and one whose packs keep or swap their activations where there is one."""
     found = search(profile, machine, mode, DEVICES, MINIBATCH, capacity=capacity, same_u=same_u,
                    keep_candidates=True)
     configs = [config for _, config in found.candidates]
     uneven = [c for c in configs if c.u_f != c.u_b]
-    pool = uneven or configs
-    return random.Random(seed).choice(pool) if pool else None
+    kept = [c for c in configs if c.keep or c.swap]
+    rng = random.Random(seed)
+    drawn = [rng.choice(uneven or configs)] if configs else []
+    if kept:
+        drawn.append(rng.choice(kept))
+    return drawn
 
 
 def record(entry: dict) -> None:
@@ -161,11 +167,11 @@ def test_a_generated_model_trains_as_eager_within_its_planned_memory(seed):
             label = f"{case.name} at {fraction:.2f} of its footprint, {mode}"
             try:
                 train_and_check(case, base, mode, None, f"{label}, best configuration")
-                other = other_configuration(base.profile, nominal_machine(
+                others = other_configurations(base.profile, nominal_machine(
                     "cpu", DEVICES, base.profile.capacity), mode,
                     base.options["planned_memory"], bool(base.options["same_u"]), seed)
             except NoFeasibleConfiguration as exc:
                 record({"case": case.name, "fraction": fraction, "mode": mode, "refused": str(exc)})
                 continue
-            if other is not None:
+            for other in others:
                 train_and_check(case, base, mode, other, f"{label}, configuration {other}")
