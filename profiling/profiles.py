@@ -497,6 +497,8 @@ class Profile:
         # per layer, the stash of the layer before it (the pack's own input is no stash: it stays)
         beside = [0.0] + [x[first + k] if first + k in stashes and k else 0.0 for k in range(len(layers) - 1)]
         measured = self.measured_pack(first, last, u)
+        if measured is not None and not keep:
+            return _measured_fwd_memory(measured, beside)
         kept = list(itertools.accumulate(self.column("act_bytes", u)[first:last + 1])) if keep else [0.0] * len(layers)
         resident = sum(layer.w_bytes + layer.b_bytes for layer in layers)
         peaks = self.column("fwd_peak", u)
@@ -505,9 +507,8 @@ class Profile:
         for k, layer in enumerate(layers):
             working = peaks[first + k] - layer.w_bytes - layer.b_bytes
             worst = max(worst, working + (x_first if k else 0.0) + beside[k] + kept[k])
-        if measured is not None:
-            whole = _measured_fwd_memory(measured, beside)
-            return max(whole + int(round(kept[-1])), int(round(resident + worst))) if keep else whole
+        if measured is not None:  # the pack measured whole, with every layer's activations kept beside
+            return max(_measured_fwd_memory(measured, beside) + int(round(kept[-1])), int(round(resident + worst)))
         return int(round(resident + worst))
 
     def pack_bwd_memory(self, first: int, last: int, u: int, accumulate: bool = True) -> int:

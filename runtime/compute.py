@@ -66,6 +66,11 @@ class Compute:
             self.packs.claim_resident(task)
             self.transport.claim_kept(task, 0)
 
+    def _sinks(self, state: dict[str, torch.Tensor], params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """State name -> the float32 sink its low-precision copy's gradient reaches (``_through_sinks``)."""
+        return {n: p for n, t in state.items()
+                if (p := params.get(self.ctx.layers.canonical(n))) is not None and p is not t}
+
     def _run_layer(self, index: int, state: dict[str, torch.Tensor], values: Values) -> Values:
         """One layer, with the pack state's tensors as its parameters and buffers.
 
@@ -95,8 +100,7 @@ class Compute:
             params = self._kept_params[task.id] = self.packs.params(state)
             for p in params.values():
                 p.requires_grad_(True)
-            sinks = {n: p for n, t in state.items()
-                     if (p := params.get(self.ctx.layers.canonical(n))) is not None and p is not t}
+            sinks = self._sinks(state, params)
         for mb in range(len(task.microbatches)):
             got = self.transport.inputs(task, ["X"], mb, ready)
             ready = self.transport.stream_prefetch(task, ["X"], mb + 1)
@@ -176,7 +180,7 @@ class Compute:
         its forward kept) and the backward; returns the task's share of the loss."""
         layers = stash_layers(task)
         streams = ["X"] if task.loss else ["dY"] + [f"Xs{l}" for l in layers]
-        if task.keep and any(t.tensor == "As" for t in task.inputs):
+        if task.swaps():
             streams.append("As")  # activations the forward swapped out, brought back a microbatch ahead
         self.packs.issue_state(task)
         self.packs.issue_running_gradient(task)
@@ -188,8 +192,7 @@ class Compute:
             params = self.packs.params(state)
         for p in params.values():
             p.requires_grad_(True)
-        sinks = {n: p for n, t in state.items()
-                 if (p := params.get(self.ctx.layers.canonical(n))) is not None and p is not t}
+        sinks = self._sinks(state, params)
         overwrite = self.packs.load_running_gradient(task, params)
         loss_total = 0.0
         for mb, (start, size) in enumerate(ranges(task)):

@@ -96,8 +96,8 @@ class PackState:
     def claim_resident(self, task: Task) -> None:
         """Count the pack state ``task`` takes over from an earlier task (W LOCAL) as its own before
         its first unit is reserved (the unit's planned bytes count it), not as that task's beside it."""
-        local = next((t for t in task.inputs if t.tensor == "W" and t.channel == Channel.LOCAL), None)
-        state = self.ctx.resident.get(local.task) if local is not None else None
+        source = _resident_source(task)
+        state = self.ctx.resident.get(source) if source is not None else None
         if state is not None:
             self.ctx.ledger.hold(list(state.values()), (task.id, STATE))
 
@@ -114,9 +114,9 @@ class PackState:
     def _load_state(self, task: Task, wait: bool = True, room: int | None = None) -> dict[str, torch.Tensor]:
         """The pack's parameters and buffers on the device, by original name (a tied parameter's
         names share one copy)."""
-        local = next((t for t in task.inputs if t.tensor == "W" and t.channel == Channel.LOCAL), None)
-        if local is not None:  # kept for this task by the one before: now this task's state
-            state = self.ctx.resident.pop(local.task)
+        source = _resident_source(task)
+        if source is not None:  # kept for this task by the one before: now this task's state
+            state = self.ctx.resident.pop(source)
             self.ctx.ledger.hold(list(state.values()), (task.id, STATE))
             return state
         if memory.is_kept(task):
@@ -335,3 +335,8 @@ class PackState:
         nbytes = sum(src.numel() * src.element_size() for _, src in pairs)
         self.ctx.device.transferred(nbytes, began)
         self.ctx.counters.add("SWAP", "out", tensor, nbytes)
+
+
+def _resident_source(task: Task) -> int | None:
+    """The earlier task whose pack state ``task`` takes over on the device (W on LOCAL), if any."""
+    return next((t.task for t in task.inputs if t.tensor == "W" and t.channel == Channel.LOCAL), None)

@@ -220,18 +220,21 @@ class Transport:
             self.ctx.moved("compute", "SEND", key[1:], storage_bytes(kept.held))
             self.ctx.local[key] = (kept.held, kept)
 
+    def _kept_key(self, task: Task, mb: int) -> tuple[tuple, Edge]:
+        """The key of microbatch ``mb``'s kept activations (its one ``A`` edge), and the edge."""
+        (e,) = self.ctx.program.into(task.id, "A", mb)
+        return self._key(task.id, "A", e.start), e
+
     def claim_kept(self, task: Task, mb: int) -> None:
         """Count microbatch ``mb``'s kept activations as ``task``'s before its unit is reserved
         (the unit's planned bytes count them), not as the forward's beside it."""
-        (e,) = self.ctx.program.into(task.id, "A", mb)
-        piece = self.ctx.local.get(self._key(task.id, "A", e.start))
+        piece = self.ctx.local.get(self._kept_key(task, mb)[0])
         if piece is not None:
             self.ctx.ledger.hold(piece[0], (task.id, mb))
 
     def take_kept(self, task: Task, mb: int) -> Any:
         """Microbatch ``mb``'s activations its forward kept (``keep``), now the unit's."""
-        (e,) = self.ctx.program.into(task.id, "A", mb)
-        key = self._key(task.id, "A", e.start)
+        key, e = self._kept_key(task, mb)
         held, kept = self._take_local(key, f"activations of task {task.id} (samples {e.start}-{e.stop}) kept by "
                                            f"task {e.producer}")
         self.ctx.moved("compute", "RECV", key[1:], storage_bytes(held))

@@ -128,6 +128,9 @@ class InStream:
     channel: Channel
 
 
+_READ_WHOLE = frozenset(("dY", "A", "As"))  # streams a task reads under their own name, whoever made them
+
+
 def stream_names(task: Task) -> list[tuple[int, str]]:
     """(index in ``task.inputs``, stream name) of each activation or gradient input (X, Xs, dY) of
     a FWD or BWD task, of every microbatch: ``X`` for a FWD or loss task, ``dY``, and for a
@@ -142,7 +145,7 @@ def stream_names(task: Task) -> list[tuple[int, str]]:
     seen: dict[int, int] = {}  # microbatch -> stashes named so far
     for index, t in enumerate(task.inputs):
         tensor = t.tensor
-        if tensor == "dY" or tensor == "A" or tensor == "As":
+        if tensor in _READ_WHOLE:
             out.append((index, tensor))
         elif tensor == "X" or tensor == "Xs":
             if plain:
@@ -179,7 +182,7 @@ def read_order(task: Task) -> list[str]:
     if task.kind == Kind.FWD or task.loss:
         return ["X"]
     if task.keep:
-        return ["dY", "A", "As"] if any(t.tensor == "As" for t in task.inputs) else ["dY", "A"]
+        return ["dY", "A", "As"] if task.swaps() else ["dY", "A"]
     return ["dY"] + [f"Xs{layer}" for layer in stash_layers(task)]
 
 
@@ -435,7 +438,7 @@ def _edge_bytes(profile: Profile | None, stream: str, consumer: Task, samples: i
         return 0
     if stream == "A":  # what stays on the device: all of them, or where the pack swaps, its input and output
         kept = profile.pack_kept_bytes(consumer.first, consumer.last, samples)
-        if any(t.tensor == "As" for t in consumer.inputs):
+        if consumer.swaps():
             kept -= profile.pack_swapped_bytes(consumer.first, consumer.last, samples)
         return kept
     if stream == "As":

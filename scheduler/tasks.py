@@ -102,6 +102,11 @@ class Task:
         and a backward of many microbatches has hundreds."""
         return self.kind == Kind.BWD and self.update == "device" and any(t.tensor == "K" for t in reversed(self.inputs))
 
+    def swaps(self) -> bool:
+        """Whether the task's pack sends its kept activations through host memory (``As``) rather
+        than keeping them all on the device."""
+        return self.keep and any(t.tensor == "As" for t in (*self.inputs, *self.outputs))
+
     def deps(self) -> set[int]:
         """Tasks that must have produced an input before this task can use it."""
         return {t.task for t in self.inputs if t.task is not None}
