@@ -168,4 +168,4 @@ class DeviceContext:
         with self.waiting_for(f"the replicas {names} to read the update's inputs"):
             wait_until(lambda: all(self.shared.has_read(t, self.iteration) for t in replicas), self.shared.aborted,
                        self.timeout, f"the replicas {names} to read their inputs")
-        self.device.ready(time.perf_counter())
+        self.device.ready(self.shared.read_at(replicas))

@@ -201,6 +201,12 @@ class Device(ABC):
         device that models it (a timed device's modelled end)."""
         return time.perf_counter()
 
+    def issued_at(self) -> float:
+        """When work the calling thread queues on a stream now counts as issued
+        (``time.perf_counter``): now, but on a device that models the host running ahead of it
+        (a timed device, ``timed.py``)."""
+        return time.perf_counter()
+
     def job_begins(self, queued: float) -> None:
         """Called on a stream's thread before each job, with when the job was queued
         (``time.perf_counter``): its work cannot have started before (a timed device starts its

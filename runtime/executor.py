@@ -106,7 +106,8 @@ class Executor:
             device.stream_setup()
 
         def stream(kind: str) -> Stream:
-            return Stream(f"dev{rank}-{kind}", device.memory_scope, setup, device.stream_sync, device.job_begins)
+            return Stream(f"dev{rank}-{kind}", device.memory_scope, setup, device.stream_sync, device.job_begins,
+                          device.issued_at)
 
         # leaving outputs counted as the estimator counts them; where the device counts every op,
         # the ledger follows its tracker's releases

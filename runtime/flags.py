@@ -34,6 +34,7 @@ class Shared:
     # int64 [tasks]: when each task's work was done (``time.perf_counter`` in ns, one clock for every
     # process of a host), which can precede its flag: a timed device's modelled end
     done_ns: torch.Tensor | None = None
+    reads_ns: torch.Tensor | None = None  # int64 [tasks]: when a replicated UPD read its inputs, alike
 
     def __post_init__(self) -> None:
         # numpy views of the same shared memory: polled from threads inside a device's memory scope,
@@ -45,10 +46,11 @@ class Shared:
         self._status = self.status.numpy() if self.status is not None else None
         self._skips = self.skips.numpy() if self.skips is not None else np.zeros(1, dtype=np.int64)
         self._done_ns = self.done_ns.numpy() if self.done_ns is not None else np.zeros(len(self._done), dtype=np.int64)
+        self._reads_ns = self.reads_ns.numpy() if self.reads_ns is not None else np.zeros(len(self._done), dtype=np.int64)
 
     def __getstate__(self) -> dict:
         return {"done": self.done, "reads": self.reads, "abort": self.abort, "current": self.current,
-                "status": self.status, "skips": self.skips, "done_ns": self.done_ns}
+                "status": self.status, "skips": self.skips, "done_ns": self.done_ns, "reads_ns": self.reads_ns}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -76,8 +78,14 @@ class Shared:
     def step_skipped(self, iteration: int) -> bool:
         return int(self._skips[0]) == iteration + 1
 
-    def mark_read(self, task: int, iteration: int) -> None:
+    def mark_read(self, task: int, iteration: int, at: float | None = None) -> None:
+        """Replica ``task`` read its inputs for ``iteration``, ``at`` (as ``mark_done``'s)."""
+        self._reads_ns[task] = round((time.perf_counter() if at is None else at) * 1e9)
         self._reads[task] = iteration + 1
+
+    def read_at(self, task_ids: list[int]) -> float:
+        """When the last of ``task_ids``, all read, had read its inputs (0.0 for none)."""
+        return max((int(self._reads_ns[t]) for t in task_ids), default=0) / 1e9
 
     def has_read(self, task: int, iteration: int) -> bool:
         return int(self._reads[task]) == iteration + 1
@@ -116,14 +124,14 @@ class Shared:
         n = max(tasks, 1)
         status_words = MAX_WORKERS * STATUS_BYTES // 8
         skips = 2 * n + 1 + MAX_WORKERS + status_words  # where each part starts in one flat int64 buffer
-        size = skips + 1 + n
+        size = skips + 1 + 2 * n
         if path is None:
             flat = torch.zeros(size, dtype=torch.int64).share_memory_()
         else:
             flat = torch.from_file(path, shared=True, size=size, dtype=torch.int64)
         status = flat[2 * n + 1 + MAX_WORKERS:skips].view(torch.uint8).view(MAX_WORKERS, STATUS_BYTES)
         return cls(flat[:n], flat[n:2 * n], flat[2 * n:2 * n + 1], flat[2 * n + 1:2 * n + 1 + MAX_WORKERS], status,
-                   flat[skips:skips + 1], flat[skips + 1:])
+                   flat[skips:skips + 1], flat[skips + 1:skips + 1 + n], flat[skips + 1 + n:])
 
     def aborted(self) -> bool:
         return bool(self._abort[0])

@@ -177,8 +177,8 @@ class ReplicatedShared(Shared):
         if self.replicator is not None:
             self.replicator.done(task, iteration)
 
-    def mark_read(self, task: int, iteration: int) -> None:
-        super().mark_read(task, iteration)
+    def mark_read(self, task: int, iteration: int, at: float | None = None) -> None:
+        super().mark_read(task, iteration, at)
         if self.replicator is not None:
             self.replicator.read(task, iteration)
 

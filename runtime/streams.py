@@ -40,13 +40,16 @@ class Stream:
 
     def __init__(self, name: str, scope: Callable[[], AbstractContextManager] = nullcontext,
                  setup: Callable[[], None] = lambda: None, sync: Callable[[], float] = time.perf_counter,
-                 begin: Callable[[float], None] = lambda queued: None) -> None:
+                 begin: Callable[[float], None] = lambda queued: None,
+                 issued: Callable[[], float] = time.perf_counter) -> None:
         """``setup`` runs once on the stream's thread; ``begin(queued)`` before each job, with when
-        it was queued; ``sync()`` after it, returning when its work was done (a timed device's
-        modelled end, ``Device.stream_sync``)."""
+        it was queued (``issued()`` on the submitting thread: a timed device's modelled issue,
+        ``Device.issued_at``); ``sync()`` after it, returning when its work was done (a timed
+        device's modelled end, ``Device.stream_sync``)."""
         self.name = name
         self._sync = sync
         self._begin = begin
+        self._issued = issued
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._scope = scope
         self._setup = setup
@@ -61,7 +64,7 @@ class Stream:
         future = Job()
         with self._pending_lock:
             self._pending += 1
-        self._jobs.put((fn, args, future, label, task, time.perf_counter()))
+        self._jobs.put((fn, args, future, label, task, self._issued()))
         return future
 
     def run_here(self, fn: Callable[[], Any], label: str, task: int | None = None) -> None:

@@ -125,6 +125,7 @@ class TimedDevice(UncheckedCpuDevice):
         hides it: the host issues a unit while the one before it still runs, so a unit starts late
         only by what the host took beyond the length of the unit before it."""
         now = time.perf_counter()
+        self._local.computes = True
         start = max(self._last_end, self._ready(), now - self._last_length)
         length = self.timing.units.get((task, unit), 0.0)
         self._started[(task, unit)] = start
@@ -163,6 +164,18 @@ class TimedDevice(UncheckedCpuDevice):
         if isinstance(event, float):
             self.ready(event)
             sleep_until(event)
+
+    def issued_at(self) -> float:
+        """On the compute thread, work queued between two units counts as issued where the host
+        would have reached it had it run ahead of the device, as it does on a GPU: once the unit
+        before it ended and what the thread waited for was done (``ready``), and late only by what
+        the host took beyond that unit's length, as a unit's start is (``unit``). Otherwise a copy
+        the program starts as the next task starts would start late by the Python that ends one task
+        and begins the next."""
+        now = time.perf_counter()
+        if not getattr(self._local, "computes", False):
+            return now
+        return min(now, max(self._ready(), now - self._last_length))
 
     def job_begins(self, queued: float) -> None:
         """A stream job's copies start once it was queued and the stream's copies before it are

@@ -143,7 +143,7 @@ class Updates:
         else:
             self._load_optimizer_state(leaves, opt)
         if replicas and len(replicas) > 1 and not kept:  # (kept replicas write no master: nothing to wait for)
-            self.ctx.shared.mark_read(task.id, self.ctx.iteration)
+            self.ctx.shared.mark_read(task.id, self.ctx.iteration, self.ctx.device.work_done())
             if write:
                 self.ctx.wait_replicas(replicas)
         with self.ctx.device.unit(task.id, unit):
