@@ -20,7 +20,9 @@ two cores with every worker's threads, is not taken for the device's time:
   host's Python between two units is hidden behind the first, as a GPU's launch queue hides it,
   as long as it takes less than that unit;
 - a stream's copy starts when its job was queued and the stream's copies before it were done
-  (``job_begins``), not when its thread got round to it.
+  (``job_begins``), not when its thread got round to it; a job the compute thread queues between
+  two units counts as queued where the unit before it ended (``issued_at``), the host's Python
+  that ends one task and begins the next hidden behind that unit as it is for the next unit.
 
 What a run then adds to the simulation is the runtime's order and waits, and the host only where it
 falls behind the devices.

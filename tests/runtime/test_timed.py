@@ -125,6 +125,45 @@ def test_a_task_marked_done_says_when_its_work_was_done():
     assert before <= shared.done_at([1]) <= time.perf_counter()
 
 
+def test_a_copy_queued_between_two_units_counts_as_queued_where_the_first_ended():
+    """The host's Python that ends one task and begins the next is hidden behind the unit before it,
+    for the copies it queues as for the next unit: the program starts them as the unit ends."""
+    device = _device({(1, 0): 0.2}, bandwidth=8_000 / 0.05)
+    stream = Stream("timed-test", setup=lambda: None, sync=device.stream_sync, begin=device.job_begins,
+                    issued=device.issued_at)
+    try:
+        with device.unit(1, 0):
+            pass
+        first_end = device.take_unit_starts()[(1, 0)] + 0.2
+        time.sleep(0.03)  # the host's work after the unit, shorter than it
+        copy = stream.submit(device.to_device, torch.zeros(1000, dtype=torch.float64))
+        copy.result()
+    finally:
+        stream.close()
+    assert copy.ended == pytest.approx(first_end + 0.05, abs=1e-9)
+
+
+def test_a_copy_queued_off_the_compute_thread_counts_as_queued_when_it_was():
+    device = _device({(1, 0): 0.2})
+    with device.unit(1, 0):
+        pass
+    before = time.perf_counter()
+    queued: list[float] = []
+    other = threading.Thread(target=lambda: queued.append(device.issued_at()))
+    other.start()
+    other.join()
+    assert before <= queued[0] <= time.perf_counter()
+
+
+def test_a_replica_marked_read_says_when_it_read():
+    shared = Shared.create(3)
+    shared.mark_read(0, 0, at=7.5)
+    shared.mark_read(1, 0, at=8.0)
+    assert shared.has_read(0, 0) and shared.has_read(1, 0) and not shared.has_read(2, 0)
+    assert shared.read_at([0, 1]) == pytest.approx(8.0)
+    assert shared.done_at([0, 1]) == 0.0  # reads and completions are kept apart
+
+
 def test_a_timing_scales_every_unit_and_copy_alike_to_make_an_iteration_last_a_second():
     machine = timed_machine(nominal_machine("cpu", 2, 1 << 20))
     assert machine.d2h == machine.h2d == machine.d2d == machine.msg and not machine.host_link_shared
