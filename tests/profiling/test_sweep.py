@@ -307,3 +307,21 @@ def test_a_model_that_fails_at_every_size_names_its_layer_and_the_first_size():
     profiler = Profiler(graph, _get_batch, lambda p: torch.optim.SGD(p, lr=0.1), CpuDevice("emu", 1 << 30), trials=0)
     with pytest.raises(harmony.HarmonyError, match=r"layer 1 \(.*\) failed at microbatch size 1: ValueError: broken layer"):
         profiler.profile(u_cap=4)
+
+
+def test_an_update_is_timed_on_gradients_of_a_runs_kind_not_zeros():
+    """Torch's foreach Adam steps zero gradients at half the speed of real ones on the CPU: timed
+    on zeros, a device update read twice its run's time and the search offloaded updates a
+    device would have stepped faster."""
+    from harmony.profiling.measure import measure_update
+
+    seen = []
+
+    class Recording(torch.optim.SGD):
+        def step(self, closure=None):
+            seen.append(all(bool(p.grad.abs().sum() > 0) for g in self.param_groups for p in g["params"]))
+            return super().step(closure)
+
+    params = [torch.nn.Parameter(torch.ones(8, 8)), torch.nn.Parameter(torch.ones(8))]
+    measure_update(params, lambda ps: Recording(ps, lr=0.1), CpuDevice("emu", 1 << 20), trials=2)
+    assert seen and all(seen)
