@@ -74,7 +74,8 @@ def host_norm(task: Task, program: Program, store: HostStore, shared: Shared, ma
     """Run a NORM task: wait for every gradient and sum each parameter's slots into one; with a
     ``loss_scale`` (fp16), unscale them and skip the step if one overflowed (``lossscale.py``); with
     ``max_norm``, clip them by the global norm."""
-    shared.wait_done(program.gathers.get(task.id, []), iteration, f"the gradient norm (task {task.id})", timeout)
+    shared.wait_done(program.gathers.get(task.id, []), iteration, f"the gradient norm (task {task.id})", timeout,
+                     ring=True)
     began = time.perf_counter()
     gradients = [g for g in (store.merge_slots(name, iteration) for name in program.owner) if g is not None]
     skipped = loss_scale is not None and bool(gradients) and unscale(gradients, loss_scale)

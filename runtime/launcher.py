@@ -379,7 +379,8 @@ class Launcher:
         self.by_id = {t.id: t for t in tasks.tasks}
         self.timeout = timeout
         self.devices = tasks.devices
-        self.shared = Shared.create(len(tasks.tasks))
+        mpctx = processes.context(method)
+        self.shared = Shared.create(len(tasks.tasks), bell=mpctx.Semaphore(0))
         self.p2p = p2p_transport.resolve(p2p, device_type, tasks.devices)
         pairs = p2p_transport.p2p_pairs(tasks) if self.p2p == "dist" else []
         # the directory of the FileStore the workers' process groups meet at (P2P over torch.distributed)
@@ -390,7 +391,6 @@ class Launcher:
         self._closed = False
         self._threads_before: int | None = None  # this process's torch threads, restored at close
         self._slots = BatchSlots()
-        mpctx = processes.context(method)
         self.inboxes = [Inbox(mpctx) for _ in range(self.devices)]
         # a pipe each way per worker, not a multiprocessing.Queue: a queue's feeder thread adds a
         # thread hand-off to every command and every result

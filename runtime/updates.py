@@ -233,7 +233,8 @@ def host_update(task: Task, program: Program, store: HostStore, shared: Shared,
     """A UPD task bound to the host (an offloaded update): once the devices have left their
     gradients, ``step_on_host`` steps its parameters. Returns when (``time.perf_counter``) its
     gradients were all there and the update began."""
-    shared.wait_done(program.gathers.get(task.id, []), iteration, f"the host update of task {task.id}", timeout)
+    shared.wait_done(program.gathers.get(task.id, []), iteration, f"the host update of task {task.id}", timeout,
+                     ring=True)
     began = time.perf_counter()
     if not shared.step_skipped(iteration):  # fp16 overflowed: nothing steps
         step_on_host(store, program.updates.get(task.id, []), build_optimizer, iteration, rates)
