@@ -1,5 +1,6 @@
-"""``python -m bench [--quick] [--out bench/results]``: every benchmark in one run, then the results
-folder (README.md with the figures and their goals, results.json, PNG plots).
+"""``python -m bench [--quick] [--only NAME ...] [--out DIR]``: every benchmark in one run (or those
+named), then the results folder (README.md with the figures and their goals, results.json, PNG
+plots): ``bench/results``, or ``bench/results/NAME`` for a run with ``--only``.
 
 The full run is sized for under 20 minutes on two cores, ``--quick`` for under 3 (a subset: fewer
 models, minibatches, configurations and rounds). A benchmark that fails is reported in the README
@@ -105,10 +106,15 @@ def summary_table(results: dict[str, Any]) -> Table:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a subset, under 3 minutes on two cores")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="where the report goes (default bench/results, or bench/results/NAME for --only NAME: "
+                             "a partial run does not overwrite the whole report)")
     parser.add_argument("--only", nargs="*", choices=sorted(BENCHMARKS), help="run only these benchmarks")
     ns = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    if ns.out is None:
+        results_dir = Path(__file__).resolve().parent / "results"
+        ns.out = results_dir / "-".join(ns.only) if ns.only else results_dir
     results = run(ns.quick, ns.only)
     console.print(summary_table(results))
     readme = report.write(results, ns.out, ns.quick)
