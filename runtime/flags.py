@@ -6,7 +6,7 @@ worker was doing (``runtime/replication.py`` keeps them in step across hosts).
 
 A wait polls the flags every half millisecond, but for the host's (``wait_done(ring=True)``: the
 host's program of offloaded updates and norms), which waits a whole iteration for the gradients it
-steps: polled so often, it took a twelfth of the cores the emulated devices compute on. Where the
+steps: polled so often for so long, it takes a share of the cores that emulated devices compute on. Where the
 flags have a bell (``create(bell=...)``, a ``multiprocessing`` semaphore: the launcher's workers,
 not torchrun's, which are not started by one parent), the host sleeps on it instead, and whoever
 sets a flag while the host listens rings it. The listener's flag and the done flag are each

@@ -310,8 +310,8 @@ def test_a_model_that_fails_at_every_size_names_its_layer_and_the_first_size():
 
 
 def test_an_update_is_timed_on_gradients_of_a_runs_kind_not_zeros():
-    """Torch's foreach Adam steps zero gradients at half the speed of real ones on the CPU: timed
-    on zeros, a device update read twice its run's time and the search offloaded updates a
+    """Torch's foreach Adam steps zero gradients much slower than real ones on the CPU: timed on
+    zeros, a device update read far longer than its run's and the search offloaded updates a
     device would have stepped faster."""
     from harmony.profiling.measure import measure_update
 
