@@ -406,7 +406,7 @@ def measure_update(
         return UpdateMeasure(0.0, 0, 0)
     with device.memory_scope():
         copies = [device.to_device(p.detach()).requires_grad_(True) for p in params]
-        # gradients of a run's kind, not zeros: torch's Adam (foreach) steps zero gradients much
+        # gradients of a run's kind, not zeros: torch's Adam (its loop on the CPU) steps zeros much
         # slower than real ones on the CPU, which made device updates look far longer than a run's
         generator = torch.Generator(device=copies[0].device).manual_seed(0)
         for c in copies:

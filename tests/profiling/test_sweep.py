@@ -310,7 +310,7 @@ def test_a_model_that_fails_at_every_size_names_its_layer_and_the_first_size():
 
 
 def test_an_update_is_timed_on_gradients_of_a_runs_kind_not_zeros():
-    """Torch's foreach Adam steps zero gradients much slower than real ones on the CPU: timed on
+    """Torch's Adam (its loop on the CPU) steps zero gradients much slower than real ones: timed on
     zeros, a device update read far longer than its run's and the search offloaded updates a
     device would have stepped faster."""
     from harmony.profiling.measure import measure_update
