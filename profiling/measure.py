@@ -406,8 +406,8 @@ def measure_update(
         return UpdateMeasure(0.0, 0, 0)
     with device.memory_scope():
         copies = [device.to_device(p.detach()).requires_grad_(True) for p in params]
-        # gradients of a run's kind, not zeros: torch's Adam (its loop on the CPU) steps zeros much
-        # slower than real ones on the CPU, which made device updates look far longer than a run's
+        # gradients of a run's kind, not zeros: torch's Adam loop steps zero gradients much slower than
+        # real ones on the CPU, which made device updates look far longer than a run's
         generator = torch.Generator(device=copies[0].device).manual_seed(0)
         for c in copies:
             c.grad = torch.empty_like(c).normal_(generator=generator)
