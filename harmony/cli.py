@@ -219,7 +219,8 @@ def _print_host_memory(plan) -> None:
     if kept := plan.kept_text():
         console.print(f"kept on the devices: {kept}")
     try:
-        check_room(plan.estimate["host_store_bytes"], "a run of this plan on this machine")
+        check_room(plan.estimate["host_store_bytes"], "a run of this plan on this machine",
+                   private=plan.tasks.parked_bytes())
     except HarmonyError as exc:
         console.print(f"[yellow]warning:[/yellow] {escape(str(exc))}")
 

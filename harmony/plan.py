@@ -222,7 +222,11 @@ class Plan:
     def host_memory_text(self) -> str:
         """What the run keeps in host shared memory (``/dev/shm``): the host store, by kind."""
         parts = describe_kinds(self.estimate.get("host_store", {}))
-        return f"{gib(self.estimate['host_store_bytes'])} of shared memory for the host store ({parts})"
+        text = f"{gib(self.estimate['host_store_bytes'])} of shared memory for the host store ({parts})"
+        if parked := self.tasks.parked_bytes():
+            text += (f", and up to {gib(parked)} of the workers' own for activations parked between a forward "
+                     "and its backward (stashed inputs, swapped activations)")
+        return text
 
     def kept_text(self) -> str | None:
         """What the devices keep across iterations (``scheduler/keep.py``), or None."""

@@ -56,9 +56,10 @@ def gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def check_room(nbytes: int, what: str, shm: str = SHM) -> None:
+def check_room(nbytes: int, what: str, shm: str = SHM, private: int = 0) -> None:
     """Raise a HarmonyError naming ``what`` if ``nbytes`` of shared memory do not fit in ``shm``'s
-    free space or in the host's available memory."""
+    free space, or they and ``private`` bytes of the processes' own memory (what a run parks in host
+    memory, ``TaskGraph.parked_bytes``) do not fit in the host's available memory."""
     free = shared_memory_free(shm)
     if free is not None and nbytes > free:
         raise HarmonyError(
@@ -66,8 +67,12 @@ def check_room(nbytes: int, what: str, shm: str = SHM) -> None:
             f"start it with a larger {shm} (docker run --shm-size={-(-nbytes * 5 // 4 // 2**30)}g); or remove "
             f"what fills {shm} (ls -la {shm}: files named harmony-* are left only by a run that was killed)")
     available = available_memory()
-    if available is not None and nbytes > available:
+    if available is not None and nbytes + private > available:
+        parked = (f" ({gib(nbytes)} of shared memory and {gib(private)} of activations parked between a forward and "
+                  "its backward)") if private else ""
         raise HarmonyError(
-            f"{what} needs {gib(nbytes)} of host memory, but the kernel reports {gib(available)} available "
-            "(MemAvailable); free memory on this host, or train on one with more")
+            f"{what} needs {gib(nbytes + private)} of host memory{parked}, but the kernel reports {gib(available)} "
+            "available (MemAvailable); free memory on this host, or train on one with more"
+            + ("; or compile with less memory to spare on the host (a plan that recomputes activations parks none)"
+               if private else ""))
     log.debug("%s: %d bytes, %s free in %s, %s available", what, nbytes, free, shm, available)

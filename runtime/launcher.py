@@ -62,6 +62,7 @@ from harmony.runtime.context import Batch, describe
 from harmony.runtime.executor import Executor, IterationResult
 from harmony.runtime.flags import Shared
 from harmony.runtime.hoststore import HostStore
+from harmony.runtime.hostroom import available_memory, gib
 from harmony.scheduler.lower import Program
 from harmony.scheduler.memory import kept_on
 from harmony.runtime.lr_schedule import Rates
@@ -331,6 +332,18 @@ def _worker_main(ctx: _WorkerContext) -> None:
             os.unlink(stacks.name)
 
 
+def _warn_of_parked(tasks: TaskGraph) -> None:
+    """Say so where what the plan parks in host memory between its forwards and backwards
+    (``TaskGraph.parked_bytes``, at most) is more than the host has available beside the store:
+    the workers would find out mid-run, from the kernel's out-of-memory killer."""
+    parked, available = tasks.parked_bytes(), available_memory()
+    if parked and available is not None and parked > available:
+        log.warning("this plan parks up to %s of activations in host memory between its forwards and backwards, but "
+                    "the kernel reports %s available beside the host store: a worker may be killed for memory "
+                    "mid-run; free memory on this host, or compile a plan that recomputes more", gib(parked),
+                    gib(available))
+
+
 def _fmt(n: int | None) -> str:
     return DeviceOutOfMemoryError._fmt(n)
 
@@ -381,6 +394,7 @@ class Launcher:
         self.devices = tasks.devices
         mpctx = processes.context(method)
         self.shared = Shared.create(len(tasks.tasks), bell=mpctx.Semaphore(0))
+        _warn_of_parked(tasks)
         self.p2p = p2p_transport.resolve(p2p, device_type, tasks.devices)
         pairs = p2p_transport.p2p_pairs(tasks) if self.p2p == "dist" else []
         # the directory of the FileStore the workers' process groups meet at (P2P over torch.distributed)

@@ -263,6 +263,14 @@ class TaskGraph:
             if t.channel == Channel.SWAP and (tensor is None or t.tensor == tensor)
         )
 
+    def parked_bytes(self) -> int:
+        """Host bytes the forwards of an iteration leave in host memory for their backwards: the
+        stashed inputs (``Xs``) and swapped activations (``As``) sent over SWAP. Every forward of a
+        pack runs before its backward, so at the turn they are all there at once; the pieces tasks
+        pass on through host memory (``X``, ``dY``) come and go beside them."""
+        return sum(t.nbytes for task in self.tasks for t in task.outputs
+                   if t.channel == Channel.SWAP and t.tensor in ("Xs", "As"))
+
     def to_text(self) -> str:
         precision = f", {self.precision}" if self.precision != "fp32" else ""
         lines = [f"# {self.mode} on {self.devices} device(s), minibatch {self.minibatch}{precision}: {self.config}"]

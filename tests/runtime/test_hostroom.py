@@ -47,6 +47,32 @@ def test_check_room_names_host_memory_the_kernel_cannot_give(monkeypatch):
         hostroom.check_room(2 << 30, "the host store")
 
 
+def test_check_room_counts_what_a_run_parks_in_host_memory_beside_the_store(monkeypatch):
+    monkeypatch.setattr(hostroom, "shared_memory_free", lambda path=hostroom.SHM: 8 << 30)
+    monkeypatch.setattr(hostroom, "available_memory", lambda: 3 << 30)
+    hostroom.check_room(2 << 30, "a run")  # the store alone fits
+    with pytest.raises(HarmonyError, match=r"a run needs 4.00 GiB of host memory \(2.00 GiB of shared memory and "
+                                           r"2.00 GiB of activations parked .*recomputes activations parks none"):
+        hostroom.check_room(2 << 30, "a run", private=2 << 30)
+
+
+def test_a_launch_warns_where_the_plan_may_park_more_than_the_host_has(monkeypatch, caplog):
+    from harmony.runtime import launcher
+
+    class Parking:
+        def parked_bytes(self) -> int:
+            return 3 << 30
+
+    monkeypatch.setattr(launcher, "available_memory", lambda: 1 << 30)
+    with caplog.at_level("WARNING", logger=launcher.log.name):
+        launcher._warn_of_parked(Parking())
+    assert "parks up to 3.00 GiB" in caplog.text and "1.00 GiB available" in caplog.text
+    monkeypatch.setattr(launcher, "available_memory", lambda: 4 << 30)
+    caplog.clear()
+    launcher._warn_of_parked(Parking())
+    assert not caplog.text
+
+
 def test_the_machine_readings_are_numbers_where_linux_gives_them():
     assert hostroom.shared_memory_free() > 0 and hostroom.available_memory() > 0
     assert hostroom.shared_memory_free("/no/such/folder") is None
@@ -75,6 +101,22 @@ def test_the_compiled_host_memory_is_what_the_runs_store_holds(plan):
         assert trainer.store.layout.size == planned
         trainer.step(*_batch(4, 0))
     assert "of shared memory for the host store" in plan.summary()
+
+
+def test_the_plan_says_what_it_parks_in_host_memory_beside_the_store(plan):
+    """A pack that swaps its activations parks them in host memory between its forward and its
+    backward: the workers' own memory, not the store's."""
+    import copy
+
+    from harmony.scheduler.modes import generate
+    from harmony.scheduler.tasks import Configuration
+
+    packs = [(0, 0), (1, len(plan.profile.layers) - 1)]
+    swapping = copy.copy(plan)
+    swapping.tasks = generate("pp", plan.profile, Configuration(2, packs, 2, packs, swap=((0, 0),)), 2, 4)
+    parked = swapping.tasks.parked_bytes()
+    assert parked > 0
+    assert f"up to {hostroom.gib(parked)} of the workers' own for activations parked" in swapping.host_memory_text()
 
 
 def test_shared_zeros_are_made_in_shared_memory():

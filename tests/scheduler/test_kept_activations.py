@@ -155,3 +155,14 @@ def test_the_search_swaps_what_it_cannot_keep_where_the_link_has_room(uniform):
     recomputing = [t for t, c in pressed.candidates if not c.keep and not c.swap]
     assert pressed.estimate.iteration_time < min(recomputing)
     assert max(pressed.estimate.peak_memory.values()) <= capacity
+
+
+def test_what_a_plan_parks_in_host_memory_is_its_stashes_and_swapped_activations_once(uniform):
+    """``parked_bytes``: each stashed input and swapped activation sent over SWAP, counted once (the
+    graph's swap bytes count them out and back in); a plan that keeps everything parks nothing."""
+    profile = uniform()
+    swapped = generate("pp", profile, Configuration(2, PACKS4, 2, PACKS4, swap=((0, 0), (2, 2))), 2, 6)
+    assert swapped.swap_bytes("As") > 0 and swapped.swap_bytes("Xs") > 0
+    assert swapped.parked_bytes() * 2 == swapped.swap_bytes("As") + swapped.swap_bytes("Xs")
+    kept = generate("dp", profile, Configuration(2, PACKS4, 2, PACKS4, keep=((0, 0), (1, 1), (2, 2))), 2, 6)
+    assert kept.parked_bytes() == 0
