@@ -264,12 +264,15 @@ class TaskGraph:
         )
 
     def parked_bytes(self) -> int:
-        """Host bytes the forwards of an iteration leave in host memory for their backwards: the
-        stashed inputs (``Xs``) and swapped activations (``As``) sent over SWAP. Every forward of a
-        pack runs before its backward, so at the turn they are all there at once; the pieces tasks
-        pass on through host memory (``X``, ``dY``) come and go beside them."""
+        """Host bytes the forwards of an iteration leave in their own worker's host memory for their
+        backwards: the stashed inputs (``Xs``) and swapped activations (``As``) sent over SWAP to a
+        task of the same device (one for another device goes through the message slabs, in shared
+        memory, which a launch sizes and checks). Every forward of a pack runs before its backward,
+        so at the turn they are all there at once; the pieces tasks pass on through host memory
+        (``X``, ``dY``) come and go beside them."""
+        device = {task.id: task.device for task in self.tasks}
         return sum(t.nbytes for task in self.tasks for t in task.outputs
-                   if t.channel == Channel.SWAP and t.tensor in ("Xs", "As"))
+                   if t.channel == Channel.SWAP and t.tensor in ("Xs", "As") and device.get(t.task) == task.device)
 
     def to_text(self) -> str:
         precision = f", {self.precision}" if self.precision != "fp32" else ""

@@ -166,3 +166,14 @@ def test_what_a_plan_parks_in_host_memory_is_its_stashes_and_swapped_activations
     assert swapped.parked_bytes() * 2 == swapped.swap_bytes("As") + swapped.swap_bytes("Xs")
     kept = generate("dp", profile, Configuration(2, PACKS4, 2, PACKS4, keep=((0, 0), (1, 1), (2, 2))), 2, 6)
     assert kept.parked_bytes() == 0
+
+
+def test_a_stash_for_another_device_is_not_parked_in_its_senders_memory(uniform):
+    """On three devices the chain F0 F1 F2 L3 B2 B1 B0 runs on 0 1 2 0 1 2 0: pack 1's stash goes
+    from dev1 to dev2 through the message slabs, which a launch checks as shared memory."""
+    graph = generate("pp", uniform(), Configuration(2, PACKS4, 2, PACKS4), 3, 6)
+    device = {t.id: t.device for t in graph.tasks}
+    stashes = [(task.device, device[t.task], t.nbytes) for task in graph.tasks for t in task.outputs
+               if t.tensor == "Xs" and t.channel == Channel.SWAP]
+    assert any(src != dst for src, dst, _ in stashes)
+    assert graph.parked_bytes() == sum(n for src, dst, n in stashes if src == dst)
