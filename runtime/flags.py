@@ -6,12 +6,12 @@ worker was doing (``runtime/replication.py`` keeps them in step across hosts).
 
 A wait polls the flags every half millisecond, but for the host's (``wait_done(ring=True)``: the
 host's program of offloaded updates and norms), which waits a whole iteration for the gradients it
-steps: polled so often for so long, it takes a share of the cores that emulated devices compute on. Where the
-flags have a bell (``create(bell=...)``, a ``multiprocessing`` semaphore: the launcher's workers,
-not torchrun's, which are not started by one parent), the host sleeps on it instead, and whoever
-sets a flag while the host listens rings it. The listener's flag and the done flag are each
-written before the other is read, and either write can be seen late: a ring so missed is made up
-for by the sleep's bound (``BELL_PAUSE``), not by a hang.
+steps: polled so often for so long, it takes a share of the cores that emulated devices compute on.
+Where the flags have a bell (``create(bell=...)``, a ``multiprocessing`` semaphore: the launcher's
+workers, not torchrun's, which are not started by one parent), the host sleeps on it instead, and
+whoever sets a flag while the host listens rings it. The listener's flag and the done flag are each
+written before the other is read, and either write can be seen late: a ring so missed is made up for
+by the sleep's bound (``BELL_PAUSE``), not by a hang.
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ class Shared:
         self._status = self.status.numpy() if self.status is not None else None
         self._skips = self.skips.numpy() if self.skips is not None else np.zeros(1, dtype=np.int64)
         self._done_ns = self.done_ns.numpy() if self.done_ns is not None else np.zeros(len(self._done), dtype=np.int64)
-        self._reads_ns = self.reads_ns.numpy() if self.reads_ns is not None else np.zeros(len(self._done), dtype=np.int64)
+        self._reads_ns = (self.reads_ns.numpy() if self.reads_ns is not None
+                          else np.zeros(len(self._done), dtype=np.int64))
         self._listening = self.listening.numpy() if self.listening is not None else np.zeros(1, dtype=np.int64)
 
     def __getstate__(self) -> dict:
