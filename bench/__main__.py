@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shlex
+import sys
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -117,7 +119,7 @@ def main() -> None:
         ns.out = results_dir / "-".join(ns.only) if ns.only else results_dir
     results = run(ns.quick, ns.only)
     console.print(summary_table(results))
-    readme = report.write(results, ns.out, ns.quick)
+    readme = report.write(results, ns.out, ns.quick, " ".join(["python -m bench", *map(shlex.quote, sys.argv[1:])]))
     console.print(f"results written to {readme.parent} (README.md, results.json, plots)")
 
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import shlex
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -363,19 +361,13 @@ def _section_clipping(r: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
-def _command(quick: bool) -> str:
-    """The command that wrote the report, as it was typed (``python -m bench`` and its arguments)."""
-    args = sys.argv[1:] if sys.argv and sys.argv[0].endswith(("__main__.py", "bench")) else (["--quick"] if quick else [])
-    return " ".join(["python -m bench", *map(shlex.quote, args)])
-
-
-def write(results: dict[str, Any], out: Path, quick: bool) -> Path:
+def write(results: dict[str, Any], out: Path, quick: bool, command: str = "python -m bench") -> Path:
     """results.json, the plots and README.md under ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     plots = plot_all(results, out)
     lines = ["# Harmony benchmark results", "",
-             f"Written by `{_command(quick)}` in {results['wall_seconds']:.0f} s; every figure "
+             f"Written by `{command}` in {results['wall_seconds']:.0f} s; every figure "
              "below comes from that run (`results.json` has every row).", "", _machine(results["machine"])]
     if plots:
         lines += ["Plots: " + ", ".join(f"[{name}]({file})" for name, file in plots.items()), ""]

@@ -87,18 +87,23 @@ class Aborted(RuntimeError):
 
 
 def wait_until(ready: Callable[[], bool], aborted: Callable[[], bool], timeout: float,
-               what: str | Callable[[], str], pause: float = 0.0005) -> None:
-    """Poll ``ready`` (a flag in shared memory another process sets) until it holds. Every wait
-    of a worker goes through here, so that each one ends when another worker fails (``Aborted``)
-    or after ``timeout`` seconds (``TimeoutError`` naming ``what``, called then if a function: what
-    is still missing is known only at the end), never in a hang."""
+               what: str | Callable[[], str], pause: float = 0.0005,
+               nap: Callable[[], object] | None = None) -> None:
+    """Poll ``ready`` (a flag in shared memory another process sets) until it holds, sleeping
+    ``pause`` seconds between looks (or ``nap()``: a sleep someone may cut short, ``flags.py``'s
+    bell). Every wait of a worker goes through here, so that each one ends when another worker
+    fails (``Aborted``) or after ``timeout`` seconds (``TimeoutError`` naming ``what``, called then
+    if a function: what is still missing is known only at the end), never in a hang."""
     deadline = time.monotonic() + timeout
     while not ready():
         if aborted():
             raise Aborted("the run was aborted by another worker's failure")
         if time.monotonic() > deadline:
             raise TimeoutError(f"waited {timeout:.0f} s for {what() if callable(what) else what}")
-        time.sleep(pause)
+        if nap is None:
+            time.sleep(pause)
+        else:
+            nap()
 
 
 class Inbox:

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from harmony.runtime.channels import Aborted, wait_until
+from harmony.runtime.channels import wait_until
 
 MAX_WORKERS = 64  # worker status rows in the shared flags
 BELL_PAUSE = 0.01  # seconds the host sleeps on the bell at most before it looks at the flags again
@@ -183,15 +183,9 @@ class Shared:
 
     def _wait_on_bell(self, ready: Callable[[], bool], timeout: float, what: Callable[[], str]) -> None:
         """``channels.wait_until``, asleep on the bell between looks (one listener: the host)."""
-        deadline = time.monotonic() + timeout
         self._listening[0] = 1
         try:
-            while not ready():
-                if self.aborted():
-                    raise Aborted("the run was aborted by another worker's failure")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"waited {timeout:.0f} s for {what()}")
-                self.bell.acquire(timeout=BELL_PAUSE)
+            wait_until(ready, self.aborted, timeout, what, nap=lambda: self.bell.acquire(timeout=BELL_PAUSE))
         finally:
             self._listening[0] = 0
             while self.bell.acquire(block=False):  # rings for the flags this wait has seen

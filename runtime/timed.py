@@ -126,9 +126,8 @@ class TimedDevice(UncheckedCpuDevice):
         The host's Python between two units is hidden behind the first of them, as a GPU's queue
         hides it: the host issues a unit while the one before it still runs, so a unit starts late
         only by what the host took beyond the length of the unit before it."""
-        now = time.perf_counter()
         self._local.computes = True
-        start = max(self._last_end, self._ready(), now - self._last_length)
+        start = max(self._last_end, self._host_ahead(time.perf_counter()))
         length = self.timing.units.get((task, unit), 0.0)
         self._started[(task, unit)] = start
         self._unit_end = start + length
@@ -177,7 +176,13 @@ class TimedDevice(UncheckedCpuDevice):
         now = time.perf_counter()
         if not getattr(self._local, "computes", False):
             return now
-        return min(now, max(self._ready(), now - self._last_length))
+        return min(now, self._host_ahead(now))
+
+    def _host_ahead(self, now: float) -> float:
+        """Where the calling thread's next work counts as issued at ``now`` by a host running ahead
+        of the device: once what the thread waited for was done (``ready``, the unit before among
+        it), late only by what the host took beyond that unit's length."""
+        return max(self._ready(), now - self._last_length)
 
     def job_begins(self, queued: float) -> None:
         """A stream job's copies start once it was queued and the stream's copies before it are
