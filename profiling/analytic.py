@@ -59,7 +59,7 @@ import logging
 import re
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -131,6 +131,7 @@ class _OpRecorder(TorchDispatchMode):
         self.live = 0
         self.names: list[str] = []
         self.flops: list[float] = []
+        self.work: list[float] = []  # the FLOPs the kernel executes (``attention.executed_fraction``)
         self.bytes: list[float] = []
         self.lives: list[float] = []
         self._total = 0
@@ -171,6 +172,7 @@ class _OpRecorder(TorchDispatchMode):
             weakref.finalize(t, self._release, key, t.untyped_storage().nbytes())
         self.names.append(str(func))
         self.flops.append(float(flops))
+        self.work.append(float(flops) * attention.executed_fraction(func, args, kwargs))
         self.bytes.append(float(moved))
         self.lives.append(float(self.live))
         return out
@@ -178,14 +180,19 @@ class _OpRecorder(TorchDispatchMode):
 
 @dataclass
 class _Counts:
-    """One layer counted at one microbatch size; every field is affine in u for batch-linear layers."""
+    """One layer counted at one microbatch size; every field is affine in u for batch-linear layers.
+    ``*_flops`` are the FLOPs as torch's counter counts them (the model's); ``*_work`` the FLOPs the
+    kernels execute, which the times are computed from (less where a causal attention kernel skips
+    its masked blocks)."""
 
     fwd_names: list[str]
     fwd_flops: np.ndarray
+    fwd_work: np.ndarray
     fwd_bytes: np.ndarray
     fwd_live: np.ndarray
     bwd_names: list[str]  # recompute (forward with autograd) then backward
     bwd_flops: np.ndarray
+    bwd_work: np.ndarray
     bwd_bytes: np.ndarray
     bwd_live: np.ndarray
     bwd_start: int  # index of the first backward op in the bwd_* arrays
@@ -194,8 +201,13 @@ class _Counts:
     dx_bytes: float
     dy_bytes: float
 
-    ARRAYS = ("fwd_flops", "fwd_bytes", "fwd_live", "bwd_flops", "bwd_bytes", "bwd_live")
+    ARRAYS = ("fwd_flops", "fwd_work", "fwd_bytes", "fwd_live", "bwd_flops", "bwd_work", "bwd_bytes", "bwd_live")
     SCALARS = ("x_bytes", "y_bytes", "dx_bytes", "dy_bytes")
+
+    def line_to(self, other: "_Counts", fraction: float) -> "_Counts":
+        """The counts ``fraction`` of the way from these to ``other`` (same ops), field by field."""
+        return replace(self, **{f: getattr(self, f) + (getattr(other, f) - getattr(self, f)) * fraction
+                                for f in self.ARRAYS + self.SCALARS})
 
     def aligned(self, other: "_Counts") -> bool:
         return self.fwd_names == other.fwd_names and self.bwd_names == other.bwd_names and self.bwd_start == other.bwd_start
@@ -246,7 +258,7 @@ class LayerCostModel:
         self.bandwidth = bandwidth
         self.name = name
         self._cache: dict[int, _Counts] = {}
-        self._line: tuple[_Counts, _Counts, int] | None = None  # (counts at u1, slope per u, u1)
+        self._line: tuple[_Counts, _Counts, int, int] | None = None  # (counts at u1, at u2, u1, u2)
         self.linear = self._fit()
 
     def counts(self, u: int) -> _Counts:
@@ -259,12 +271,7 @@ class LayerCostModel:
         a, b = self.counts(u1), self.counts(u2)
         if not a.aligned(b):
             return False
-        slope = _Counts(
-            a.fwd_names, *[(getattr(b, f) - getattr(a, f)) / (u2 - u1) for f in ("fwd_flops", "fwd_bytes", "fwd_live")],
-            a.bwd_names, *[(getattr(b, f) - getattr(a, f)) / (u2 - u1) for f in ("bwd_flops", "bwd_bytes", "bwd_live")],
-            a.bwd_start, *[(getattr(b, f) - getattr(a, f)) / (u2 - u1) for f in _Counts.SCALARS],
-        )
-        self._line = (a, slope, u1)
+        self._line = (a, b, u1, u2)
         check = self.counts(_CHECK_U)
         predicted = self._predict(_CHECK_U)
         if not check.aligned(predicted):
@@ -280,17 +287,8 @@ class LayerCostModel:
 
     def _predict(self, u: int) -> _Counts:
         assert self._line is not None
-        a, s, u1 = self._line
-        d = u - u1
-
-        def at(f):
-            return getattr(a, f) + getattr(s, f) * d
-
-        return _Counts(
-            a.fwd_names, at("fwd_flops"), at("fwd_bytes"), at("fwd_live"),
-            a.bwd_names, at("bwd_flops"), at("bwd_bytes"), at("bwd_live"),
-            a.bwd_start, *[float(at(f)) for f in _Counts.SCALARS],
-        )
+        a, b, u1, u2 = self._line
+        return a.line_to(b, (u - u1) / (u2 - u1))
 
     def _counts_at(self, u: int) -> _Counts:
         if u in self._cache:
@@ -306,8 +304,8 @@ class LayerCostModel:
     def at(self, u: int) -> Cost:
         c = self._counts_at(u)
         k = c.bwd_start
-        fwd_time = _roofline(c.fwd_flops, c.fwd_bytes, self.peak_flops, self.bandwidth)
-        bwd_time = _roofline(c.bwd_flops[k:], c.bwd_bytes[k:], self.peak_flops, self.bandwidth)
+        fwd_time = _roofline(c.fwd_work, c.fwd_bytes, self.peak_flops, self.bandwidth)
+        bwd_time = _roofline(c.bwd_work[k:], c.bwd_bytes[k:], self.peak_flops, self.bandwidth)
         fwd_peak, bwd_peak = self.peaks(u)
         return Cost(
             u=u, fwd_flops=float(c.fwd_flops.sum()), bwd_flops=float(c.bwd_flops[k:].sum()),
@@ -445,8 +443,8 @@ class _LayerRunner:
             dy_bytes = _unique_bytes([dy for _, dy in pairs])
             del ys, pairs
         return _Counts(
-            fwd.names, np.array(fwd.flops), np.array(fwd.bytes), np.array(fwd.lives),
-            bwd.names, np.array(bwd.flops), np.array(bwd.bytes), np.array(bwd.lives), start,
+            fwd.names, np.array(fwd.flops), np.array(fwd.work), np.array(fwd.bytes), np.array(fwd.lives),
+            bwd.names, np.array(bwd.flops), np.array(bwd.work), np.array(bwd.bytes), np.array(bwd.lives), start,
             float(x_bytes), float(y_bytes), float(dx_bytes), float(dy_bytes),
         )
 

@@ -17,13 +17,16 @@ type, and this module makes the call run that device's kernel on whatever tensor
   cast to autocast's dtype first, as CUDA autocast does for this op. The fused kernels' aten ops
   have meta implementations and FLOP formulas in ``torch.utils.flop_counter``: forward
   4·b·h·s_q·s_k·d (two matrix products), backward 2.5 times that (the kernel recomputes the
-  scores: five products); no causal discount (FLOP counts do not take one, and a causal flash
-  kernel skipping the masked blocks runs faster than counted). Their outputs are the output and
-  the float32 log-sum-exp, b·h·s numbers: no s² tensor is written or saved.
+  scores: five products), as the model's FLOPs whether causal or not. With ``is_causal`` the
+  kernels skip the tiles above the diagonal, so they execute fewer: ``executed_fraction`` is the
+  share of the tiles they compute, which the profiler's times are taken from (9/16 at 1,024
+  tokens in 128-wide tiles). Their outputs are the output and the float32 log-sum-exp, b·h·s
+  numbers: no s² tensor is written or saved.
 - ``"cpu"``: torch's own CPU dispatch, on fake CPU tensors. torch 2.13 and 2.14 run a fused kernel
   there too (``_scaled_dot_product_flash_attention_for_cpu``, float64 included, masks included),
   and the math path, with its s² scores, for a dropout above 0 in training. The flop counter has no
-  formula for the CPU kernel: ``FLOP_FORMULAS`` gives it the same as the GPU kernels'.
+  formula for the CPU kernel: ``FLOP_FORMULAS`` gives it the same as the GPU kernels'. Its tiling
+  depends on the thread count and the sizes, so its causal tiles are not discounted.
 """
 
 from __future__ import annotations
@@ -47,6 +50,39 @@ _FLASH_MAX_HEAD_DIM = 256
 # memory-efficient attention takes fewer key/value heads than query heads from torch 2.14 on; before,
 # CUDA runs grouped-query attention with a mask or in float32 on the math path
 _EFFICIENT_GQA = TorchVersion(torch.__version__) >= (2, 14)
+
+
+# the CUDA kernels' tiles (queries x keys) on sm80+, which a causal call skips above the diagonal:
+# FlashAttention-2 at head dims up to 128, and the memory-efficient kernel; the tiles of the
+# backward differ a little, and are taken as the forward's
+_CAUSAL_TILES = {
+    aten._scaled_dot_product_flash_attention.default: (128, 128),
+    aten._scaled_dot_product_flash_attention_backward.default: (128, 128),
+    aten._scaled_dot_product_efficient_attention.default: (64, 64),
+    aten._scaled_dot_product_efficient_attention_backward.default: (64, 64),
+}
+
+
+def causal_tiles(queries: int, keys: int, tile_q: int, tile_k: int) -> float:
+    """The share of the (queries x keys) tiles a causal kernel computes: those holding a key at or
+    before a query of theirs (the mask aligned top-left, as torch's ``is_causal``)."""
+    rows, cols = -(-queries // tile_q), -(-keys // tile_k)
+    computed = sum(min(cols, -(-min((r + 1) * tile_q, keys) // tile_k)) for r in range(rows))
+    return computed / (rows * cols)
+
+
+def executed_fraction(func: Any, args: tuple, kwargs: dict[str, Any]) -> float:
+    """The share of an aten op's counted FLOPs its kernel executes: the computed tiles' share
+    (``causal_tiles``) for a causal fused attention kernel on CUDA, 1 for any other op."""
+    tiles = _CAUSAL_TILES.get(func)
+    if tiles is None:
+        return 1.0
+    names = [a.name for a in func._schema.arguments]
+    bound = {**dict(zip(names, args)), **kwargs}
+    if not bound.get("is_causal", False):
+        return 1.0
+    query, key = bound["query"], bound["key"]
+    return causal_tiles(query.size(-2), key.size(-2), *tiles)
 
 
 def _cpu_flash_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:

@@ -16,6 +16,7 @@ from harmony.compiler import tied_weights
 from harmony.errors import HarmonyError
 from harmony.models import bert, gpt2, resnet
 from harmony.profiling.analytic import OPTIMIZERS, analytic_profile, layer_cost_models, optimizer_name
+from harmony.profiling.attention import causal_tiles
 from harmony.scheduler.taskgraph import Sizes
 from harmony.scheduler.devicespec import load_spec
 from harmony.profiling.profiles import Profile
@@ -266,27 +267,30 @@ FLASH = "aten._scaled_dot_product_flash_attention.default"
 class _Attend(nn.Module):
     """Self-attention over a projected (B, SEQ, (HEADS + 2 * kv) * HEAD_DIM) input, nothing else."""
 
-    def __init__(self, kv_heads: int, dropout: float) -> None:
+    def __init__(self, kv_heads: int, dropout: float, causal: bool = True) -> None:
         super().__init__()
-        self.kv_heads, self.dropout = kv_heads, dropout
+        self.kv_heads, self.dropout, self.causal = kv_heads, dropout, causal
 
     def forward(self, qkv: torch.Tensor) -> torch.Tensor:
-        b = qkv.size(0)
+        b, seq = qkv.shape[:2]
         q, k, v = qkv.split([HEADS * HEAD_DIM, self.kv_heads * HEAD_DIM, self.kv_heads * HEAD_DIM], dim=-1)
-        q = q.view(b, SEQ, HEADS, HEAD_DIM).transpose(1, 2)
-        k = k.view(b, SEQ, self.kv_heads, HEAD_DIM).transpose(1, 2)
-        v = v.view(b, SEQ, self.kv_heads, HEAD_DIM).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+        q = q.view(b, seq, HEADS, HEAD_DIM).transpose(1, 2)
+        k = k.view(b, seq, self.kv_heads, HEAD_DIM).transpose(1, 2)
+        v = v.view(b, seq, self.kv_heads, HEAD_DIM).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal,
+                                           dropout_p=self.dropout if self.training else 0.0,
                                            enable_gqa=self.kv_heads != HEADS)
-        return y.transpose(1, 2).reshape(b, SEQ, HEADS * HEAD_DIM)
+        return y.transpose(1, 2).reshape(b, seq, HEADS * HEAD_DIM)
 
 
-def _attention_graph(kv_heads: int = HEADS, dropout: float = 0.0, dtype: torch.dtype = torch.float32):
+def _attention_graph(kv_heads: int = HEADS, dropout: float = 0.0, dtype: torch.dtype = torch.float32,
+                     seq: int = SEQ, causal: bool = True):
     """Two layers: the projection, and attention alone (whose input needs a gradient)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(HEADS * HEAD_DIM, (HEADS + 2 * kv_heads) * HEAD_DIM), _Attend(kv_heads, dropout))
+    model = nn.Sequential(nn.Linear(HEADS * HEAD_DIM, (HEADS + 2 * kv_heads) * HEAD_DIM),
+                          _Attend(kv_heads, dropout, causal))
     model = model.to(dtype)
-    return harmony.decompose(model, (torch.randn(2, SEQ, HEADS * HEAD_DIM, dtype=dtype),), modules=["0", "1"])
+    return harmony.decompose(model, (torch.randn(2, seq, HEADS * HEAD_DIM, dtype=dtype),), modules=["0", "1"])
 
 
 def _per_sample(model, field: str) -> float:
@@ -301,6 +305,26 @@ def test_a_gpu_counts_flash_attention_at_4bhs2d_forward_and_two_and_a_half_times
         c = attend.at(u)
         assert c.fwd_flops == 4 * u * HEADS * SEQ * SEQ * HEAD_DIM
         assert c.bwd_flops == 10 * u * HEADS * SEQ * SEQ * HEAD_DIM
+
+
+def test_causal_tiles_are_those_on_or_below_the_diagonal():
+    assert causal_tiles(1024, 1024, 128, 128) == 36 / 64
+    assert causal_tiles(100, 100, 128, 128) == 1.0  # one tile, computed whole
+    assert causal_tiles(256, 1024, 128, 128) == 3 / 16  # top-left: the first queries see the first keys
+    assert causal_tiles(1024, 256, 128, 128) == (1 + 2 * 7) / 16
+
+
+def test_a_causal_flash_kernel_takes_the_time_of_the_tiles_it_computes_and_counts_every_flop():
+    seq = 1024  # eight 128-wide tiles a side: compute-bound on an H100
+    causal, full = (layer_cost_models(_attention_graph(dtype=torch.bfloat16, seq=seq, causal=c), "h100")[1].at(1)
+                    for c in (True, False))
+    assert causal.fwd_flops == full.fwd_flops == 4 * HEADS * seq * seq * HEAD_DIM
+    assert causal.bwd_flops == full.bwd_flops
+    spec = load_spec("h100")
+    peak = spec.flops_for(torch.bfloat16) * spec.efficiency
+    # the kernels are compute-bound here; the layer's copies (the heads' transposes) are not skipped
+    assert full.fwd_time - causal.fwd_time == pytest.approx(full.fwd_flops / peak * 28 / 64)
+    assert full.bwd_time - causal.bwd_time == pytest.approx(full.bwd_flops / peak * 28 / 64)
 
 
 def test_flash_attention_keeps_its_output_and_a_log_sum_exp_per_query_row_not_the_scores():
