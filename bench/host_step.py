@@ -3,10 +3,11 @@ optimizers and DeepSpeed's CPUAdam, on the same parameters and the same thread c
 
 Harmony's row is what a host update runs (``runtime/updates.step_on_host``): the master weights,
 gradient slot and AdamW state of a pack in a host store in shared memory, the user's optimizer
-built over them each step, the learning-rate schedule's settings applied, the step (torch's fused
-kernel, ``runtime/host_step.py``) and the state written back. The others are the optimizer a
+built over them each step, the learning-rate schedule's settings applied, the step (Harmony's
+kernel, ``runtime/host_adam.py``, or torch's fused one where it does not build) and the state
+written back. The others are the optimizer a
 training loop keeps from one step to the next: torch's AdamW as built (its single-tensor loop on
-the CPU), with ``foreach=True``, with ``fused=True`` (the kernel Harmony's step runs), and
+the CPU), with ``foreach=True``, with ``fused=True``, and
 DeepSpeed's ``DeepSpeedCPUAdam`` (AVX, compiled on first use; a row says why where it is not
 installed or does not build). Every row steps the same number of times from the same weights with
 the same gradients; the last column is each one's largest difference from torch's default after
@@ -35,6 +36,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from harmony.runtime import host_adam
 from harmony.runtime.hostroom import shared_zeros
 from harmony.runtime.hoststore import ALIGN, HostStore, Layout, state_layout
 from harmony.runtime.updates import step_on_host
@@ -102,8 +104,9 @@ def harmony_row(shapes: dict[str, tuple[int, ...]], weights: list[torch.Tensor],
         step_on_host(store, names, adamw, iteration[0])
         iteration[0] += 1
 
+    kernel = "runtime/host_adam.c" if host_adam.kernel() is not None else "torch's fused kernel (host_adam.c did not build)"
     return Row("harmony host step", step, [store.weight(name) for name in names],
-               "runtime.updates.step_on_host over a host store")
+               f"runtime.updates.step_on_host over a host store: {kernel}")
 
 
 def torch_row(name: str, weights: list[torch.Tensor], grads: list[torch.Tensor], note: str, **flags) -> Row:
@@ -158,8 +161,9 @@ def difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max(float((x.detach() - y.detach()).abs().max() / y.detach().abs().max()) for x, y in zip(a, b))
 
 
-def table(rows: list[Row], numel: int) -> tuple[Table, list[list[str]], float]:
-    """The rich table, its rows as text, and Harmony's rate over torch default's."""
+def table(rows: list[Row], numel: int) -> tuple[Table, list[list[str]], list[str]]:
+    """The rich table, its rows as text, and lines of Harmony's rate over torch default's and over
+    DeepSpeed's (where it ran)."""
     reference = next(row for row in rows if row.name == "torch default")
     rates = {row.name: numel / statistics.median(row.seconds) for row in rows if row.seconds}
     out = Table(title=f"AdamW step over {numel / 1e6:.2f} M float32 parameters")
@@ -176,11 +180,14 @@ def table(rows: list[Row], numel: int) -> tuple[Table, list[list[str]], float]:
             cells = [row.name, "", "", "", "", row.note]
         out.add_row(*cells)
         text.append(cells)
-    ratio = rates.get("harmony host step", 0) / rates[reference.name]
-    return out, text, ratio
+    harmony = rates.get("harmony host step", 0)
+    ratios = [f"harmony/torch-default = {harmony / rates[reference.name]:.2f}"]
+    if "deepspeed CPUAdam" in rates:
+        ratios.append(f"harmony/deepspeed = {harmony / rates['deepspeed CPUAdam']:.2f}")
+    return out, text, ratios
 
 
-def markdown(text: list[list[str]], command: str, threads: int, numel: int, tensors: int, ratio: float,
+def markdown(text: list[list[str]], command: str, threads: int, numel: int, tensors: int, ratios: list[str],
              load: float) -> str:
     header = ["implementation", "M params/s", "ms / step", "vs torch default", "difference from torch default",
               "notes"]
@@ -196,7 +203,7 @@ def markdown(text: list[list[str]], command: str, threads: int, numel: int, tens
         "|---|" + "---:|" * (len(header) - 2) + "---|",
         *("| " + " | ".join(cells) + " |" for cells in text),
         "",
-        f"harmony/torch-default = {ratio:.2f}",
+        *(f"{line}  " for line in ratios),
         "",
     ]
     return "\n".join(lines)
@@ -222,16 +229,17 @@ def main(argv: list[str] | None = None) -> None:
     rows = [harmony_row(shapes, weights, grads),
             torch_row("torch default", weights, grads, "AdamW as built: the single-tensor loop"),
             torch_row("torch foreach", weights, grads, "foreach=True", foreach=True),
-            torch_row("torch fused", weights, grads, "fused=True: the kernel Harmony's step runs", fused=True),
+            torch_row("torch fused", weights, grads, "fused=True", fused=True),
             deepspeed_row(weights, grads)]
     measure(rows, args.rounds)
-    out, text, ratio = table(rows, numel)
+    out, text, ratios = table(rows, numel)
     console = Console(width=200)
     console.print(out)
-    console.print(f"harmony/torch-default = {ratio:.2f}")
+    for line in ratios:
+        console.print(line)
     if args.out is not None:
         command = " ".join(["python -m bench.host_step", *(sys.argv[1:] if argv is None else argv)])
-        args.out.write_text(markdown(text, command, args.threads, numel, len(shapes), ratio, load))
+        args.out.write_text(markdown(text, command, args.threads, numel, len(shapes), ratios, load))
 
 
 if __name__ == "__main__":
