@@ -351,12 +351,31 @@ def dry_run(cases: list[Case], precision: str, spec: str) -> list[dict[str, Any]
         floor = bounds.bound(flops, *bounds.floor_traffic(trainable, precision), hardware)
         busy = plan_resources(result, profile, machine.compute_scale)
         rows.append({"case": case.name, "params": params, "flops": flops, "footprint": footprint, "cap": cap,
-                     "configuration": str(result.config), "estimated_s": seconds, "eager_s": eager_s,
+                     "configuration": _configuration_text(result), "estimated_s": seconds, "eager_s": eager_s,
                      "samples_per_s": case.minibatch / seconds, "bytes_in": bytes_in, "bytes_out": bytes_out,
-                     "bound_s": own.seconds, "bound_own": own.fraction(seconds),
+                     "bound_s": own.seconds, "bound_own": own.fraction(seconds), "flop_bound_s": own.compute_s,
                      "floor_s": floor.seconds, "bound_floor": floor.fraction(seconds), "limit": own.limit,
                      "busy": busy, "binds": binding_resource(busy), "efficiency": efficiency})
     return rows
+
+
+def _configuration_text(result) -> str:
+    """The searched configuration, and the layers whose state the plan keeps (and steps) on the device."""
+    from harmony.scheduler.memory import kept_on
+
+    kept = sorted(kept_on(result.graph).get(0, ()))
+    return str(result.config) + (f"; state kept and stepped on the device: layers {_spans(kept)}" if kept else "")
+
+
+def _spans(layers: list[int]) -> str:
+    """Sorted layer indices as runs: [0, 1, 2, 5] -> "L0-2 L5"."""
+    runs: list[list[int]] = []
+    for layer in layers:
+        if runs and layer == runs[-1][1] + 1:
+            runs[-1][1] = layer
+        else:
+            runs.append([layer, layer])
+    return " ".join(f"L{a}" if a == b else f"L{a}-{b}" for a, b in runs)
 
 
 def plan_resources(result, profile, compute_scale: float) -> dict[str, float]:
@@ -401,12 +420,12 @@ def analytic_footprint(profile, minibatch: int) -> int:
 
 def print_dry_run(rows: list[dict[str, Any]], hardware: bounds.Hardware) -> None:
     table = Table(title=f"estimated, no GPU: {bounds.describe(hardware)}")
-    for column in ("case", "footprint", "cap", "eager s", "eager of bound", "Harmony s/iter", "GB moved", "bound s",
+    for column in ("case", "footprint", "cap", "eager s", "eager of FLOP bound", "Harmony s/iter", "GB moved", "bound s",
                    "of bound", "floor s", "of floor", "binds"):
         table.add_column(column, justify="left" if column in ("case", "binds") else "right")
     for r in rows:
         table.add_row(r["case"], f"{r['footprint'] / 2**30:.1f} GiB", f"{r['cap'] / 2**30:.2f} GiB",
-                      f"{r['eager_s']:.3f}", f"{r['bound_s'] / r['eager_s']:.2f}", f"{r['estimated_s']:.3f}",
+                      f"{r['eager_s']:.3f}", f"{r['flop_bound_s'] / r['eager_s']:.2f}", f"{r['estimated_s']:.3f}",
                       f"{(r['bytes_in'] + r['bytes_out']) / 1e9:.2f}", f"{r['bound_s']:.3f}", f"{r['bound_own']:.2f}",
                       f"{r['floor_s']:.3f}", f"{r['bound_floor']:.2f}", r["binds"])
     console = Console(width=WIDTH)
@@ -433,9 +452,11 @@ def dry_run_report(rows: list[dict[str, Any]], hardware: bounds.Hardware, comman
              "`eager s` is the same analytic profile's forward, backward and device step of every layer at the "
              "whole minibatch on an uncapped device: where the per-operation roofline puts plain PyTorch, "
              "with attention counted as the GPU's fused kernel (FlashAttention for bf16: 4·b·h·s²·d FLOPs "
-             "forward, 2.5 times that backward, no s² scores kept). Every kernel runs at the spec's "
-             f"efficiency ({efficiency:g} of the peak) or its memory bandwidth, so even eager reaches at most "
-             f"{efficiency:g} of the FLOP bound, which counts the model's FLOPs at the full peak; below that, eager loses the "
+             "forward, 2.5 times that backward, no s² scores kept; a causal one takes the time of the tiles it "
+             "computes, 9/16 of them at 1,024 tokens, while the bound counts its FLOPs whole). Every kernel "
+             "runs at the spec's "
+             f"efficiency ({efficiency:g} of the peak) or its memory bandwidth, so even eager reaches about "
+             f"{efficiency:g} of the FLOP bound at most, which counts the model's FLOPs at the full peak; below that, eager loses the "
              "operations bound by memory bandwidth (autocast's casts, the float32 residual sums, norms and "
              "activations) and the flash backward's recomputed scores (2.5 times the forward's FLOPs where "
              "the bound counts 2).", "",
@@ -443,12 +464,15 @@ def dry_run_report(rows: list[dict[str, Any]], hardware: bounds.Hardware, comman
              "it, the forward the backward tasks recompute), the host link (the busier direction), the "
              "host's optimizer step; and how long the device's compute waits in the iteration. `binds` "
              "names the busiest resource; `recompute` where compute is the busiest only through its "
-             "recompute.", "",
-             "| case | parameters | footprint | cap | eager s (estimated) | eager of bound | Harmony s/iter (estimated) | swapped | bound s | of bound | floor bound s | of floor | busy s | binds | configuration |",
+             "recompute. `bound s` is the FLOP bound, or the plan's own host traffic at the link's rates "
+             "where that takes longer; `floor bound s` the same with the least traffic an offloading plan "
+             "can move (``bounds.floor_traffic``). Eager moves nothing, so its fraction is of the FLOP "
+             "bound alone.", "",
+             "| case | parameters | footprint | cap | eager s (estimated) | eager of FLOP bound | Harmony s/iter (estimated) | swapped | bound s | of bound | floor bound s | of floor | busy s | binds | configuration |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['case']} | {r['params'] / 1e6:.0f} M | {r['footprint'] / 2**30:.1f} GiB | "
-                     f"{r['cap'] / 2**30:.2f} GiB | {r['eager_s']:.3f} | {r['bound_s'] / r['eager_s']:.2f} | "
+                     f"{r['cap'] / 2**30:.2f} GiB | {r['eager_s']:.3f} | {r['flop_bound_s'] / r['eager_s']:.2f} | "
                      f"{r['estimated_s']:.3f} | "
                      f"{(r['bytes_in'] + r['bytes_out']) / 1e9:.2f} GB | {r['bound_s']:.3f} | {r['bound_own']:.2f} | "
                      f"{r['floor_s']:.3f} | {r['bound_floor']:.2f} | {_busy_text(r['busy'])} | {r['binds']} | "

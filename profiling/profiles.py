@@ -330,27 +330,31 @@ class Profile:
     # all (``pack_time``); 0 where it was not measured (analytic profiles, older files)
     backward_call_time: float = 0.0
 
-    def for_update(self, update: str) -> "Profile":
-        """The profile of a plan whose updates run on ``update`` ("host" or "device"). A trainable
+    def for_update(self, update: str, device_layers: frozenset[int] = frozenset()) -> "Profile":
+        """The profile of a plan whose updates run on ``update`` ("host" or "device"), but for the
+        layers in ``device_layers``, which a host-updated plan steps on their device. A trainable
         weight travels in low precision only where the host steps it: a device step needs the
-        float32 master on the device. The host variant is a copy with ``host_copies`` carried as
-        well, made once and kept; this profile stays the one saved and searched from."""
-        if update != "host" or not self.host_copies:
+        float32 master on the device. A host variant is a copy with those ``host_copies`` carried
+        as well, made once per set of layers and kept; this profile stays the one saved and
+        searched from."""
+        copies = [c for c in self.host_copies if c.layer not in device_layers] if update == "host" else []
+        if not copies:
             return self
-        hosted = self.__dict__.get("_hosted")
-        if hosted is None:
+        variants = self.__dict__.setdefault("_hosted", {})
+        key = frozenset(c.layer for c in copies)
+        if key not in variants:
             hosted = Profile.from_dict(self.to_dict())
             hosted.host_copies = []
-            hosted._carry_more(self.host_copies)
-            self.__dict__["_hosted"] = hosted
-        return hosted
+            hosted._carry_more(copies)
+            variants[key] = hosted
+        return variants[key]
 
     def for_graph(self, graph) -> "Profile":
-        """The profile a task graph was generated with (``for_update``): the host variant where it
-        carries a trainable weight in low precision (``TaskGraph.low_copies``)."""
-        trainable = {c.name for c in self.host_copies}
-        hosted = bool(trainable) and any(name in trainable for name in getattr(graph, "low_copies", {}))
-        return self.for_update("host") if hosted else self
+        """The profile a task graph was generated with (``for_update``): the host variant for the
+        trainable weights it carries in low precision (``TaskGraph.low_copies``)."""
+        carried = set(getattr(graph, "low_copies", {}))
+        hosted = {c.layer for c in self.host_copies if c.name in carried}
+        return self.for_update("host", frozenset(c.layer for c in self.host_copies if c.layer not in hosted))
 
     def carry(self, copies: list[LowCopy]) -> None:
         """Count ``copies`` as the devices will hold them: each layer's weights, and the peaks that
@@ -460,8 +464,7 @@ class Profile:
     def add_packs(self, samples: list[PackSample]) -> None:
         """Record packs measured whole; later estimates use them instead of composing layers (and
         those of the host variant, ``for_update``)."""
-        hosted = self.__dict__.get("_hosted")
-        if hosted is not None:
+        for hosted in self.__dict__.get("_hosted", {}).values():
             hosted.add_packs([PackSample(**asdict(s)) for s in samples])
         known = {(p.first, p.last, p.u): i for i, p in enumerate(self.packs)}
         for sample in samples:

@@ -13,7 +13,8 @@ graph so that such state stays put:
   every replica steps every layer with the same summed gradient: each keeps its own copy (and
   optimizer state), as DistributedDataParallel does, unless the layer has buffers (BatchNorm
   statistics change in one chain through every device's microbatches). A tied weight's layers
-  are kept together or not at all; a weight the host steps as a low-precision copy is never kept;
+  are kept together or not at all (a layer holding only a tied weight another layer owns is
+  stepped with that layer); a weight the host steps as a low-precision copy is never kept;
 - a task reads state from ``KEEP`` only if all of its layers are kept (a task loads its pack's
   state whole): layers shared with a task that cannot are let go, until nothing changes;
 - the kept tasks' state inputs (W, B; K of their update) and outputs (the stepped W and K, the
@@ -34,6 +35,7 @@ import dataclasses
 
 from harmony.profiling.profiles import Profile
 from .memory import cached_task_memory, is_kept, kept_bytes
+from .taskgraph import Sizes
 from .tasks import HOST, Channel, Kind, Task, TaskGraph, Transfer
 
 __all__ = ["KEEP_MODES", "keep_state", "keepable_layers"]
@@ -58,12 +60,15 @@ def keepable_layers(graph: TaskGraph, profile: Profile) -> dict[int, frozenset[i
             if steps:
                 stepped[layer].add(task.device)
     hosted = {c.layer for c in profile.low_copies if c.trainable}
+    sz = Sizes(profile)
     keep: dict[int, frozenset[int]] = {}
     for layer, on in devices.items():
         if not on or HOST in on or layer in hosted:
             continue
-        if profile.layers[layer].dw_bytes and stepped[layer] != on:
-            continue  # a trainable layer stepped elsewhere (the host), or not by every device running it
+        if sz.owned_dw(layer, layer) and stepped[layer] != on:
+            # a layer owning trainable weights stepped elsewhere (the host), or not by every device
+            # running it; one holding only a tied weight another layer owns goes with that layer
+            continue
         if len(on) > 1 and profile.layers[layer].b_bytes:
             continue  # replicas' buffers (BatchNorm statistics) are one chain through every device
         keep[layer] = frozenset(on)

@@ -36,7 +36,7 @@ from harmony.scheduler.machine import Machine
 from harmony.profiling.profiles import Profile
 from harmony.scheduler.taskgraph import DATA_PARALLEL, keepable_packs, split_samples
 from harmony.scheduler.modes import generate
-from harmony.scheduler.tasks import Configuration, Kind, TaskGraph, microbatch_sizes
+from harmony.scheduler.tasks import HOST, Configuration, Kind, TaskGraph, microbatch_sizes
 
 log = logging.getLogger(__name__)
 
@@ -357,6 +357,10 @@ def _search(profile, machine, mode, devices, minibatch, capacity, extra_packs, l
     if keep and mode in KEEP_MODES and not keep_candidates and options.get("update") != "host":
         best, tried = _partly_kept(best, mode, profile, machine, devices, minibatch, capacity, options, timeline)
         explored += tried
+    if keep and mode == "pp" and not keep_candidates and "update" not in options:
+        best, tried = _boundary_stepped(best, profile, machine, devices, minibatch, capacity, options, timeline,
+                                        u_bs)
+        explored += tried
     _, config, graph, final = best  # the winner ran to its end: neither cut nor over capacity
     if timeline:
         final = final.with_timeline()
@@ -385,6 +389,93 @@ def _partly_kept(best: tuple, mode: str, profile: Profile, machine: Machine, dev
     if est.fits and not est.deadlock and not est.cut and est.iteration_time < time_:
         return (est.iteration_time, config, partial, est), 1
     return best, 1
+
+
+def boundary_steps(profile: Profile, config: Configuration) -> tuple[tuple[int, int], ...]:
+    """The backward packs a host-updated pp plan of ``config`` may step on its device to keep the
+    iteration's boundary off the host: the first pack, whose backward ends one iteration and whose
+    forward begins the next (on the host, its gradients go out, are stepped and come back in
+    between), and every pack holding a weight tied to one of its layers (a tied weight is one
+    tensor, stepped and kept in one place)."""
+    packs = [tuple(p) for p in config.packs_b]
+    layers = set(range(packs[0][0], packs[0][1] + 1))
+    changed = True
+    while changed:
+        changed = False
+        for tie in profile.ties:
+            if layers.intersection(tie.layers) and not layers.issuperset(tie.layers):
+                for first, last in packs:
+                    if any(first <= layer <= last for layer in tie.layers):
+                        layers.update(range(first, last + 1))
+                changed = True
+    return tuple(p for p in packs if p[0] in layers)
+
+
+def _alone(packs: list[tuple[int, int]], layers: set[int]) -> list[tuple[int, int]]:
+    """``packs`` with each of ``layers`` cut out into a pack of its own."""
+    out = []
+    for first, last in packs:
+        cuts = sorted({first} | {l for l in layers if first < l <= last} | {l + 1 for l in layers if first <= l < last})
+        out += [(a, b - 1) for a, b in zip(cuts, cuts[1:] + [last + 1])]
+    return out
+
+
+def _boundary_configs(profile: Profile, config: Configuration, sizes: list[int]) -> Iterator[Configuration]:
+    """``config``, then the same with the boundary layers (the first layer and those tied to it)
+    in packs of their own, each at its microbatch sizes and up to three smaller ones of ``sizes``:
+    what a device must hold beside the boundary packs' state is their largest task, which smaller
+    packs and microbatches shrink."""
+    first = config.packs_b[0][0]
+    layers = {first} | {l for tie in profile.ties if first in tie.layers for l in tie.layers}
+    split = replace(config, packs_f=_alone(config.packs_f, layers), packs_b=_alone(config.packs_b, layers),
+                    keep=(), swap=())
+    u = max(config.u_f, config.u_b)
+    smaller = [s for s in sorted(sizes, reverse=True) if s < u][:3]
+    for packed in (config, split) if split.packs_b != config.packs_b else (config,):
+        yield packed
+        for s in smaller:
+            yield replace(packed, u_f=min(packed.u_f, s), u_b=min(packed.u_b, s))
+
+
+def _boundary_stepped(best: tuple, profile: Profile, machine: Machine, devices: int, minibatch: int,
+                      capacity: int, options: dict, timeline: bool, sizes: list[int]) -> tuple[tuple, int]:
+    """The search's best, or, where the host steps it, a configuration like it with its boundary
+    packs (``boundary_steps``) stepped on their device and their state kept there, where one fits
+    and is faster (``_boundary_configs``). Tried for the winner only; returns (best, candidates
+    estimated)."""
+    _, config, graph, _ = best
+    if not any(t.kind == Kind.UPD and t.device == HOST for t in graph.tasks):
+        return best, 0
+    tried = 0
+
+    def consider(candidate: Configuration) -> Estimate | None:
+        """``candidate`` with its boundary packs stepped and kept on the device, estimated (None
+        where it cannot be generated or kept); the best so far where it is."""
+        nonlocal best, tried
+        variant = {**options, "update": "host", "device_steps": boundary_steps(profile, candidate)}
+        try:
+            mixed = generate("pp", profile, candidate, devices, minibatch, **variant)
+        except ValueError:
+            return None
+        kept = keep_state(mixed, profile, capacity)
+        if kept is None or not kept_on(kept):
+            return None
+        tried += 1
+        est = estimate(kept, profile, machine, capacity=capacity, record_events=False, beat=best[0],
+                       timeline_later=timeline)
+        if est.fits and not est.deadlock and not est.cut and est.iteration_time < best[0]:
+            best = (est.iteration_time, candidate, kept, est)
+        return est
+
+    for candidate in _boundary_configs(profile, config, sizes):
+        consider(candidate)
+        # the host link the boundary leaves free may carry activations the recompute would redo
+        for chain in _activation_chains("pp", profile, candidate, devices, {**options, "update": "host"}):
+            for held, swapped in chain:
+                est = consider(replace(candidate, keep=held, swap=swapped))
+                if est is None or (est.fits and not est.deadlock):
+                    break
+    return best, tried
 
 
 def _closest(overflowed: list[tuple[Configuration, dict]], profile: Profile, machine: Machine, mode: str, devices: int,

@@ -335,11 +335,18 @@ def _check_switches(config: Configuration, update: str, grouping: bool, jit_upda
 
 
 def wrap_around_pipeline(profile: Profile, config: Configuration, devices: int, minibatch: int, update: str = "device",
-                         grouping: bool = True, jit_update: bool = True, p2p: bool = True) -> TaskGraph:
+                         grouping: bool = True, jit_update: bool = True, p2p: bool = True,
+                         device_steps: tuple[tuple[int, int], ...] = ()) -> TaskGraph:
     """Harmony PP: FWD packs, the jit-compute pack, BWD packs in reverse; task i on device i mod N
-    (each of its tasks, one per microbatch, when ``grouping`` is off; see the module docs)."""
+    (each of its tasks, one per microbatch, when ``grouping`` is off; see the module docs).
+    ``device_steps``: backward packs stepped on their device where ``update`` is "host" (the pack
+    whose backward ends the iteration and whose forward begins the next, so that the next one need
+    not wait for the host: ``search.boundary_steps``)."""
     check_packing(config, len(profile.layers))
     _check_switches(config, update, grouping, jit_update)
+    device_steps = tuple(tuple(p) for p in device_steps)
+    if device_steps and (update != "host" or any(tuple(p) not in set(map(tuple, config.packs_b)) for p in device_steps)):
+        raise ValueError(f"device_steps {device_steps} name backward packs of a host-updated plan")
     keep = _check_keep("pp", config, devices, grouping)
     sz = Sizes(profile)
     b = _Builder()
@@ -392,7 +399,7 @@ def wrap_around_pipeline(profile: Profile, config: Configuration, devices: int, 
                 connect(prev[g], task, "dX", "dY", between(prev[g], task), lambda n, l=last: sz.y(l, n))
             tasks.append(task)
         if jit_update:
-            _finish_update(b, sz, tasks, update)
+            _finish_update(b, sz, tasks, "device" if (first, last) in device_steps else update)
         else:
             _leave_gradients(sz, tasks)
             deferred.append(tasks)

@@ -70,7 +70,14 @@ def test_a_trainable_copy_is_counted_low_only_in_the_profile_of_host_updates():
     profile.add_packs([PackSample(first=4, last=5, u=1, fwd_peak=9000, bwd_peak=9000)])  # measured in float32
     assert (device.packs[0].bwd_peak, host.packs[0].bwd_peak) == (9000 - saved[4], 9000 - saved[4] - saved[5])
     assert profile.for_graph(type("G", (), {"low_copies": {"4.weight": "float16"}})) is device
-    assert profile.for_graph(type("G", (), {"low_copies": {"5.weight": "float16"}})) is host
+    assert profile.for_graph(type("G", (), {"low_copies": {c.name: c.dtype for c in host.low_copies}})) is host
+    # a host-updated plan stepping layer 1 on its device: layer 5's copies travel low, layer 1's not
+    mixed = profile.for_update("host", frozenset({1}))
+    assert mixed is profile.for_update("host", frozenset({1})) and mixed is not host
+    assert sorted(c.name for c in mixed.low_copies) == ["4.bias", "4.weight", "5.bias", "5.weight"]
+    assert [layer.w_bytes for layer in mixed.layers] == [1000 - saved[i] * (i != 1) for i in range(6)]
+    assert profile.for_graph(type("G", (), {"low_copies": {c.name: c.dtype for c in mixed.low_copies}})) is mixed
+    assert profile.for_update("host", frozenset({1, 5})) is device  # every trainable copy stepped on a device
 
 
 def test_an_analytic_plan_prices_the_hosts_casts_at_its_memory_bandwidth():

@@ -253,3 +253,28 @@ def test_a_device_keeping_one_pack_and_moving_the_other_trains_as_eager():
     plan.promise_memory()
     history = trains_as_eager(model, get_batch, plan, 3)
     assert history[-1].bytes_by_channel() == {k: v for k, v in plan.tasks.bytes_by_channel().items() if v}
+
+
+def test_a_host_updated_plan_stepping_its_boundary_packs_on_the_device_trains_as_eager():
+    """The packs at the iteration's boundary (the first, and the head holding the embedding's tied
+    weight) stepped and kept on the device, the pack between them stepped on the host."""
+    from harmony.scheduler.keep import keep_state
+    from harmony.scheduler.modes import generate
+    from harmony.scheduler.search import boundary_steps
+    from harmony.scheduler.tasks import HOST, Configuration, Kind
+
+    model, get_batch, base = compiled("gpt2")
+    packs = [(0, 0), (1, 3), (4, 4)]
+    config = Configuration(u_f=4, packs_f=packs, u_b=4, packs_b=packs)
+    steps = boundary_steps(base.profile, config)
+    assert steps == ((0, 0), (4, 4))  # the embedding's weight is tied to the head's
+    graph = keep_state(generate("pp", base.profile, config, 1, MINIBATCH, update="host", device_steps=steps),
+                       base.profile, None)
+    assert kept_on(graph) == {0: {0, 4}}
+    assert [(t.first, t.last) for t in graph.tasks if t.kind == Kind.UPD and t.device == HOST] == [(1, 3)]
+    plan = Plan(graph=base.graph, profile=base.profile, tasks=graph, estimate={},
+                options={**base.options, "devices": 1, "mode": "pp"})
+    plan.loss_fn, plan.build_optimizer = MODELS["gpt2"].loss_fn, adam
+    plan.promise_memory()
+    history = trains_as_eager(model, get_batch, plan, 3)
+    assert history[-1].bytes_by_channel() == {k: v for k, v in plan.tasks.bytes_by_channel().items() if v}
