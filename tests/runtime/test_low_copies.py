@@ -123,3 +123,37 @@ def test_a_bf16_run_with_weights_in_bf16_equals_eager_autocast_training(mode, up
     planned = {k: v for k, v in plan.tasks.bytes_by_channel().items() if v}
     assert all(step.bytes_by_channel() == planned for step in history)
     assert all(max(w.peak for w in step.workers) <= plan.options["device_memory"] for step in history)
+
+
+def test_a_host_updated_plan_stepping_a_pack_on_its_device_moves_only_that_packs_weights_in_float32():
+    """One device, the host stepping the middle pack and the device the boundary packs (the first,
+    with h.1, and the head tied to the embedding), their state kept: h.1's trainable matrices stay
+    float32 masters on the device, h.2's travel as copies, and training equals eager autocast."""
+    from harmony.scheduler.keep import keep_state
+    from harmony.scheduler.memory import kept_on
+    from harmony.scheduler.modes import generate
+    from harmony.scheduler.search import boundary_steps
+    from harmony.scheduler.tasks import Configuration
+
+    base = plan_at("pp")
+    packs = [(0, 2), (3, 3), (4, 4)]
+    config = Configuration(u_f=4, packs_f=packs, u_b=4, packs_b=packs)
+    graph = generate("pp", base.profile, config, 1, MINIBATCH, update="host",
+                     device_steps=boundary_steps(base.profile, config))
+    tasks = keep_state(graph, base.profile, None)
+    assert kept_on(tasks) == {0: {0, 1, 2, 4}}
+    assert sorted(tasks.low_copies) == sorted(linear_weights("h.0.", "h.2.") + [FROZEN_MATRIX])
+    tasks.precision = base.tasks.precision
+    plan = dataclasses.replace(base, tasks=tasks, options={**base.options, "devices": 1})
+    plan.promise_memory()
+    get_batch = functools.partial(gpt2.get_batch, preset="tiny")
+    batches = [get_batch(MINIBATCH, step) for step in range(3)]
+    with harmony.Trainer(plan, optimizer=adam, timeout=30) as trainer:
+        losses = [trainer.step(x, y) for x, y in batches]
+        state, history = trainer.state_dict(), trainer.history
+    reference = build()
+    expected = reference_train(reference, gpt2.loss_fn, adam, batches, microbatches_of(plan.tasks), precision="bf16")
+    assert losses == pytest.approx(expected, rel=LOSS_TOLERANCE)
+    assert relative_distance(state, reference.state_dict()) <= TOLERANCE
+    planned = {k: v for k, v in plan.tasks.bytes_by_channel().items() if v}
+    assert all(step.bytes_by_channel() == planned for step in history)
