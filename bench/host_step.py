@@ -3,11 +3,10 @@ optimizers and DeepSpeed's CPUAdam, on the same parameters and the same thread c
 
 Harmony's row is what a host update runs (``runtime/updates.step_on_host``): the master weights,
 gradient slot and AdamW state of a pack in a host store in shared memory, the user's optimizer
-built over them each step, the learning-rate schedule's settings applied, the step (Harmony's
-kernel, ``runtime/host_adam.py``, or torch's fused one where it does not build) and the state
-written back. The others are the optimizer a
+built over them each step, the learning-rate schedule's settings applied, the step (torch's fused
+kernel, ``runtime/host_step.py``) and the state written back. The others are the optimizer a
 training loop keeps from one step to the next: torch's AdamW as built (its single-tensor loop on
-the CPU), with ``foreach=True``, with ``fused=True``, and
+the CPU), with ``foreach=True``, with ``fused=True`` (the kernel Harmony's step runs), and
 DeepSpeed's ``DeepSpeedCPUAdam`` (AVX, compiled on first use; a row says why where it is not
 installed or does not build). Every row steps the same number of times from the same weights with
 the same gradients; the last column is each one's largest difference from torch's default after
@@ -36,7 +35,6 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from harmony.runtime import host_adam
 from harmony.runtime.hostroom import shared_zeros
 from harmony.runtime.hoststore import ALIGN, HostStore, Layout, state_layout
 from harmony.runtime.updates import step_on_host
@@ -104,9 +102,8 @@ def harmony_row(shapes: dict[str, tuple[int, ...]], weights: list[torch.Tensor],
         step_on_host(store, names, adamw, iteration[0])
         iteration[0] += 1
 
-    kernel = "runtime/host_adam.c" if host_adam.kernel() is not None else "torch's fused kernel (host_adam.c did not build)"
     return Row("harmony host step", step, [store.weight(name) for name in names],
-               f"runtime.updates.step_on_host over a host store: {kernel}")
+               "runtime.updates.step_on_host over a host store")
 
 
 def torch_row(name: str, weights: list[torch.Tensor], grads: list[torch.Tensor], note: str, **flags) -> Row:
@@ -229,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = [harmony_row(shapes, weights, grads),
             torch_row("torch default", weights, grads, "AdamW as built: the single-tensor loop"),
             torch_row("torch foreach", weights, grads, "foreach=True", foreach=True),
-            torch_row("torch fused", weights, grads, "fused=True", fused=True),
+            torch_row("torch fused", weights, grads, "fused=True: the kernel Harmony's step runs", fused=True),
             deepspeed_row(weights, grads)]
     measure(rows, args.rounds)
     out, text, ratios = table(rows, numel)

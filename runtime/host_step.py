@@ -1,4 +1,4 @@
-"""The host's optimizer step: a one-pass kernel where one computes what the user's optimizer does.
+"""The host's optimizer step: torch's fused CPU kernel where it computes what the user's optimizer does.
 
 An offloaded update (``updates.host_update``) steps a pack's master weights in the host store. The
 user's optimizer as built steps them with torch's single-tensor loop on the CPU: a kernel, and a
@@ -6,17 +6,14 @@ pass over memory, per arithmetic op per tensor. Torch's fused CPU kernels for Ad
 (``fused=True``) make one pass per tensor over the weight, its gradient and its state. So the host
 step builds the user's optimizer as always (its class and its groups' settings are the update's,
 and a learning-rate schedule sets its groups), then steps a *twin*: the same class over the same
-parameter groups and settings with ``fused=True``, over the same tensors and the same state. For
-``Adam`` and ``AdamW`` without amsgrad the twin is ``host_adam.HostAdam``, Harmony's kernel built
-for the host's CPU, which is faster there than torch's and keeps the loop's order of operations;
-torch's fused twin where it does not build.
+parameter groups and settings with ``fused=True``, over the same tensors and the same state.
 
 The twin steps only where the fused kernel computes the same algorithm: torch's own ``Adam``,
 ``AdamW`` and ``SGD`` classes (not subclasses, which may step otherwise), float32 or float64
 weights on the CPU with dense gradients of their dtype, no ``differentiable`` or ``capturable``
 group, no hooks on the optimizer's step, and not ``fused=False`` (the user asked for the loop's
-arithmetic). Anything else steps the optimizer as built. The kernels order their arithmetic
-their own way: it equals the loop bitwise for SGD without momentum, and within a few units in the
+arithmetic). Anything else steps the optimizer as built. The fused kernel orders its arithmetic
+its own way: it equals the loop bitwise for SGD without momentum, and within a few units in the
 last place of a tensor's scale per step otherwise (``tests/runtime/test_host_step.py`` states the
 bounds). Half and bfloat16 weights step by the loop: the kernel computes them in float32 where the
 loop rounds every op to the weight's dtype, and the two part by more than rounding order (in
@@ -37,8 +34,6 @@ from typing import Any, Callable
 
 import torch
 
-from harmony.runtime import host_adam
-
 log = logging.getLogger(__name__)
 
 __all__ = ["FUSED_CLASSES", "fused_twin", "host_optimizer", "host_step"]
@@ -48,17 +43,15 @@ FUSED_DTYPES = (torch.float32, torch.float64)  # weights the kernel rounds as th
 
 
 def fused_twin(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
-    """The one-pass form of ``optimizer`` over the same parameter groups and settings (``HostAdam``
-    or torch's fused), or None where it has none that computes its algorithm (see the module docs).
-    An optimizer built fused is its own twin. Call it after the gradients are set: their layout decides."""
+    """The fused form of ``optimizer`` over the same parameter groups and settings, or None where it
+    has none that computes its algorithm (see the module docs). An optimizer built fused is its own
+    twin. Call it after the gradients are set: their layout decides."""
     reason = _unfusable(optimizer)
     if reason is not None:
         log.debug("the host steps %s as built: %s", type(optimizer).__name__, reason)
         return None
     if all(group.get("fused") for group in optimizer.param_groups):
         return optimizer
-    if host_adam.unsupported(optimizer) is None:
-        return host_adam.HostAdam.twin_of(optimizer)
     groups = [{**group, "params": list(group["params"]), "fused": True, "foreach": False}
               for group in optimizer.param_groups]
     accepted = _constructor_settings(type(optimizer))
