@@ -278,3 +278,33 @@ def test_a_host_updated_plan_stepping_its_boundary_packs_on_the_device_trains_as
     plan.promise_memory()
     history = trains_as_eager(model, get_batch, plan, 3)
     assert history[-1].bytes_by_channel() == {k: v for k, v in plan.tasks.bytes_by_channel().items() if v}
+
+
+def test_a_head_holding_only_the_embeddings_tied_weight_is_kept_with_it_and_trains_as_eager():
+    """Llama with tied embeddings, its head in a pack of its own: that pack's one weight is the
+    embedding's, stepped by the first pack; the head is kept beside it rather than both let go."""
+    import dataclasses
+
+    from harmony.models import llama
+    from harmony.scheduler.keep import keep_state
+    from harmony.scheduler.modes import generate
+    from harmony.scheduler.tasks import Configuration
+
+    torch.manual_seed(0)
+    model = llama.Llama(dataclasses.replace(llama.PRESETS["tiny"], tie_embeddings=True)).double()
+    get_batch = functools.partial(llama.get_batch, preset="tiny", dtype="float64")
+    graph = harmony.decompose(model, get_batch(2, 0)[0])
+    capacity = 3 * training_footprint(graph, get_batch, MINIBATCH)
+    base = harmony.compile(model, llama.loss_fn, get_batch, minibatch_size=MINIBATCH, devices=1,
+                           device_memory=capacity, build_optimizer=adam, probe=False)
+    head = len(base.graph) - 1
+    assert [tie.layers for tie in base.profile.ties] == [[0, head]]
+    packs = [(0, head - 1), (head, head)]
+    tasks = keep_state(generate("pp", base.profile, Configuration(u_f=4, packs_f=packs, u_b=4, packs_b=packs), 1,
+                                MINIBATCH, update="device"), base.profile, None)
+    assert tasks is not None and kept_on(tasks) == {0: set(range(head + 1))}
+    plan = Plan(graph=base.graph, profile=base.profile, tasks=tasks, estimate={},
+                options={**base.options, "devices": 1, "mode": "pp"})
+    plan.loss_fn, plan.build_optimizer = llama.loss_fn, adam
+    plan.promise_memory()
+    trains_as_eager(model, get_batch, plan, 3)
