@@ -21,11 +21,13 @@ def generate(mode: str, profile: Profile, config: Configuration, devices: int, m
     """The task graph of one iteration of ``config`` in ``mode``; ``gated``: one whose updates wait
     for the whole gradient (``with_norm``: clipping needs its norm, fp16 whether it overflowed).
     Weights the profile counts in low precision travel so: frozen ones always, trainable ones
-    where the host steps them (``Profile.for_update``: not those of ``device_steps``' packs). ``keep``: the state that can stay on its
-    device across iterations does (``keep.py``; whether it fits is the estimate's to say)."""
+    where the host steps them (``Profile.for_update``: not those of ``device_steps``' packs).
+    ``keep``: the state that can stay on its device across iterations does (``keep.py``; whether
+    it fits is the estimate's to say)."""
     if gated and mode == "pp" and options.get("update", "device") == "device":
         options = {**options, "jit_update": False}
-    device_layers = frozenset(layer for first, last in options.get("device_steps", ()) for layer in range(first, last + 1))
+    device_layers = frozenset(layer for first, last in options.get("device_steps", ())
+                              for layer in range(first, last + 1))
     profile = profile.for_update(update_side(mode, options), device_layers)
     graph = _generate(mode, profile, config, devices, minibatch, **options)
     if gated:

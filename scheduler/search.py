@@ -415,7 +415,8 @@ def _alone(packs: list[tuple[int, int]], layers: set[int]) -> list[tuple[int, in
     """``packs`` with each of ``layers`` cut out into a pack of its own."""
     out = []
     for first, last in packs:
-        cuts = sorted({first} | {l for l in layers if first < l <= last} | {l + 1 for l in layers if first <= l < last})
+        cuts = sorted({first} | {layer for layer in layers if first < layer <= last}
+                      | {layer + 1 for layer in layers if first <= layer < last})
         out += [(a, b - 1) for a, b in zip(cuts, cuts[1:] + [last + 1])]
     return out
 
@@ -426,7 +427,7 @@ def _boundary_configs(profile: Profile, config: Configuration, sizes: list[int])
     what a device must hold beside the boundary packs' state is their largest task, which smaller
     packs and microbatches shrink."""
     first = config.packs_b[0][0]
-    layers = {first} | {l for tie in profile.ties if first in tie.layers for l in tie.layers}
+    layers = {first} | {layer for tie in profile.ties if first in tie.layers for layer in tie.layers}
     split = replace(config, packs_f=_alone(config.packs_f, layers), packs_b=_alone(config.packs_b, layers),
                     keep=(), swap=())
     u = max(config.u_f, config.u_b)

@@ -345,8 +345,10 @@ def wrap_around_pipeline(profile: Profile, config: Configuration, devices: int, 
     check_packing(config, len(profile.layers))
     _check_switches(config, update, grouping, jit_update)
     device_steps = tuple(tuple(p) for p in device_steps)
-    if device_steps and (update != "host" or any(tuple(p) not in set(map(tuple, config.packs_b)) for p in device_steps)):
-        raise ValueError(f"device_steps {device_steps} name backward packs of a host-updated plan")
+    packs_b = {tuple(p) for p in config.packs_b}
+    if device_steps and (update != "host" or not packs_b.issuperset(device_steps)):
+        raise ValueError(f"device_steps must be backward packs of a plan whose updates run on the host; got "
+                         f"{device_steps} with update={update!r} and backward packs {sorted(packs_b)}")
     keep = _check_keep("pp", config, devices, grouping)
     sz = Sizes(profile)
     b = _Builder()
