@@ -369,13 +369,15 @@ def _configuration_text(result) -> str:
 
 def _spans(layers: list[int]) -> str:
     """Sorted layer indices as runs: [0, 1, 2, 5] -> "L0-2 L5"."""
+    from harmony.scheduler.tasks import packs_text
+
     runs: list[list[int]] = []
     for layer in layers:
         if runs and layer == runs[-1][1] + 1:
             runs[-1][1] = layer
         else:
             runs.append([layer, layer])
-    return " ".join(f"L{a}" if a == b else f"L{a}-{b}" for a, b in runs)
+    return packs_text(runs)
 
 
 def plan_resources(result, profile, compute_scale: float) -> dict[str, float]:

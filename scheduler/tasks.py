@@ -161,9 +161,9 @@ class Configuration:
     swap: tuple[tuple[int, int], ...] = ()
 
     def __str__(self) -> str:
-        text = f"U_F={self.u_f} P_F=[{_packs_text(self.packs_f)}] U_B={self.u_b} P_B=[{_packs_text(self.packs_b)}]"
-        return (text + (f" keep=[{_packs_text(self.keep)}]" if self.keep else "")
-                + (f" swap=[{_packs_text(self.swap)}]" if self.swap else ""))
+        text = f"U_F={self.u_f} P_F=[{packs_text(self.packs_f)}] U_B={self.u_b} P_B=[{packs_text(self.packs_b)}]"
+        return (text + (f" keep=[{packs_text(self.keep)}]" if self.keep else "")
+                + (f" swap=[{packs_text(self.swap)}]" if self.swap else ""))
 
     def choices(self) -> list[tuple[tuple[int, int], str]]:
         """Each backward pack and what its backward does for its activations: ``keep`` (kept on the
@@ -176,7 +176,8 @@ class Configuration:
                 for i, p in enumerate(self.packs_b)]
 
 
-def _packs_text(packs) -> str:
+def packs_text(packs) -> str:
+    """Layer spans as text: [(0, 2), (5, 5)] -> "L0-2 L5"."""
     return " ".join(f"L{a}" if a == b else f"L{a}-{b}" for a, b in packs)
 
 

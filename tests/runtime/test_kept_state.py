@@ -21,8 +21,11 @@ from harmony.models import gpt2, resnet
 from harmony.plan import Plan
 from harmony.profiling.sweep import training_footprint
 from harmony.runtime.reference import microbatches_of, reference_train
+from harmony.scheduler.keep import keep_state
 from harmony.scheduler.memory import kept_on
-from harmony.scheduler.search import search
+from harmony.scheduler.modes import generate
+from harmony.scheduler.search import boundary_steps, search
+from harmony.scheduler.tasks import HOST, Configuration, Kind
 from tests.runtime.test_training import adam, assert_same_training
 
 MODELS = {"gpt2": gpt2, "resnet": resnet}  # a tied weight; BatchNorm buffers
@@ -54,6 +57,15 @@ def plan_for(name: str, mode: str, devices: int, keep: bool = True) -> tuple[tor
                 options={**base.options, "devices": devices, "mode": mode})
     plan.loss_fn, plan.build_optimizer = MODELS[name].loss_fn, adam
     return model, get_batch, plan
+
+
+def one_device_plan(base: Plan, tasks, loss_fn) -> Plan:
+    """``base``'s plan running ``tasks`` (a one-device pp graph made here), its memory promised."""
+    plan = Plan(graph=base.graph, profile=base.profile, tasks=tasks, estimate={},
+                options={**base.options, "devices": 1, "mode": "pp"})
+    plan.loss_fn, plan.build_optimizer = loss_fn, adam
+    plan.promise_memory()
+    return plan
 
 
 def batches(get_batch, steps: int) -> list:
@@ -163,8 +175,6 @@ def test_without_keeping_the_same_plan_moves_its_state_every_iteration():
 
 def generated(name: str, packs: list[tuple[int, int]], devices: int, **options) -> Plan:
     """The ample-room plan of ``name`` regenerated with ``packs`` for both passes, kept."""
-    from harmony.scheduler.modes import generate
-    from harmony.scheduler.tasks import Configuration
 
     _, _, base = compiled(name)
     tasks = generate("pp", base.profile, Configuration(u_f=4, packs_f=packs, u_b=4, packs_b=packs), devices,
@@ -232,9 +242,6 @@ def test_kept_state_lost_with_a_worker_is_an_error_not_stale_weights(tmp_path):
 
 def test_a_device_keeping_one_pack_and_moving_the_other_trains_as_eager():
     """Partial keeping: the device has room for one pack's state beside its work, not for both."""
-    from harmony.scheduler.keep import keep_state
-    from harmony.scheduler.modes import generate
-    from harmony.scheduler.tasks import Configuration
 
     model, get_batch, base = compiled("resnet")  # (gpt2's tied embedding spans both packs)
     packs = [(0, 2), (3, 4)]
@@ -247,10 +254,7 @@ def test_a_device_keeping_one_pack_and_moving_the_other_trains_as_eager():
         if kept is None or kept_on(kept) != kept_on(full):
             break
     assert kept is not None and kept_on(kept) and kept_on(kept) != kept_on(full), "no room keeps one pack only"
-    plan = Plan(graph=base.graph, profile=base.profile, tasks=kept, estimate={},
-                options={**base.options, "devices": 1, "mode": "pp"})
-    plan.loss_fn, plan.build_optimizer = MODELS["resnet"].loss_fn, adam
-    plan.promise_memory()
+    plan = one_device_plan(base, kept, MODELS["resnet"].loss_fn)
     history = trains_as_eager(model, get_batch, plan, 3)
     assert history[-1].bytes_by_channel() == {k: v for k, v in plan.tasks.bytes_by_channel().items() if v}
 
@@ -258,10 +262,6 @@ def test_a_device_keeping_one_pack_and_moving_the_other_trains_as_eager():
 def test_a_host_updated_plan_stepping_its_boundary_packs_on_the_device_trains_as_eager():
     """The packs at the iteration's boundary (the first, and the head holding the embedding's tied
     weight) stepped and kept on the device, the pack between them stepped on the host."""
-    from harmony.scheduler.keep import keep_state
-    from harmony.scheduler.modes import generate
-    from harmony.scheduler.search import boundary_steps
-    from harmony.scheduler.tasks import HOST, Configuration, Kind
 
     model, get_batch, base = compiled("gpt2")
     packs = [(0, 0), (1, 3), (4, 4)]
@@ -272,10 +272,7 @@ def test_a_host_updated_plan_stepping_its_boundary_packs_on_the_device_trains_as
                        base.profile, None)
     assert kept_on(graph) == {0: {0, 4}}
     assert [(t.first, t.last) for t in graph.tasks if t.kind == Kind.UPD and t.device == HOST] == [(1, 3)]
-    plan = Plan(graph=base.graph, profile=base.profile, tasks=graph, estimate={},
-                options={**base.options, "devices": 1, "mode": "pp"})
-    plan.loss_fn, plan.build_optimizer = MODELS["gpt2"].loss_fn, adam
-    plan.promise_memory()
+    plan = one_device_plan(base, graph, MODELS["gpt2"].loss_fn)
     history = trains_as_eager(model, get_batch, plan, 3)
     assert history[-1].bytes_by_channel() == {k: v for k, v in plan.tasks.bytes_by_channel().items() if v}
 
@@ -286,9 +283,6 @@ def test_a_head_holding_only_the_embeddings_tied_weight_is_kept_with_it_and_trai
     import dataclasses
 
     from harmony.models import llama
-    from harmony.scheduler.keep import keep_state
-    from harmony.scheduler.modes import generate
-    from harmony.scheduler.tasks import Configuration
 
     torch.manual_seed(0)
     model = llama.Llama(dataclasses.replace(llama.PRESETS["tiny"], tie_embeddings=True)).double()
@@ -303,8 +297,5 @@ def test_a_head_holding_only_the_embeddings_tied_weight_is_kept_with_it_and_trai
     tasks = keep_state(generate("pp", base.profile, Configuration(u_f=4, packs_f=packs, u_b=4, packs_b=packs), 1,
                                 MINIBATCH, update="device"), base.profile, None)
     assert tasks is not None and kept_on(tasks) == {0: set(range(head + 1))}
-    plan = Plan(graph=base.graph, profile=base.profile, tasks=tasks, estimate={},
-                options={**base.options, "devices": 1, "mode": "pp"})
-    plan.loss_fn, plan.build_optimizer = llama.loss_fn, adam
-    plan.promise_memory()
+    plan = one_device_plan(base, tasks, llama.loss_fn)
     trains_as_eager(model, get_batch, plan, 3)
